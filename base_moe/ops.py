@@ -1,0 +1,128 @@
+"""Typed wrappers of ``torch.ops.base_moe.*`` and their fake (meta) implementations for torch.compile.
+
+Nothing else lives here: each wrapper only turns the Python-side description (:class:`Routing`, the
+enums) into the op's schema arguments. See ``base_moe/reference.py`` for what each op computes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .routing import Cost, Fill, Routing
+
+_ops = torch.ops.base_moe
+
+
+def router_predict(
+    hidden: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None = None,
+    predictor_weight: torch.Tensor | None = None,
+    predictor_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1: router logits ``[T, E]`` and predicted log-norms ``[T, E]`` (``[T, 0]`` without a
+    predictor), fp32, from hidden states ``[T, H]``; reads each weight matrix once."""
+    return _ops.router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias)
+
+
+def route_cost(
+    logits: torch.Tensor,
+    routing: Routing,
+    *,
+    num_groups: int = 1,
+    cost: Cost = Cost.BASE,
+    log_norms: torch.Tensor | None = None,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 2: the model's routing ``(ids [T, k] int32, weights [T, k] fp32)`` and the per-group expert
+    cost ``D [G, E]``. ``log_norms`` may broadcast its rows (``expand``) for static per-expert values."""
+    return _ops.route_cost(logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost))
+
+
+def select_fill(
+    logits: torch.Tensor,
+    batch_cost: torch.Tensor,
+    routing: Routing,
+    *,
+    budget: int,
+    fill: Fill = Fill.BACKFILL,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 3: keep the ``budget`` routed experts of largest cost per group and fill every token's slots:
+    ``(ids [T, k], weights [T, k], kept [G, min(budget, E)], counts [G, E])``; sentinel id ``E``."""
+    return _ops.select_fill(logits, batch_cost, correction_bias, *routing.op_args(), budget, int(fill))
+
+
+def route_select(
+    logits: torch.Tensor,
+    routing: Routing,
+    *,
+    budget: int,
+    num_groups: int = 1,
+    cost: Cost = Cost.BASE,
+    fill: Fill = Fill.BACKFILL,
+    log_norms: torch.Tensor | None = None,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stages 2 and 3 in one call: ``(ids, weights, kept, counts, batch_cost)``."""
+    return _ops.route_select(
+        logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost), budget, int(fill)
+    )
+
+
+def experts(
+    hidden: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Stage 4: ``sum_j w_tj * down(silu(gate x_t) * up x_t)`` over each token's non-sentinel slots, in
+    ``hidden``'s dtype; HF v5 layout ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``."""
+    return _ops.experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake implementations: output shapes and dtypes only, so the ops trace under torch.compile.
+# ---------------------------------------------------------------------------------------------
+@torch.library.register_fake("base_moe::router_predict")
+def _router_predict_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias):
+    T, E = hidden.shape[0], router_weight.shape[0]
+    logits = hidden.new_empty(T, E, dtype=torch.float32)
+    return logits, hidden.new_empty(T, E if predictor_weight is not None else 0, dtype=torch.float32)
+
+
+def _routing_fakes(logits, top_k):
+    T = logits.shape[0]
+    return logits.new_empty(T, top_k, dtype=torch.int32), logits.new_empty(T, top_k, dtype=torch.float32)
+
+
+@torch.library.register_fake("base_moe::route_cost")
+def _route_cost_fake(logits, log_norms, correction_bias, num_groups, top_k, *_):
+    ids, weights = _routing_fakes(logits, top_k)
+    return ids, weights, logits.new_empty(num_groups, logits.shape[1], dtype=torch.float32)
+
+
+def _selection_fakes(logits, num_groups, top_k, budget):
+    ids, weights = _routing_fakes(logits, top_k)
+    E = logits.shape[1]
+    kept = logits.new_empty(num_groups, min(budget, E), dtype=torch.int32)
+    return ids, weights, kept, logits.new_empty(num_groups, E, dtype=torch.int32)
+
+
+@torch.library.register_fake("base_moe::select_fill")
+def _select_fill_fake(logits, batch_cost, correction_bias, top_k, scoring, renormalize, n_group, topk_group,
+                      scaling, budget, fill):
+    return _selection_fakes(logits, batch_cost.shape[0], top_k, budget)
+
+
+@torch.library.register_fake("base_moe::route_select")
+def _route_select_fake(logits, log_norms, correction_bias, num_groups, top_k, scoring, renormalize, n_group,
+                       topk_group, scaling, cost, budget, fill):
+    D = logits.new_empty(num_groups, logits.shape[1], dtype=torch.float32)
+    return (*_selection_fakes(logits, num_groups, top_k, budget), D)
+
+
+@torch.library.register_fake("base_moe::experts")
+def _experts_fake(hidden, expert_ids, expert_weights, gate_up_proj, down_proj):
+    return torch.empty_like(hidden)

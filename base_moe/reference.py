@@ -1,0 +1,293 @@
+"""Plain-PyTorch reference of every base_moe op: written to be read, and the oracle of every test.
+
+Conventions shared with the C++/CUDA ops:
+
+* Tokens are ``[T, ...]`` with ``T = G * B``: ``G`` independent decode batches ("groups") of ``B`` tokens,
+  stored group after group.
+* All ranking is deterministic: larger score first, equal scores to the lower expert index.
+  Softmax is monotone, so softmax scorings rank experts by their logits.
+* The sentinel expert id ``E`` (= number of experts) marks an empty slot; its weight is 0.
+* The batch cost ``D[g, u]`` is summed over the tokens of group ``g`` in token order, in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .routing import Cost, Fill, Routing, Scoring
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: fused router + predictor GEMV
+# ---------------------------------------------------------------------------------------------
+def router_predict(
+    hidden: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None = None,
+    predictor_weight: torch.Tensor | None = None,
+    predictor_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` and predicted log-norms ``g = a_u . z + b_u`` ``[T, E]`` (``[T, 0]``
+    without a predictor), both fp32, accumulated in fp32."""
+    x = hidden.float()
+    logits = x @ router_weight.float().T
+    if router_bias is not None:
+        logits = logits + router_bias.float()
+    if predictor_weight is None:
+        return logits, logits.new_empty(x.shape[0], 0)
+    log_norms = x @ predictor_weight.float().T + predictor_bias.float()
+    return logits, log_norms
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking helpers
+# ---------------------------------------------------------------------------------------------
+def _rank(score: torch.Tensor, *preferences: torch.Tensor) -> torch.Tensor:
+    """Indices of the last dimension, ordered by each boolean preference (True first, the first one
+    most significant), then by score descending, then by index ascending."""
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    for preferred in reversed(preferences):
+        flag = torch.gather(preferred, -1, order).to(torch.int8)
+        order = torch.gather(order, -1, torch.sort(flag, dim=-1, descending=True, stable=True).indices)
+    return order
+
+
+def choice_scores(logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None) -> torch.Tensor:
+    """The score experts are ranked by: the logits for softmax scorings, sigmoid + bias for SIGMOID."""
+    if routing.scoring != Scoring.SIGMOID:
+        return logits
+    scores = torch.sigmoid(logits)
+    return scores + correction_bias.float() if correction_bias is not None else scores
+
+
+def allowed_groups(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Boolean ``[T, E]``: experts in the token's top ``topk_group`` groups (DeepSeek-V3: a group's
+    score is the sum of its two best choice scores). All True without groups."""
+    T, E = choice.shape
+    if routing.n_group <= 1:
+        return torch.ones_like(choice, dtype=torch.bool)
+    grouped = choice.view(T, routing.n_group, E // routing.n_group)
+    best_two = torch.sort(grouped, dim=-1, descending=True).values[..., :2]
+    group_score = best_two[..., 0] + best_two[..., 1]
+    top_groups = _rank(group_score)[:, : routing.topk_group]
+    allowed = torch.zeros(T, routing.n_group, dtype=torch.bool, device=choice.device)
+    allowed.scatter_(1, top_groups, True)
+    return allowed.repeat_interleave(E // routing.n_group, dim=1)
+
+
+def routing_weights(logits: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The model's weights for the expert set ``ids [T, k]`` (sentinel ``E`` = empty slot, weight 0)."""
+    E = logits.shape[1]
+    valid = ids < E
+    safe = torch.where(valid, ids, 0)
+    chosen_logits = torch.gather(logits, 1, safe)
+    if routing.scoring == Scoring.SOFTMAX:
+        w = torch.gather(torch.softmax(logits, dim=-1), 1, safe)
+    elif routing.scoring == Scoring.SOFTMAX_AFTER_TOPK:
+        masked = chosen_logits.masked_fill(~valid, float("-inf"))
+        w = torch.softmax(masked, dim=-1).nan_to_num(0.0)  # a token with no expert left: all zero
+    else:
+        w = torch.sigmoid(chosen_logits)
+    w = torch.where(valid, w, 0.0)
+    if routing.renormalize and routing.scoring != Scoring.SOFTMAX_AFTER_TOPK:
+        total = w.sum(dim=-1, keepdim=True)
+        if routing.scoring == Scoring.SIGMOID:
+            total = total + 1e-20  # DeepSeek-V3's guard
+        w = torch.where(total > 0, w / total, 0.0)
+    return w * routing.scaling
+
+
+def _top_k_ids(order: torch.Tensor, eligible: torch.Tensor, k: int, num_experts: int) -> torch.Tensor:
+    """The first ``k`` entries of ``order`` that are eligible (eligible ones come first in ``order``),
+    the rest filled with the sentinel."""
+    ids = order[:, :k]
+    return torch.where(torch.gather(eligible, 1, ids), ids, num_experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: routing and cost reduction
+# ---------------------------------------------------------------------------------------------
+def route(
+    logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own routing: ids ``[T, k]`` (int32, descending score) and weights ``[T, k]`` fp32."""
+    E = logits.shape[1]
+    choice = choice_scores(logits, routing, correction_bias)
+    allowed = allowed_groups(choice, routing)
+    ids = _top_k_ids(_rank(choice, allowed), allowed, routing.top_k, E)
+    return ids.to(torch.int32), routing_weights(logits, ids, routing)
+
+
+def slot_costs(
+    ids: torch.Tensor, weights: torch.Tensor, log_norms: torch.Tensor | None, cost: Cost
+) -> torch.Tensor:
+    """Cost of each routed slot ``[T, k]`` (fp32)."""
+    if cost == Cost.BASE:
+        g = torch.gather(log_norms, 1, ids.long().clamp(max=log_norms.shape[1] - 1))
+        return weights * weights * torch.exp(2.0 * g)
+    if cost == Cost.ROUTER_SQ:
+        return weights * weights
+    if cost == Cost.FREQUENCY:
+        return torch.ones_like(weights)
+    return weights.clone()  # ROUTER_SUM, TOP1_UNION
+
+
+def top1_offset(tokens_per_group: int, routing: Routing) -> float:
+    """What TOP1_UNION adds to the cost of every expert that is some token's top-1: more than any sum of
+    routing weights in one group can reach, so seeded experts rank first."""
+    return float(tokens_per_group * routing.top_k * max(1.0, routing.scaling))
+
+
+def batch_cost(
+    ids: torch.Tensor, costs: torch.Tensor, num_groups: int, num_experts: int, cost: Cost, routing: Routing
+) -> torch.Tensor:
+    """``D [G, E]``: per group, the sum over its tokens (in token order, fp32) of each expert's slot cost."""
+    T, k = ids.shape
+    B = T // num_groups
+    dense = torch.zeros(T, num_experts + 1, dtype=torch.float32, device=ids.device)
+    dense.scatter_(1, ids.long(), costs.float())  # each token names an expert at most once
+    dense = dense[:, :num_experts].view(num_groups, B, num_experts)
+    D = torch.zeros(num_groups, num_experts, dtype=torch.float32, device=ids.device)
+    for b in range(B):  # sequential on purpose: the kernels sum in this order
+        D = D + dense[:, b]
+    if cost == Cost.TOP1_UNION:
+        is_top1 = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=ids.device)
+        is_top1.scatter_(1, ids[:, :1].long(), True)
+        seeded = is_top1[:, :num_experts].view(num_groups, B, num_experts).any(dim=1)
+        D = torch.where(seeded, D + top1_offset(B, routing), D)
+    return D
+
+
+def route_cost(
+    logits: torch.Tensor,
+    log_norms: torch.Tensor | None,
+    correction_bias: torch.Tensor | None,
+    num_groups: int,
+    routing: Routing,
+    cost: Cost,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 2: the model's routing and the per-group expert costs: ``(ids, weights, D)``."""
+    ids, weights = route(logits, routing, correction_bias)
+    costs = slot_costs(ids, weights, log_norms, cost)
+    D = batch_cost(ids, costs, num_groups, logits.shape[1], cost, routing)
+    return ids, weights, D
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 3: top-budget selection and fill
+# ---------------------------------------------------------------------------------------------
+def routed_union(ids: torch.Tensor, num_groups: int, num_experts: int) -> torch.Tensor:
+    """Boolean ``[G, E]``: experts routed by at least one token of the group."""
+    T = ids.shape[0]
+    hit = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=ids.device)
+    hit.scatter_(1, ids.long(), True)
+    return hit[:, :num_experts].view(num_groups, T // num_groups, num_experts).any(dim=1)
+
+
+def keep_experts(D: torch.Tensor, candidates: torch.Tensor, budget: int) -> torch.Tensor:
+    """``kept [G, min(budget, E)]`` int32: the ``budget`` candidates of largest D (ties to the lower index),
+    in that order, padded with the sentinel ``E``."""
+    E = D.shape[1]
+    width = min(budget, E)
+    order = _rank(D, candidates)[:, :width]
+    return torch.where(torch.gather(candidates, 1, order), order, E).to(torch.int32)
+
+
+def fill(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    routing: Routing,
+    kept: torch.Tensor,
+    fill_rule: Fill,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's final ids ``[T, k]`` (int32, sentinel ``E`` for empty slots) and weights ``[T, k]``."""
+    T, E = logits.shape
+    G = kept.shape[0]
+    in_kept = torch.zeros(G, E + 1, dtype=torch.bool, device=logits.device)
+    in_kept.scatter_(1, kept.long(), True)
+    in_kept = in_kept[:, :E].repeat_interleave(T // G, dim=0)  # [T, E]
+
+    choice = choice_scores(logits, routing, correction_bias)
+    allowed = allowed_groups(choice, routing)
+    if fill_rule == Fill.BACKFILL:
+        ids = _top_k_ids(_rank(choice, in_kept, allowed), in_kept, routing.top_k, E)
+        return ids.to(torch.int32), routing_weights(logits, ids, routing)
+
+    routed, weights = route(logits, routing, correction_bias)
+    survives = torch.gather(torch.cat([in_kept, in_kept.new_zeros(T, 1)], dim=1), 1, routed.long())
+    # survivors keep their order; dropped slots move to the end
+    order = torch.sort(survives.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    ids = torch.where(torch.gather(survives, 1, order), torch.gather(routed, 1, order), E)
+    kept_weights = torch.where(torch.gather(survives, 1, order), torch.gather(weights, 1, order), 0.0)
+    if fill_rule == Fill.DROP_RENORM:
+        kept_total = kept_weights.sum(dim=-1, keepdim=True)
+        scale = torch.where(kept_total > 0, weights.sum(dim=-1, keepdim=True) / kept_total, 0.0)
+        kept_weights = kept_weights * scale
+    return ids.to(torch.int32), kept_weights
+
+
+def expert_counts(ids: torch.Tensor, num_groups: int, num_experts: int) -> torch.Tensor:
+    """``counts [G, E]`` int32: tokens of each group whose final set holds the expert."""
+    T = ids.shape[0]
+    hit = torch.zeros(T, num_experts + 1, dtype=torch.int32, device=ids.device)
+    hit.scatter_(1, ids.long(), 1)
+    return hit[:, :num_experts].view(num_groups, T // num_groups, num_experts).sum(dim=1, dtype=torch.int32)
+
+
+def select_fill(
+    logits: torch.Tensor,
+    batch_cost: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    routing: Routing,
+    budget: int,
+    fill_rule: Fill,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 3: keep the top-``budget`` routed experts of each group by ``batch_cost`` and fill every
+    token's slots from them: ``(ids, weights, kept, counts)``."""
+    E = logits.shape[1]
+    G = batch_cost.shape[0]
+    routed, _ = route(logits, routing, correction_bias)
+    kept = keep_experts(batch_cost, routed_union(routed, G, E), budget)
+    ids, weights = fill(logits, correction_bias, routing, kept, fill_rule)
+    return ids, weights, kept, expert_counts(ids, G, E)
+
+
+def route_select(
+    logits: torch.Tensor,
+    log_norms: torch.Tensor | None,
+    correction_bias: torch.Tensor | None,
+    num_groups: int,
+    routing: Routing,
+    cost: Cost,
+    budget: int,
+    fill_rule: Fill,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stages 2 and 3 fused: ``(ids, weights, kept, counts, D)``."""
+    _, _, D = route_cost(logits, log_norms, correction_bias, num_groups, routing, cost)
+    ids, weights, kept, counts = select_fill(logits, D, correction_bias, routing, budget, fill_rule)
+    return ids, weights, kept, counts, D
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 4: routed experts
+# ---------------------------------------------------------------------------------------------
+def experts(
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """``y_t = sum_j w_tj * down_u(silu(gate_u x_t) * up_u x_t)`` over the token's non-sentinel slots, in fp32,
+    returned in ``hidden``'s dtype. HF v5 layout: ``gate_up_proj [E, 2I, H]`` (gate rows first),
+    ``down_proj [E, H, I]``."""
+    E = gate_up_proj.shape[0]
+    x = hidden.float()
+    out = torch.zeros_like(x)
+    for u in torch.unique(ids[ids < E]).tolist():
+        token, slot = torch.nonzero(ids == u, as_tuple=True)
+        gate, up = (x[token] @ gate_up_proj[u].float().T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ down_proj[u].float().T
+        out.index_add_(0, token, y * weights[token, slot, None].float())
+    return out.to(hidden.dtype)

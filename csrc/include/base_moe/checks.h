@@ -1,0 +1,30 @@
+// Argument checks at the op boundary, shared by the CPU and CUDA implementations so that both
+// reject bad input with the same message. Kernels themselves check nothing.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include "base_moe/routing.h"
+
+namespace base_moe {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+void check_router_predict(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
+                          const OptTensor& predictor_weight, const OptTensor& predictor_bias);
+
+// Checks the routing arguments against logits [T, E] and returns them as RoutingParams.
+RoutingParams check_routing(const Tensor& logits, const OptTensor& correction_bias, int64_t top_k,
+                            int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
+                            double scaling);
+
+void check_route_cost(const Tensor& logits, const OptTensor& log_norms, int64_t num_groups, int64_t cost);
+
+void check_select_fill(const Tensor& logits, const Tensor& batch_cost, int64_t budget, int64_t fill);
+
+void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
+                   const Tensor& gate_up_proj, const Tensor& down_proj);
+
+}  // namespace base_moe

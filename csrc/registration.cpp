@@ -1,0 +1,44 @@
+// Every schema of the base_moe op library, and the kernels registered for each dispatch key.
+// Enumerated int arguments (scoring, cost, fill) take the values of base_moe/routing.py.
+#include <torch/library.h>
+
+#include "base_moe/ops.h"
+
+TORCH_LIBRARY(base_moe, m) {
+  // Stage 1: router logits and predicted log-norms [T, E] (fp32) in one pass over the weights.
+  m.def(
+      "router_predict(Tensor hidden, Tensor router_weight, Tensor? router_bias, Tensor? predictor_weight, "
+      "Tensor? predictor_bias) -> (Tensor logits, Tensor log_norms)");
+  // Stage 2: the model's routing (ids, weights [T, k]) and the per-group expert cost D [G, E].
+  m.def(
+      "route_cost(Tensor logits, Tensor? log_norms, Tensor? correction_bias, int num_groups, int top_k, "
+      "int scoring, bool renormalize, int n_group, int topk_group, float scaling, int cost) "
+      "-> (Tensor topk_ids, Tensor topk_weights, Tensor batch_cost)");
+  // Stage 3: keep the top-budget experts of each group by D, fill each token's slots from them.
+  m.def(
+      "select_fill(Tensor logits, Tensor batch_cost, Tensor? correction_bias, int top_k, int scoring, "
+      "bool renormalize, int n_group, int topk_group, float scaling, int budget, int fill) "
+      "-> (Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts)");
+  // Stages 2 and 3 in one call.
+  m.def(
+      "route_select(Tensor logits, Tensor? log_norms, Tensor? correction_bias, int num_groups, int top_k, "
+      "int scoring, bool renormalize, int n_group, int topk_group, float scaling, int cost, int budget, int fill) "
+      "-> (Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, Tensor batch_cost)");
+  // Stage 4: the routed experts' output for the final ids and weights (SiLU-gated, HF v5 layout).
+  m.def(
+      "experts(Tensor hidden, Tensor expert_ids, Tensor expert_weights, Tensor gate_up_proj, Tensor down_proj) "
+      "-> Tensor");
+}
+
+#define BASE_MOE_REGISTER_IMPLS(SUFFIX)                 \
+  m.impl("router_predict", &base_moe::router_predict_##SUFFIX); \
+  m.impl("route_cost", &base_moe::route_cost_##SUFFIX);         \
+  m.impl("select_fill", &base_moe::select_fill_##SUFFIX);       \
+  m.impl("route_select", &base_moe::route_select_##SUFFIX);     \
+  m.impl("experts", &base_moe::experts_##SUFFIX);
+
+TORCH_LIBRARY_IMPL(base_moe, CPU, m) { BASE_MOE_REGISTER_IMPLS(cpu) }
+
+#ifdef BASE_MOE_WITH_CUDA
+TORCH_LIBRARY_IMPL(base_moe, CUDA, m) { BASE_MOE_REGISTER_IMPLS(cuda) }
+#endif
