@@ -1,4 +1,5 @@
-// Every schema of the base_moe op library, and the kernels registered for each dispatch key.
+// Every schema of the base_moe op library, and its CPU kernels. The CUDA kernels register themselves
+// in their own files (csrc/*.cu) for the CUDA dispatch key.
 // Enumerated int arguments (scoring, cost, fill) take the values of base_moe/routing.py.
 #include <torch/library.h>
 
@@ -30,15 +31,10 @@ TORCH_LIBRARY(base_moe, m) {
       "-> Tensor");
 }
 
-#define BASE_MOE_REGISTER_IMPLS(SUFFIX)                 \
-  m.impl("router_predict", &base_moe::router_predict_##SUFFIX); \
-  m.impl("route_cost", &base_moe::route_cost_##SUFFIX);         \
-  m.impl("select_fill", &base_moe::select_fill_##SUFFIX);       \
-  m.impl("route_select", &base_moe::route_select_##SUFFIX);     \
-  m.impl("experts", &base_moe::experts_##SUFFIX);
-
-TORCH_LIBRARY_IMPL(base_moe, CPU, m) { BASE_MOE_REGISTER_IMPLS(cpu) }
-
-#ifdef BASE_MOE_WITH_CUDA
-TORCH_LIBRARY_IMPL(base_moe, CUDA, m) { BASE_MOE_REGISTER_IMPLS(cuda) }
-#endif
+TORCH_LIBRARY_IMPL(base_moe, CPU, m) {
+  m.impl("router_predict", &base_moe::router_predict_cpu);
+  m.impl("route_cost", &base_moe::route_cost_cpu);
+  m.impl("select_fill", &base_moe::select_fill_cpu);
+  m.impl("route_select", &base_moe::route_select_cpu);
+  m.impl("experts", &base_moe::experts_cpu);
+}

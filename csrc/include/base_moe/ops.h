@@ -1,4 +1,6 @@
-// Declarations of every op implementation; csrc/registration.cpp binds them to the schemas.
+// Declarations of the CPU op implementations; csrc/registration.cpp binds them to the schemas.
+// Each CUDA kernel file registers its own op for the CUDA dispatch key (TORCH_LIBRARY_IMPL), so
+// the library builds with whichever CUDA kernels exist.
 #pragma once
 
 #include <tuple>
@@ -7,31 +9,28 @@
 
 namespace base_moe {
 
-#define BASE_MOE_DECLARE_OPS(SUFFIX)                                                                          \
-  std::tuple<Tensor, Tensor> router_predict_##SUFFIX(const Tensor& hidden, const Tensor& router_weight,       \
-                                                     const OptTensor& router_bias,                            \
-                                                     const OptTensor& predictor_weight,                       \
-                                                     const OptTensor& predictor_bias);                        \
-  std::tuple<Tensor, Tensor, Tensor> route_cost_##SUFFIX(                                                     \
-      const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups, \
-      int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,  \
-      int64_t cost);                                                                                          \
-  std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_##SUFFIX(                                            \
-      const Tensor& logits, const Tensor& batch_cost, const OptTensor& correction_bias, int64_t top_k,       \
-      int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling, int64_t budget, \
-      int64_t fill);                                                                                          \
-  std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_##SUFFIX(                                   \
-      const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups, \
-      int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,  \
-      int64_t cost, int64_t budget, int64_t fill);                                                            \
-  Tensor experts_##SUFFIX(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,      \
-                          const Tensor& gate_up_proj, const Tensor& down_proj);
+std::tuple<Tensor, Tensor> router_predict_cpu(const Tensor& hidden, const Tensor& router_weight,
+                                              const OptTensor& router_bias, const OptTensor& predictor_weight,
+                                              const OptTensor& predictor_bias);
 
-BASE_MOE_DECLARE_OPS(cpu)
-#ifdef BASE_MOE_WITH_CUDA
-BASE_MOE_DECLARE_OPS(cuda)
-#endif
+std::tuple<Tensor, Tensor, Tensor> route_cost_cpu(const Tensor& logits, const OptTensor& log_norms,
+                                                  const OptTensor& correction_bias, int64_t num_groups,
+                                                  int64_t top_k, int64_t scoring, bool renormalize,
+                                                  int64_t n_group, int64_t topk_group, double scaling,
+                                                  int64_t cost);
 
-#undef BASE_MOE_DECLARE_OPS
+std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cpu(const Tensor& logits, const Tensor& batch_cost,
+                                                           const OptTensor& correction_bias, int64_t top_k,
+                                                           int64_t scoring, bool renormalize, int64_t n_group,
+                                                           int64_t topk_group, double scaling, int64_t budget,
+                                                           int64_t fill);
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cpu(
+    const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
+    int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
+    int64_t cost, int64_t budget, int64_t fill);
+
+Tensor experts_cpu(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
+                   const Tensor& gate_up_proj, const Tensor& down_proj);
 
 }  // namespace base_moe
