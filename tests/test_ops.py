@@ -1,0 +1,318 @@
+"""Every op against base_moe.reference, on every device the build has; opcheck; argument errors.
+
+Indices (routing ids, kept sets, counts) must be equal exactly; float outputs within tolerances of
+fp32 accumulation. Selection that depends on float costs (route_select) is compared exactly unless the
+reference costs at the budget boundary are a genuine near-tie.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from base_moe import Cost, Fill, Routing, Scoring, ops
+from base_moe import reference as ref
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+# (E, k, routing) combinations covering every scoring rule
+ROUTINGS = [
+    (8, 2, Routing(2, Scoring.SOFTMAX, renormalize=True)),
+    (16, 4, Routing(4, Scoring.SOFTMAX, renormalize=False)),
+    (60, 4, Routing(4, Scoring.SOFTMAX, renormalize=True)),
+    (128, 8, Routing(8, Scoring.SOFTMAX, renormalize=True)),
+    (32, 4, Routing(4, Scoring.SOFTMAX_AFTER_TOPK)),
+    (64, 6, Routing(6, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, scaling=2.5)),
+    (16, 3, Routing(3, Scoring.SIGMOID, renormalize=False)),
+]
+
+
+def random_logits(T: int, E: int, device: str, ties: bool) -> torch.Tensor:
+    """Random logits; with ``ties``, drawn from a few values so equal logits are common."""
+    if ties:
+        return torch.randint(0, 3, (T, E), device=device).float()
+    return torch.randn(T, E, device=device) * 2.0
+
+
+def random_bias(routing: Routing, E: int, device: str) -> torch.Tensor | None:
+    return torch.randn(E, device=device) * 0.05 if routing.scoring == Scoring.SIGMOID else None
+
+
+def assert_kept_equal_up_to_ties(kept: torch.Tensor, expected: torch.Tensor, D: torch.Tensor, rtol: float = 1e-5):
+    """Kept sets equal exactly, except where the reference costs of the swapped experts are within rtol."""
+    E = D.shape[1]
+    for g in range(kept.shape[0]):
+        got = set(kept[g].tolist()) - {E}
+        want = set(expected[g].tolist()) - {E}
+        if got == want:
+            continue
+        boundary = D[g, sorted(got ^ want)]
+        spread = (boundary.max() - boundary.min()) / boundary.abs().max().clamp_min(1e-30)
+        assert spread <= rtol, f"group {g}: kept {sorted(got)} vs reference {sorted(want)}, not a near-tie"
+
+
+# ---------------------------------------------------------------------------------------------
+# router_predict
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H,E", [(1, 64, 8), (7, 128, 60), (64, 256, 128), (300, 512, 32)])
+@pytest.mark.parametrize("with_predictor", [True, False])
+def test_router_predict_matches_reference(device, dtype, T, H, E, with_predictor):
+    if device == "cpu" and dtype == torch.float16:
+        pytest.skip("fp16 matmul on CPU is not the CPU op's concern")
+    x = torch.randn(T, H, device=device).to(dtype)
+    wr = (torch.randn(E, H, device=device) / H**0.5).to(dtype)
+    br = torch.randn(E, device=device)
+    wp = (torch.randn(E, H, device=device) / H**0.5).to(dtype) if with_predictor else None
+    bp = torch.randn(E, device=device) if with_predictor else None
+    logits, log_norms = ops.router_predict(x, wr, br, wp, bp)
+    exp_logits, exp_norms = ref.router_predict(x.double(), wr.double(), br.double(),
+                                               None if wp is None else wp.double(),
+                                               None if bp is None else bp.double())
+    assert logits.dtype == torch.float32 and logits.shape == (T, E)
+    # fp32 accumulation of products of exactly representable inputs: error ~ H * eps32 * |x||w|
+    tol = 1e-5 * H**0.5
+    torch.testing.assert_close(logits.double(), exp_logits.to(device).double(), atol=tol, rtol=1e-5)
+    if with_predictor:
+        torch.testing.assert_close(log_norms.double(), exp_norms.to(device).double(), atol=tol, rtol=1e-5)
+    else:
+        assert log_norms.shape == (T, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# route_cost
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k,routing", ROUTINGS)
+@pytest.mark.parametrize("cost", list(Cost))
+@pytest.mark.parametrize("ties", [False, True])
+def test_route_cost_matches_reference(device, E, k, routing, cost, ties):
+    G, B = 3, 5
+    logits = random_logits(G * B, E, device, ties)
+    log_norms = torch.randn(G * B, E, device=device)
+    bias = random_bias(routing, E, device)
+    ids, weights, D = ops.route_cost(logits, routing, num_groups=G, cost=cost, log_norms=log_norms,
+                                     correction_bias=bias)
+    exp_ids, exp_weights, exp_D = ref.route_cost(logits.cpu(), log_norms.cpu(), None if bias is None else bias.cpu(),
+                                                 G, routing, cost)
+    assert ids.dtype == torch.int32 and ids.shape == (G * B, k)
+    assert torch.equal(ids.cpu(), exp_ids)
+    torch.testing.assert_close(weights.cpu(), exp_weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(D.cpu(), exp_D, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_cost_accepts_broadcast_log_norms(device):
+    """static_energy passes one per-expert row expanded over the tokens (row stride 0)."""
+    routing = Routing(4, Scoring.SOFTMAX, renormalize=True)
+    logits = torch.randn(8, 16, device=device)
+    static = torch.randn(1, 16, device=device)
+    _, _, D = ops.route_cost(logits, routing, num_groups=2, log_norms=static.expand(8, 16))
+    _, _, exp_D = ops.route_cost(logits, routing, num_groups=2, log_norms=static.expand(8, 16).contiguous())
+    assert torch.equal(D, exp_D)
+
+
+# ---------------------------------------------------------------------------------------------
+# select_fill and route_select
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k,routing", ROUTINGS)
+@pytest.mark.parametrize("fill", list(Fill))
+@pytest.mark.parametrize("budget_fraction", [0.0, 0.25, 0.5, 1.0, 2.0])
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_fill_matches_reference(device, E, k, routing, fill, budget_fraction, ties):
+    G, B = 4, 6
+    budget = max(1, int(budget_fraction * E))
+    logits = random_logits(G * B, E, device, ties)
+    bias = random_bias(routing, E, device)
+    D = torch.rand(G, E, device=device)
+    if ties:
+        D = (D * 3).floor()
+    cpu_bias = None if bias is None else bias.cpu()
+    ids, weights, kept, counts = ops.select_fill(logits, D, routing, budget=budget, fill=fill, correction_bias=bias)
+    exp = ref.select_fill(logits.cpu(), D.cpu(), cpu_bias, routing, budget, fill)
+    assert kept.shape == (G, min(budget, E)) and counts.shape == (G, E)
+    assert torch.equal(kept.cpu(), exp[2])
+    assert torch.equal(ids.cpu(), exp[0])
+    assert torch.equal(counts.cpu(), exp[3])
+    torch.testing.assert_close(weights.cpu(), exp[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k,routing", ROUTINGS)
+@pytest.mark.parametrize("cost,fill", [(Cost.BASE, Fill.BACKFILL), (Cost.ROUTER_SUM, Fill.DROP),
+                                       (Cost.TOP1_UNION, Fill.DROP_RENORM), (Cost.FREQUENCY, Fill.BACKFILL),
+                                       (Cost.ROUTER_SQ, Fill.BACKFILL)])
+@pytest.mark.parametrize("G,B,budget", [(1, 1, 1), (2, 16, 3), (5, 7, 8), (1, 64, 1000)])
+def test_route_select_matches_reference(device, E, k, routing, cost, fill, G, B, budget):
+    logits = random_logits(G * B, E, device, ties=False)
+    log_norms = torch.randn(G * B, E, device=device)
+    bias = random_bias(routing, E, device)
+    cpu_bias = None if bias is None else bias.cpu()
+    ids, weights, kept, counts, D = ops.route_select(logits, routing, budget=budget, num_groups=G, cost=cost,
+                                                     fill=fill, log_norms=log_norms, correction_bias=bias)
+    exp_ids, exp_w, exp_kept, exp_counts, exp_D = ref.route_select(logits.cpu(), log_norms.cpu(), cpu_bias, G,
+                                                                   routing, cost, budget, fill)
+    torch.testing.assert_close(D.cpu(), exp_D, atol=1e-6, rtol=1e-5)
+    assert_kept_equal_up_to_ties(kept.cpu(), exp_kept, exp_D)
+    # given the op's own kept sets, the fill is exact
+    fill_ids, fill_w = ref.fill(logits.cpu(), cpu_bias, routing, kept.cpu(), fill)
+    assert torch.equal(ids.cpu(), fill_ids)
+    torch.testing.assert_close(weights.cpu(), fill_w, atol=1e-6, rtol=1e-5)
+    assert torch.equal(counts.cpu(), ref.expert_counts(ids.cpu(), G, E))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_select_equals_its_stages(device):
+    routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
+    logits = torch.randn(32, 128, device=device)
+    log_norms = torch.randn(32, 128, device=device)
+    fused = ops.route_select(logits, routing, budget=16, num_groups=2, log_norms=log_norms)
+    _, _, D = ops.route_cost(logits, routing, num_groups=2, log_norms=log_norms)
+    staged = ops.select_fill(logits, D, routing, budget=16)
+    for a, b in zip(fused, (*staged, D)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k,routing", ROUTINGS)
+def test_no_budget_reproduces_model_routing(device, E, k, routing):
+    logits = random_logits(24, E, device, ties=False)
+    bias = random_bias(routing, E, device)
+    exp_ids, exp_w = ops.route_cost(logits, routing, num_groups=3, cost=Cost.ROUTER_SUM, correction_bias=bias)[:2]
+    for budget in (E, E + 5):
+        ids, w, *_ = ops.route_select(logits, routing, budget=budget, num_groups=3, cost=Cost.ROUTER_SUM,
+                                      correction_bias=bias)
+        assert torch.equal(ids, exp_ids)
+        assert torch.equal(w, exp_w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_selection_is_deterministic(device):
+    routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
+    logits = torch.randn(256, 128, device=device)
+    log_norms = torch.randn(256, 128, device=device)
+    first = ops.route_select(logits, routing, budget=16, num_groups=4, log_norms=log_norms)
+    for _ in range(3):
+        again = ops.route_select(logits, routing, budget=16, num_groups=4, log_norms=log_norms)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+# ---------------------------------------------------------------------------------------------
+# experts
+# ---------------------------------------------------------------------------------------------
+def random_expert_problem(T, H, I, E, k, device, dtype, drop_fraction=0.2):
+    x = torch.randn(T, H, device=device).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H, device=device) / H**0.5).to(dtype)
+    down = (torch.randn(E, H, I, device=device) / I**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E, device=device)[:k] for _ in range(T)]).to(torch.int32)
+    weights = torch.rand(T, k, device=device)
+    dropped = torch.rand(T, k, device=device) < drop_fraction
+    ids = torch.where(dropped, E, ids).to(torch.int32)
+    weights = torch.where(dropped, 0.0, weights)
+    return x, ids, weights, gate_up, down
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,H,I,E,k", [(1, 64, 32, 4, 2), (9, 128, 64, 8, 3), (33, 64, 128, 16, 8)])
+def test_experts_matches_reference_fp32(device, T, H, I, E, k):
+    if device == "cuda":
+        pytest.skip("the CUDA expert kernel is bf16/fp16; see tests/test_experts_cuda.py")
+    x, ids, weights, gate_up, down = random_expert_problem(T, H, I, E, k, device, torch.float32)
+    out = ops.experts(x, ids, weights, gate_up, down)
+    expected = ref.experts(x.double(), ids, weights.double(), gate_up.double(), down.double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_experts_all_slots_dropped_gives_zero(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x, ids, weights, gate_up, down = random_expert_problem(5, 64, 64, 4, 2, device, dtype, drop_fraction=1.0)
+    assert torch.equal(ops.experts(x, ids, weights, gate_up, down), torch.zeros_like(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# opcheck: schema, fake tensor and autograd registration of every op
+# ---------------------------------------------------------------------------------------------
+def opcheck_cases(device):
+    routing = Routing(4, Scoring.SOFTMAX, renormalize=True)
+    args = routing.op_args()
+    logits = torch.randn(8, 16, device=device)
+    log_norms = torch.randn(8, 16, device=device)
+    D = torch.rand(2, 16, device=device)
+    x, ids, w, gate_up, down = random_expert_problem(
+        6, 64, 64, 4, 2, device, torch.float32 if device == "cpu" else torch.bfloat16)
+    hidden = torch.randn(8, 64, device=device)
+    yield torch.ops.base_moe.router_predict.default, (hidden, torch.randn(16, 64, device=device), None,
+                                                      torch.randn(16, 64, device=device),
+                                                      torch.randn(16, device=device))
+    yield torch.ops.base_moe.route_cost.default, (logits, log_norms, None, 2, *args, int(Cost.BASE))
+    yield torch.ops.base_moe.select_fill.default, (logits, D, None, *args, 5, int(Fill.BACKFILL))
+    yield torch.ops.base_moe.route_select.default, (logits, log_norms, None, 2, *args, int(Cost.BASE), 5,
+                                                    int(Fill.DROP))
+    yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for op, args in opcheck_cases(device):
+        torch.library.opcheck(op, args)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: clear errors naming the argument
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_raise_clear_errors(device):
+    routing = Routing(4, Scoring.SOFTMAX, renormalize=True)
+    logits = torch.randn(8, 16, device=device)
+    log_norms = torch.randn(8, 16, device=device)
+    cases = [
+        (lambda: ops.route_cost(logits.double(), routing, log_norms=log_norms), "logits must be float32"),
+        (lambda: ops.route_cost(logits, Routing(17), log_norms=log_norms), "top_k"),
+        (lambda: ops.route_cost(logits, routing, num_groups=3, log_norms=log_norms), "multiple of num_groups"),
+        (lambda: ops.route_cost(logits, routing), "needs log_norms"),
+        (lambda: ops.route_cost(logits, routing, log_norms=log_norms[:, :8]), "log_norms must have"),
+        (lambda: ops.select_fill(logits, torch.rand(2, 16, device=device), routing, budget=0), "budget"),
+        (lambda: ops.select_fill(logits, torch.rand(2, 15, device=device), routing, budget=4), "batch_cost"),
+        (lambda: ops.route_select(logits, Routing(4, Scoring.SOFTMAX, n_group=4, topk_group=2), budget=4,
+                                  cost=Cost.ROUTER_SUM), "sigmoid"),
+        (lambda: ops.route_select(logits, Routing(4, Scoring.SIGMOID, n_group=3, topk_group=2), budget=4,
+                                  cost=Cost.ROUTER_SUM), "multiple of n_group"),
+        (lambda: ops.route_select(logits, routing, budget=4, cost=Cost.ROUTER_SUM,
+                                  correction_bias=torch.zeros(16, device=device)), "correction_bias"),
+        (lambda: ops.router_predict(torch.randn(4, 32, device=device), torch.randn(16, 31, device=device)),
+         "router_weight must have shape"),
+        (lambda: ops.router_predict(torch.randn(4, 32, device=device), torch.randn(16, 32, device=device),
+                                    predictor_weight=torch.randn(16, 32, device=device)), "together"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+def test_non_finite_logits_raise_on_cpu():
+    routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
+    for bad in (float("nan"), float("inf")):
+        logits = torch.randn(4, 8)
+        logits[2, 3] = bad
+        with pytest.raises(RuntimeError, match="finite"):
+            ops.route_select(logits, routing, budget=2, cost=Cost.ROUTER_SUM)
+
+
+def test_mixed_devices_raise():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU to mix devices")
+    with pytest.raises(RuntimeError, match="same device"):
+        ops.router_predict(torch.randn(4, 32), torch.randn(16, 32, device="cuda"))
+
+
+def test_every_enum_value_is_accepted():
+    for scoring, cost, fill in itertools.product(Scoring, Cost, Fill):
+        routing = Routing(2, scoring, renormalize=True)
+        out = ops.route_select(torch.randn(6, 8), routing, budget=3, num_groups=2, cost=cost, fill=fill,
+                               log_norms=torch.randn(6, 8))
+        assert out[0].shape == (6, 2)

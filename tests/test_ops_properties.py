@@ -1,0 +1,120 @@
+"""Property tests of the selection ops (CPU) on inputs drawn by hypothesis."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from base_moe import Cost, Fill, Routing, Scoring, ops
+
+
+@st.composite
+def selection_problems(draw):
+    scoring = draw(st.sampled_from(list(Scoring)))
+    n_group, topk_group = 1, 1
+    if scoring == Scoring.SIGMOID and draw(st.booleans()):
+        n_group = draw(st.sampled_from([2, 4]))
+        topk_group = draw(st.integers(1, n_group))
+    E = n_group * draw(st.integers(2, 16))
+    k = draw(st.integers(1, min(8, E, topk_group * (E // n_group))))
+    routing = Routing(k, scoring, renormalize=draw(st.booleans()), n_group=n_group, topk_group=topk_group,
+                      scaling=draw(st.sampled_from([1.0, 2.5])))
+    G = draw(st.integers(1, 4))
+    B = draw(st.integers(1, 12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    if draw(st.booleans()):
+        logits = torch.randint(0, 3, (G * B, E), generator=gen).float()  # many ties
+    else:
+        logits = torch.randn(G * B, E, generator=gen) * 3
+    log_norms = torch.randn(G * B, E, generator=gen)
+    bias = torch.randn(E, generator=gen) * 0.1 if scoring == Scoring.SIGMOID else None
+    return dict(
+        logits=logits, log_norms=log_norms, bias=bias, routing=routing, G=G,
+        budget=draw(st.integers(1, E + 2)), cost=draw(st.sampled_from(list(Cost))),
+        fill=draw(st.sampled_from(list(Fill))),
+    )
+
+
+def run(p, budget=None, fill=None, cost=None):
+    return ops.route_select(
+        p["logits"], p["routing"], budget=budget or p["budget"], num_groups=p["G"], cost=cost or p["cost"],
+        fill=p["fill"] if fill is None else fill, log_norms=p["log_norms"], correction_bias=p["bias"],
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(selection_problems())
+def test_kept_sets_and_final_ids(p):
+    ids, weights, kept, counts, D = run(p)
+    E = p["logits"].shape[1]
+    G, T = p["G"], p["logits"].shape[0]
+    routed, _, _ = ops.route_cost(p["logits"], p["routing"], num_groups=G, cost=Cost.ROUTER_SUM,
+                                  correction_bias=p["bias"])
+    for g in range(G):
+        kept_set = set(kept[g].tolist()) - {E}
+        rows = slice(g * (T // G), (g + 1) * (T // G))
+        union = set(routed[rows].flatten().tolist()) - {E}
+        assert len(kept_set) <= p["budget"]  # at most M experts per decode batch
+        assert len(kept_set) == min(p["budget"], len(union))  # the budget is used when routing needs it
+        assert kept_set <= union  # never an expert nobody routed to
+        assert set(ids[rows].flatten().tolist()) - {E} <= kept_set  # every final id is kept
+        # kept experts come in descending cost order
+        kept_costs = D[g, kept[g][kept[g] < E].long()]
+        assert torch.all(kept_costs[:-1] >= kept_costs[1:])
+    # each token names an expert at most once; empty slots weigh nothing; counts agree with ids
+    for row, w in zip(ids.tolist(), weights):
+        real = [u for u in row if u < E]
+        assert len(real) == len(set(real))
+        assert torch.all(w[torch.tensor(row) == E] == 0)
+    assert counts.sum() == (ids < E).sum()
+
+
+@settings(max_examples=100, deadline=None)
+@given(selection_problems())
+def test_weights_follow_the_renormalisation_rule(p):
+    routing = p["routing"]
+    ids, weights, *_ = run(p)
+    E = p["logits"].shape[1]
+    nonempty = (ids < E).any(dim=1)
+    total = weights.sum(dim=1)
+    if p["fill"] == Fill.BACKFILL and (routing.renormalize or routing.scoring == Scoring.SOFTMAX_AFTER_TOPK):
+        torch.testing.assert_close(total[nonempty], torch.full_like(total[nonempty], routing.scaling))
+    if p["fill"] == Fill.DROP_RENORM:
+        _, routed_w, _ = ops.route_cost(p["logits"], routing, num_groups=p["G"], cost=Cost.ROUTER_SUM,
+                                        correction_bias=p["bias"])
+        torch.testing.assert_close(total[nonempty], routed_w.sum(dim=1)[nonempty])
+    if p["fill"] == Fill.DROP:
+        _, routed_w, _ = ops.route_cost(p["logits"], routing, num_groups=p["G"], cost=Cost.ROUTER_SUM,
+                                        correction_bias=p["bias"])
+        assert torch.all(total <= routed_w.sum(dim=1) + 1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(selection_problems())
+def test_budget_of_all_experts_is_dense_routing(p):
+    E = p["logits"].shape[1]
+    routed, routed_w, _ = ops.route_cost(p["logits"], p["routing"], num_groups=p["G"], cost=Cost.ROUTER_SUM,
+                                         correction_bias=p["bias"])
+    for fill in Fill:
+        ids, weights, *_ = run(p, budget=E, fill=fill)
+        assert torch.equal(ids, routed)
+        assert torch.equal(weights, routed_w)
+
+
+@settings(max_examples=60, deadline=None)
+@given(selection_problems())
+def test_top_budget_minimises_the_dropped_cost(p):
+    """Top-M by D is the exact minimiser of the summed cost of the routed experts left out."""
+    ids, weights, kept, counts, D = run(p)
+    E = p["logits"].shape[1]
+    routed, _, _ = ops.route_cost(p["logits"], p["routing"], num_groups=p["G"], cost=Cost.ROUTER_SUM,
+                                  correction_bias=p["bias"])
+    T = routed.shape[0]
+    for g in range(p["G"]):
+        union = sorted(set(routed[g * (T // p["G"]):(g + 1) * (T // p["G"])].flatten().tolist()) - {E})
+        kept_set = set(kept[g].tolist()) - {E}
+        left_out = sum(D[g, u].item() for u in union if u not in kept_set)
+        best_possible = sum(sorted(D[g, union].tolist())[: max(0, len(union) - p["budget"])])
+        assert left_out <= best_possible * (1 + 1e-6) + 1e-12
