@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The README's test command: sets up the machine (scripts/setup.sh), runs the test suite, then
+# builds the C++ operator library with CMake and runs its smoke test. CUDA tests skip without a GPU.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$REPO/scripts/setup.sh"
+cd "$REPO"
+python -m pytest -q tests "$@"
+BUILD_DIR="${BASE_MOE_CMAKE_BUILD:-$REPO/build_cmake}"
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_PREFIX_PATH="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
+cmake --build "$BUILD_DIR" -j "$(nproc)" >/dev/null
+"$BUILD_DIR/base_moe_smoke"
