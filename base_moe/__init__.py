@@ -9,10 +9,16 @@ import torch
 from . import _C  # noqa: F401  (loads the shared library; its static initialisers register the ops)
 from . import ops, reference
 from .routing import Cost, Fill, Routing, Scoring
+from .predictors import Predictors
+from .calibrate import calibrate
+from . import hf, layouts, policies
+from .hf import apply, configure, restore
 
 __version__ = "0.1.0"
 
 __all__ = ["Cost", "Fill", "Routing", "Scoring", "ops", "reference", "__version__", "cuda_available"]
+__all__ += ["Predictors", "calibrate"]
+__all__ += ["apply", "configure", "restore", "hf", "layouts", "policies"]
 
 
 def cuda_available() -> bool:

@@ -1,0 +1,231 @@
+"""The removal-cost predictors BASE ranks experts with: per MoE layer, ``g = z @ weight.T + bias ~ log||E_u(z)||``.
+
+A :class:`Predictors` holds, for every MoE layer (keyed by the model's decoder-layer index):
+
+* ``weight [E, H]`` and ``bias [E]`` (fp32): the linear predictor of each expert's output log-norm,
+* ``mean_log_norm [E]`` (fp32): each expert's mean log-norm over the calibration tokens (the
+  ``static_energy`` baseline),
+* ``r2``: the predictor's held-out R^2 for the layer,
+
+and ``metadata`` describing the model it was calibrated on. :func:`base_moe.calibrate` produces one;
+``save``/``load`` write and read it as a safetensors file::
+
+    layers.{i}.weight         [E, H] fp32
+    layers.{i}.bias           [E]    fp32
+    layers.{i}.mean_log_norm  [E]    fp32
+    layers.{i}.expert_r2      [E]    fp32   (optional: held-out R^2 of each expert)
+    __metadata__              every entry of ``metadata``, its value JSON-encoded
+
+The file is written byte-for-byte deterministically (sorted tensor names, sorted metadata keys), so the
+same calibration gives the same file; any safetensors reader opens it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import torch
+
+FORMAT = "base_moe.predictors"
+FORMAT_VERSION = 1
+
+_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def model_type(model: torch.nn.Module) -> str:
+    """``model.config.model_type`` (``"unknown"`` for a model without a config)."""
+    config = getattr(model, "config", None)
+    return str(getattr(config, "model_type", None) or "unknown")
+
+
+class Predictors:
+    """Per-layer log-norm predictors and calibration statistics (see the module docstring)."""
+
+    def __init__(
+        self,
+        weight: dict[int, torch.Tensor],
+        bias: dict[int, torch.Tensor],
+        mean_log_norm: dict[int, torch.Tensor],
+        r2: dict[int, float] | None = None,
+        metadata: dict[str, Any] | None = None,
+        expert_r2: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        layers = sorted(weight)
+        if sorted(bias) != layers or sorted(mean_log_norm) != layers:
+            raise ValueError(
+                f"weight, bias and mean_log_norm must name the same layers; got {layers}, {sorted(bias)}, "
+                f"{sorted(mean_log_norm)}"
+            )
+        for i in layers:
+            E, _ = weight[i].shape
+            if bias[i].shape != (E,) or mean_log_norm[i].shape != (E,):
+                raise ValueError(
+                    f"layer {i}: weight is {tuple(weight[i].shape)}, so bias and mean_log_norm must be [{E}]; got "
+                    f"{tuple(bias[i].shape)} and {tuple(mean_log_norm[i].shape)}"
+                )
+        self.weight = {i: weight[i].float().contiguous() for i in layers}
+        self.bias = {i: bias[i].float().contiguous() for i in layers}
+        self.mean_log_norm = {i: mean_log_norm[i].float().contiguous() for i in layers}
+        self.expert_r2 = {i: t.float().contiguous() for i, t in sorted((expert_r2 or {}).items())}
+        self.r2 = {i: float((r2 or {}).get(i, math.nan)) for i in layers}
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.metadata.setdefault("format", FORMAT)
+        self.metadata.setdefault("format_version", FORMAT_VERSION)
+        self.metadata.setdefault("layers", layers)
+        self.metadata["r2"] = {str(i): self.r2[i] for i in layers}
+        self.stats: dict[str, Any] = {}
+        """Run statistics of the calibration that made these predictors (time, memory); not saved."""
+
+    # -----------------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[int]:
+        """The decoder-layer indices that have a predictor, ascending."""
+        return list(self.weight)
+
+    @property
+    def num_experts(self) -> dict[int, int]:
+        return {i: w.shape[0] for i, w in self.weight.items()}
+
+    @property
+    def hidden_size(self) -> int:
+        return next(iter(self.weight.values())).shape[1]
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Predictors:
+        """A copy with every tensor moved to ``device`` / cast to ``dtype``."""
+
+        def move(d: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            return {i: t.to(device=device, dtype=dtype) for i, t in d.items()}
+
+        out = Predictors.__new__(Predictors)
+        out.weight, out.bias = move(self.weight), move(self.bias)
+        out.mean_log_norm, out.expert_r2 = move(self.mean_log_norm), move(self.expert_r2)
+        out.r2, out.metadata, out.stats = dict(self.r2), dict(self.metadata), dict(self.stats)
+        return out
+
+    def __repr__(self) -> str:
+        r2 = ", ".join(f"{i}: {v:.3f}" for i, v in self.r2.items())
+        return (
+            f"Predictors(model_type={self.metadata.get('model_type')!r}, layers={len(self.weight)}, "
+            f"experts={sorted(set(self.num_experts.values()))}, hidden_size={self.hidden_size}, r2={{{r2}}})"
+        )
+
+    # -----------------------------------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors as the file names them."""
+        out = {}
+        for i in self.layers:
+            out[f"layers.{i}.weight"] = self.weight[i]
+            out[f"layers.{i}.bias"] = self.bias[i]
+            out[f"layers.{i}.mean_log_norm"] = self.mean_log_norm[i]
+            if i in self.expert_r2:
+                out[f"layers.{i}.expert_r2"] = self.expert_r2[i]
+        return out
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the predictors as a safetensors file (deterministic bytes; see the module docstring)."""
+        _write_safetensors(path, self.tensors(), {k: json.dumps(v, sort_keys=True) for k, v in self.metadata.items()})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> Predictors:
+        """Read a file written by :meth:`save`."""
+        from safetensors import safe_open
+
+        with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
+            raw = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        try:
+            metadata = {k: json.loads(v) for k, v in raw.items()}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not a base_moe predictors file (metadata is not JSON: {err})") from None
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a base_moe predictors file (metadata format={metadata.get('format')!r})")
+        if int(metadata.get("format_version", -1)) > FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: predictors format version {metadata['format_version']} is newer than this base_moe "
+                f"understands ({FORMAT_VERSION}); upgrade base_moe"
+            )
+        fields: dict[str, dict[int, torch.Tensor]] = {"weight": {}, "bias": {}, "mean_log_norm": {}, "expert_r2": {}}
+        for name, tensor in tensors.items():
+            parts = name.split(".")
+            if len(parts) != 3 or parts[0] != "layers" or parts[2] not in fields:
+                raise ValueError(f"{path}: unexpected tensor {name!r} in a predictors file")
+            fields[parts[2]][int(parts[1])] = tensor
+        r2 = {int(i): float(v) for i, v in metadata.get("r2", {}).items()}
+        return cls(fields["weight"], fields["bias"], fields["mean_log_norm"], r2, metadata, fields["expert_r2"])
+
+    # -----------------------------------------------------------------------------------------
+    def check_compatible(self, model: torch.nn.Module) -> None:
+        """Raise ``ValueError`` naming every difference between these predictors and ``model``'s MoE layers
+        (model type, hidden size, expert count, layer set)."""
+        from .layouts import find_moe_layouts
+
+        layouts = find_moe_layouts(model)
+        problems = []
+        ours = self.metadata.get("model_type")
+        theirs = model_type(model)
+        if ours is not None and ours != theirs:
+            problems.append(f"model type: predictors are for {ours!r}, the model is {theirs!r}")
+        found = {layout.layer_index: layout for layout in layouts}
+        if sorted(found) != self.layers:
+            problems.append(f"MoE layers: predictors have {_ranges(self.layers)}, the model has {_ranges(sorted(found))}")
+        sizes = {layout.hidden_size for layout in layouts}
+        if sizes and sizes != {self.hidden_size}:
+            problems.append(f"hidden size: predictors have {self.hidden_size}, the model has {sorted(sizes)}")
+        else:
+            experts = [
+                f"layer {i}: {self.weight[i].shape[0]} vs {found[i].num_experts}"
+                for i in self.layers
+                if i in found and self.weight[i].shape[0] != found[i].num_experts
+            ]
+            if experts:
+                problems.append("expert count (predictors vs model): " + ", ".join(experts[:4]) + (" ..." if len(experts) > 4 else ""))
+        if problems:
+            source = self.metadata.get("model_name_or_path")
+            where = f" (calibrated on {source})" if source else ""
+            raise ValueError(
+                "predictors do not match this model" + where + ":\n  " + "\n  ".join(problems)
+                + "\nRe-run base_moe.calibrate(model, ...) (or `python -m base_moe calibrate`) for this model."
+            )
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``: short layer lists in messages."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+def _write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file with sorted names and sorted metadata keys.
+
+    ``safetensors.torch.save_file`` orders ``__metadata__`` by a randomised hash map, so identical inputs give
+    different bytes from run to run; the format itself is simple enough to write directly: an 8-byte
+    little-endian header length, the JSON header padded with spaces to 8 bytes, then the raw tensor data.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"cannot save tensor {name!r} of dtype {t.dtype}")
+        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for data in blobs:
+            f.write(data)
+    os.replace(tmp, path)

@@ -1,0 +1,225 @@
+"""Calibration: the streamed ridge regression, the hold-out split, the hook-driven driver, real tiny models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import base_moe
+from base_moe.calibrate import RidgeAccumulator, calibrate_layouts, held_out_sequences
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with test_predictors.py and test_cli.py
+# ---------------------------------------------------------------------------------------------
+def tiny_qwen3_moe(layers: int = 2, hidden: int = 32, experts: int = 8, seed: int = 0):
+    """A randomly initialised byte-level (vocab 256) Qwen3-MoE, fp32, eval mode."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=experts, num_experts_per_tok=2,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def layouts_or_skip():
+    return pytest.importorskip("base_moe.layouts", reason="base_moe.layouts (MoE block discovery) not available yet")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ridge regression from streamed sums
+# ---------------------------------------------------------------------------------------------
+def planted(n: int, h: int, e: int, noise: float, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g) * torch.linspace(0.1, 3.0, h) + torch.randn(h, generator=g)  # uneven scales, offset
+    w = torch.randn(e, h, generator=g) / math.sqrt(h)
+    b = torch.randn(e, generator=g)
+    y = x @ w.T + b + noise * torch.randn(n, e, generator=g)
+    return x, y, w, b
+
+
+def test_ridge_recovers_planted_linear_relationship():
+    x, y, w, b = planted(4000, 24, 6, noise=0.01)
+    held = torch.arange(4000) % 10 == 9
+    acc = RidgeAccumulator(24, 6)
+    for xs, ys, hs in zip(x.split(700), y.split(700), held.split(700)):  # streamed in uneven chunks
+        acc.add(xs, ys, hs)
+    fit = acc.fit(ridge=1e-6)
+    assert fit.tokens_train == 3600 and fit.tokens_holdout == 400
+    torch.testing.assert_close(fit.weight.float(), w, atol=1e-2, rtol=0)  # feature 0 has scale 0.1
+    torch.testing.assert_close(fit.bias.float(), b, atol=5e-3, rtol=0)
+    assert fit.r2 > 0.999
+    assert fit.expert_r2.shape == (6,) and bool((fit.expert_r2 > 0.999).all())
+    torch.testing.assert_close(fit.mean_target, y.double().mean(0))
+
+
+def test_heldout_r2_from_sums_matches_direct_computation():
+    x, y, _, _ = planted(3000, 16, 5, noise=0.5)
+    held = torch.arange(3000) % 4 == 0
+    acc = RidgeAccumulator(16, 5)
+    acc.add(x, y, held)
+    fit = acc.fit(ridge=1e-2)
+    pred = x[held].double() @ fit.weight.T + fit.bias
+    yh = y[held].double()
+    sse = ((yh - pred) ** 2).sum(0)
+    sst = ((yh - yh.mean(0)) ** 2).sum(0)
+    torch.testing.assert_close(fit.expert_r2, 1 - sse / sst, rtol=0, atol=1e-9)
+    assert fit.r2 == pytest.approx(1 - sse.sum().item() / sst.sum().item(), abs=1e-9)
+    assert 0.3 < fit.r2 < 0.99  # noisy: the held-out score is an honest one
+
+
+def test_ridge_does_not_penalise_the_bias():
+    x, y, _, _ = planted(1000, 8, 3, noise=0.1)
+    acc = RidgeAccumulator(8, 3)
+    acc.add(x, y)
+    fit = acc.fit(ridge=1e9)  # weights shrink to zero, the bias becomes the mean target
+    assert fit.weight.abs().max() < 1e-6
+    torch.testing.assert_close(fit.bias, y.double().mean(0), atol=1e-6, rtol=0)
+    assert math.isnan(fit.r2)  # no held-out rows
+
+
+def test_singular_system_is_a_clear_error():
+    acc = RidgeAccumulator(16, 2)
+    acc.add(torch.randn(5, 16), torch.randn(5, 2))
+    with pytest.raises(ValueError, match="singular.*larger ridge"):
+        acc.fit(ridge=0.0)
+    acc.fit(ridge=1e-3)  # a ridge makes it solvable
+
+
+def test_held_out_sequences_are_fixed_and_independent_of_batching():
+    whole = held_out_sequences(0, 40, 0.1)
+    assert whole.nonzero().flatten().tolist() == [9, 19, 29, 39]
+    pieces = torch.cat([held_out_sequences(s, n, 0.1) for s, n in [(0, 7), (7, 13), (20, 20)]])
+    assert torch.equal(whole, pieces)
+    assert int(held_out_sequences(0, 1000, 0.25).sum()) == 250
+    assert not held_out_sequences(0, 50, 0.0).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver on a planted model: expert u's output norm is exactly exp(a_u . z + b_u)
+# ---------------------------------------------------------------------------------------------
+class PlantedBlock(nn.Module):
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(experts, hidden) / hidden)
+        self.b = nn.Parameter(torch.randn(experts))
+        self.v = nn.Parameter(F.normalize(torch.randn(experts, hidden), dim=-1))
+
+    def expert_output(self, x: torch.Tensor, u: int) -> torch.Tensor:
+        return torch.exp(x @ self.a[u] + self.b[u])[..., None] * self.v[u]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + sum(self.expert_output(x, u) for u in range(self.a.shape[0])) / self.a.shape[0]
+
+
+class PlantedModel(nn.Module):
+    def __init__(self, hidden: int = 16, experts: int = 4, layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(256, hidden)
+        self.blocks = nn.ModuleList(PlantedBlock(hidden, experts) for _ in range(layers))
+        self.head = nn.Linear(hidden, 256)
+        self.head_calls = 0
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        self.head_calls += 1
+        return self.head(h)
+
+
+class PlantedLayout:
+    def __init__(self, index: int, block: PlantedBlock):
+        self.name, self.layer_index, self.block = f"blocks.{index}", index, block
+        self.routing = base_moe.Routing(top_k=2)
+        self.num_experts, self.hidden_size = block.a.shape
+
+    def expert_output(self, x: torch.Tensor, u: int) -> torch.Tensor:
+        return self.block.expert_output(x, u)
+
+
+def planted_setup():
+    torch.manual_seed(0)
+    model = PlantedModel()
+    return model, [PlantedLayout(i, b) for i, b in enumerate(model.blocks)]
+
+
+def test_calibrate_recovers_planted_log_norms_through_the_hooks():
+    model, layouts = planted_setup()
+    ids = torch.randint(0, 256, (20, 16))
+    predictors = calibrate_layouts(model, layouts, ids, batch_size=6, ridge=1e-9, holdout=0.2, progress=False)
+    assert predictors.layers == [0, 1, 2]
+    assert model.head_calls == 0  # the forward stops after the last MoE layer
+    assert not model.blocks[0]._forward_pre_hooks  # hooks removed
+    meta = predictors.metadata
+    assert (meta["tokens"], meta["tokens_train"], meta["tokens_holdout"]) == (320, 256, 64)
+    assert (meta["sequences"], meta["seq_len"], meta["hidden_size"], meta["num_experts"]) == (20, 16, 16, 4)
+    for i, block in enumerate(model.blocks):
+        assert predictors.r2[i] > 0.99999
+        torch.testing.assert_close(predictors.weight[i], block.a.detach(), atol=1e-4, rtol=0)
+        torch.testing.assert_close(predictors.bias[i], block.b.detach(), atol=1e-4, rtol=0)
+        assert predictors.weight[i].dtype == torch.float32 and predictors.mean_log_norm[i].shape == (4,)
+
+
+def test_calibrate_accepts_an_iterable_of_batches_and_is_deterministic():
+    model, layouts = planted_setup()
+    ids = torch.randint(0, 256, (12, 8))
+    a = calibrate_layouts(model, layouts, ids, batch_size=4, progress=False)
+    b = calibrate_layouts(model, layouts, iter(ids.split(4)), batch_size=4, progress=False)
+    for i in a.layers:
+        assert torch.equal(a.weight[i], b.weight[i]) and torch.equal(a.bias[i], b.bias[i])
+        assert torch.equal(a.mean_log_norm[i], b.mean_log_norm[i])
+    assert a.r2 == b.r2
+
+
+def test_calibrate_rejects_bad_options():
+    model, layouts = planted_setup()
+    ids = torch.randint(0, 256, (4, 8))
+    with pytest.raises(ValueError, match="holdout"):
+        calibrate_layouts(model, layouts, ids, holdout=1.0, progress=False)
+    with pytest.raises(ValueError, match="input_ids batches must be"):
+        calibrate_layouts(model, layouts, ids[None], progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# A real (tiny, random) Hugging Face MoE through base_moe.calibrate
+# ---------------------------------------------------------------------------------------------
+def test_calibrate_tiny_qwen3_moe_reports_r2_per_layer(tmp_path):
+    layouts_or_skip()
+    model = tiny_qwen3_moe(layers=3)
+    ids = torch.randint(0, 256, (20, 32))
+    predictors = base_moe.calibrate(model, ids, batch_size=8, progress=False)
+    assert predictors.layers == [0, 1, 2]
+    assert set(predictors.r2) == {0, 1, 2} and all(math.isfinite(v) and v <= 1 for v in predictors.r2.values())
+    for i in predictors.layers:
+        assert predictors.weight[i].shape == (8, 32) and predictors.bias[i].shape == (8,)
+        assert torch.isfinite(predictors.weight[i]).all() and torch.isfinite(predictors.mean_log_norm[i]).all()
+    meta = predictors.metadata
+    assert meta["model_type"] == "qwen3_moe" and meta["layers"] == [0, 1, 2] and meta["tokens_holdout"] == 64
+    assert meta["routing"]["top_k"] == 2
+    predictors.check_compatible(model)
+
+    # the targets are the experts' real output norms: check one layer's mean against a direct computation
+    captured = {}
+    handle = model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: captured.setdefault("z", a[0]))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    handle.remove()
+    z = captured["z"].reshape(-1, 32)
+    experts = model.model.layers[1].mlp.experts
+    gate, up = F.linear(z, experts.gate_up_proj[3]).chunk(2, dim=-1)
+    direct = F.linear(F.silu(gate) * up, experts.down_proj[3]).norm(dim=-1).log().mean()
+    assert float(predictors.mean_log_norm[1][3]) == pytest.approx(float(direct), abs=1e-4)
+
+    # same model, tokens and options: the same file, byte for byte
+    again = base_moe.calibrate(model, ids, batch_size=8, progress=False)
+    predictors.save(tmp_path / "a.safetensors")
+    again.save(tmp_path / "b.safetensors")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()

@@ -1,0 +1,128 @@
+"""Predictors: the safetensors file (round trip, determinism, standard readers) and the compatibility check."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import base_moe
+from base_moe import Predictors
+
+
+def make_predictors(layers=(0, 1, 3), experts: int = 8, hidden: int = 32, seed: int = 0) -> Predictors:
+    g = torch.Generator().manual_seed(seed)
+    weight = {i: torch.randn(experts, hidden, generator=g) for i in layers}
+    bias = {i: torch.randn(experts, generator=g) for i in layers}
+    mean = {i: torch.randn(experts, generator=g) for i in layers}
+    expert_r2 = {i: torch.rand(experts, generator=g) for i in layers}
+    r2 = {i: 0.1 + 0.2 * k + 1e-17 * k for k, i in enumerate(layers)}
+    metadata = {
+        "model_type": "qwen3_moe", "hidden_size": hidden, "num_experts": experts, "tokens": 1234, "ridge": 1e-3,
+        "routing": {"top_k": 2, "scoring": "SOFTMAX"}, "model_name_or_path": "/models/tiné",
+    }
+    return Predictors(weight, bias, mean, r2, metadata, expert_r2)
+
+
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    p = make_predictors()
+    path = tmp_path / "p.safetensors"
+    p.save(path)
+    q = Predictors.load(path)
+    assert q.layers == p.layers == [0, 1, 3]
+    for field in ("weight", "bias", "mean_log_norm", "expert_r2"):
+        for i in p.layers:
+            a, b = getattr(p, field)[i], getattr(q, field)[i]
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (field, i)
+    assert q.r2 == p.r2  # floats survive JSON exactly
+    assert q.metadata == p.metadata
+    assert q.metadata["format"] == "base_moe.predictors" and q.metadata["format_version"] == 1
+    assert q.hidden_size == 32 and q.num_experts == {0: 8, 1: 8, 3: 8}
+
+
+def test_file_is_deterministic_and_readable_by_safetensors(tmp_path):
+    p = make_predictors()
+    p.save(tmp_path / "a.safetensors")
+    make_predictors().save(tmp_path / "b.safetensors")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+    tensors = load_file(tmp_path / "a.safetensors")  # any safetensors reader opens it
+    assert sorted(tensors) == sorted(
+        f"layers.{i}.{f}" for i in (0, 1, 3) for f in ("weight", "bias", "mean_log_norm", "expert_r2")
+    )
+    assert tensors["layers.3.weight"].shape == (8, 32) and torch.equal(tensors["layers.1.bias"], p.bias[1])
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["model_type"]) == "qwen3_moe" and json.loads(meta["layers"]) == [0, 1, 3]
+    assert json.loads(meta["r2"])["3"] == p.r2[3]
+
+
+def test_nan_r2_survives(tmp_path):
+    p = make_predictors(layers=(2,))
+    p.r2[2] = math.nan
+    p = Predictors(p.weight, p.bias, p.mean_log_norm, p.r2, p.metadata)
+    p.save(tmp_path / "p.safetensors")
+    assert math.isnan(Predictors.load(tmp_path / "p.safetensors").r2[2])
+
+
+def test_load_rejects_other_files(tmp_path):
+    save_file({"weight": torch.zeros(2)}, tmp_path / "other.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="not a base_moe predictors file"):
+        Predictors.load(tmp_path / "other.safetensors")
+
+
+def test_inconsistent_shapes_are_refused():
+    with pytest.raises(ValueError, match="same layers"):
+        Predictors({0: torch.zeros(4, 8)}, {1: torch.zeros(4)}, {0: torch.zeros(4)})
+    with pytest.raises(ValueError, match=r"must be \[4\]"):
+        Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(5)}, {0: torch.zeros(4)})
+
+
+# ---------------------------------------------------------------------------------------------
+# check_compatible on real (tiny) models
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def calibrated():
+    from test_calibrate import layouts_or_skip, tiny_qwen3_moe
+
+    layouts_or_skip()
+    model = tiny_qwen3_moe(layers=2, hidden=32, experts=8)
+    return base_moe.calibrate(model, torch.randint(0, 256, (4, 16)), holdout=0.25, progress=False)
+
+
+def test_matching_model_is_accepted(calibrated):
+    from test_calibrate import tiny_qwen3_moe
+
+    calibrated.check_compatible(tiny_qwen3_moe(layers=2, hidden=32, experts=8, seed=1))  # other weights, same shape
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(layers=3, hidden=32, experts=8), r"MoE layers: predictors have 0-1, the model has 0-2"),
+        (dict(layers=2, hidden=48, experts=8), r"hidden size: predictors have 32, the model has \[48\]"),
+        (dict(layers=2, hidden=32, experts=4), r"expert count \(predictors vs model\): layer 0: 8 vs 4, layer 1: 8 vs 4"),
+    ],
+)
+def test_mismatched_model_is_refused(calibrated, kwargs, message):
+    from test_calibrate import tiny_qwen3_moe
+
+    with pytest.raises(ValueError, match=message) as err:
+        calibrated.check_compatible(tiny_qwen3_moe(**kwargs))
+    assert "predictors do not match this model" in str(err.value) and "calibrate" in str(err.value)
+
+
+def test_other_model_type_is_refused(calibrated):
+    from test_calibrate import tiny_qwen3_moe
+
+    other = Predictors(
+        calibrated.weight, calibrated.bias, calibrated.mean_log_norm, calibrated.r2,
+        {**calibrated.metadata, "model_type": "olmoe"},
+    )
+    with pytest.raises(ValueError, match=r"model type: predictors are for 'olmoe', the model is 'qwen3_moe'"):
+        other.check_compatible(tiny_qwen3_moe(layers=2))
