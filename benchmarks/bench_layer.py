@@ -1,0 +1,287 @@
+"""One MoE layer at decode: base_moe's expert op, the whole BASE layer and HF's grouped_mm experts.
+
+Qwen3-30B-A3B (H=2048, E=128, k=8, I=768) and OLMoE-1B-7B (H=2048, E=64, k=8, I=1024) layers, bf16, batch in
+{1, 4, 16, 64, 256}, dense random softmax routing and budgets M in {8, 16, 32, 64}. Budgets are applied to the
+expert op and to HF by restricting the random routing to M random experts (every token's top-k among them);
+the BASE layer runs its own selection (router_predict + route_select with budget M, or M = E when dense) on
+random router and predictor weights. Times: median of CUDA-graph replays, each graph holding several calls
+that rotate among copies of the layer's expert weights so the 60 MB L2 never holds them; a device-to-device
+copy measured in the same run gives the bandwidth ceiling (2 x bytes / time).
+
+    python3 benchmarks/bench_layer.py [--out benchmarks/results/bench_layer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+import base_moe.ops  # noqa: F401
+
+MODELS = {
+    "qwen3-30b-a3b": dict(H=2048, E=128, k=8, I=768, renormalize=True),
+    "olmoe-1b-7b": dict(H=2048, E=64, k=8, I=1024, renormalize=False),
+}
+BATCHES = [1, 4, 16, 64, 256]
+BUDGETS = [None, 8, 16, 32, 64]
+# DESIGN section 8: vLLM fused_moe on the same kind of H200 (Qwen3 layer), microseconds
+VLLM_US = {(1, None): 36.6, (16, None): 194.0, (64, None): 292.0, (16, 16): 60.3, (64, 16): 81.2,
+           (256, 16): 153.0, (64, 32): 123.0}
+COPIES = 3  # expert weight copies (3 x 1.2 GB for Qwen3)
+CALLS_PER_COPY = 4
+
+
+def time_graph(calls, reps=25):
+    """Median microseconds per call: one graph runs CALLS_PER_COPY rounds over `calls` (one per weight copy)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_COPY):
+            for f in calls:
+                f()
+    for _ in range(3):
+        graph.replay()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        start[i].record()
+        graph.replay()
+        end[i].record()
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in zip(start, end))
+    del graph
+    return 1000.0 * ms[len(ms) // 2] / (CALLS_PER_COPY * len(calls))
+
+
+def copy_bandwidth(nbytes=2 << 30):
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(15):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    t = sorted(times)[len(times) // 2] / 1000.0
+    del src, dst
+    return 2 * nbytes / t
+
+
+def random_routing(T, E, k, budget, renormalize, gen):
+    """ids [T, k] int32, weights [T, k] fp32: softmax routing, restricted to `budget` random experts."""
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    if budget is not None and budget < E:
+        keep = torch.randperm(E, device="cuda", generator=gen)[:budget]
+        mask = torch.full((E,), float("-inf"), device="cuda")
+        mask[keep] = 0.0
+        logits = logits + mask
+    p = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(p, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32).contiguous(), w.float().contiguous()
+
+
+def has_cuda_kernel(op):
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"base_moe::{op}", "CUDA")
+    except Exception:
+        return False
+
+
+def torch_selection(x, wr, wp, bp, k, budget, renormalize):
+    """Plain-PyTorch BASE selection (graph-capturable; fallback when the selection kernels are missing)."""
+    E = wr.shape[0]
+    logits = (x @ wr.T).float()
+    g = (x @ wp.T).float() + bp
+    p = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(p, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    cost = w * w * torch.exp(2.0 * torch.gather(g, 1, ids))
+    D = torch.zeros(E, device=x.device).scatter_add_(0, ids.flatten(), cost.flatten())
+    routed = torch.zeros(E, dtype=torch.bool, device=x.device).scatter_(0, ids.flatten(), True)
+    kept = torch.topk(torch.where(routed, D, -1.0), min(budget, E)).indices
+    in_kept = torch.zeros(E, dtype=torch.bool, device=x.device).scatter_(0, kept, True) & routed
+    masked = torch.where(in_kept, logits, float("-inf"))
+    w2, ids2 = torch.topk(torch.where(in_kept, p, -1.0), k, dim=-1)
+    valid = w2 >= 0
+    w2 = torch.where(valid, w2, 0.0)
+    if renormalize:
+        w2 = w2 / w2.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    del masked
+    return torch.where(valid, ids2, E).to(torch.int32), w2
+
+
+def hf_experts_modules(cfg, copies):
+    """HF's Qwen3-MoE experts module with the grouped_mm implementation, one per weight copy."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    conf = Qwen3MoeConfig(hidden_size=cfg["H"], moe_intermediate_size=cfg["I"], num_experts=cfg["E"],
+                          num_experts_per_tok=cfg["k"], hidden_act="silu")
+    conf._experts_implementation = "grouped_mm"
+    mods = []
+    for gu, dp in copies:
+        with torch.device("meta"):
+            mod = Qwen3MoeExperts(conf)
+        mod.gate_up_proj = torch.nn.Parameter(gu, requires_grad=False)
+        mod.down_proj = torch.nn.Parameter(dp, requires_grad=False)
+        mods.append(mod)
+    return mods
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-variants", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.cuda.get_device_properties(0)
+    copy_bw = copy_bandwidth()
+    have_sel = has_cuda_kernel("router_predict") and has_cuda_kernel("route_select")
+    selection = "base_moe CUDA router_predict + route_select" if have_sel else \
+        "FALLBACK plain-PyTorch selection (router_predict/route_select CUDA kernels missing)"
+    print(f"device {dev.name}, {dev.multi_processor_count} SMs; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    print(f"BASE layer selection: {selection}")
+    print("budget rows: expert op and HF use random routing restricted to M random experts; "
+          "the BASE layer selects with its own kernels (budget M)")
+    rows, variants = [], []
+    for name in args.models.split(","):
+        cfg = MODELS[name]
+        H, E, k, I = cfg["H"], cfg["E"], cfg["k"], cfg["I"]
+        expert_bytes = 3 * H * I * 2
+        copies = []
+        for _ in range(COPIES):
+            gu = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
+            dp = (torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5).to(torch.bfloat16)
+            copies.append((gu, dp))
+        wr = (torch.randn(E, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
+        wp = (torch.randn(E, H, device="cuda", generator=gen) * 0.1 * H**-0.5).to(torch.bfloat16)
+        bp = torch.zeros(E, device="cuda")
+        hf = None
+        if not args.no_hf:
+            try:
+                hf = hf_experts_modules(cfg, copies)
+            except Exception as exc:  # report, don't die
+                print(f"HF grouped_mm experts unavailable: {exc!r}")
+        for T in BATCHES:
+            x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+            for M in BUDGETS:
+                ids, w = random_routing(T, E, k, M, cfg["renormalize"], gen)
+                active = int(torch.unique(ids[ids < E]).numel())
+                ours = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp)
+                                   for gu, dp in copies])
+                budget = E if M is None else M
+
+                def layer(gu, dp):
+                    if have_sel:
+                        logits, g = torch.ops.base_moe.router_predict(x, wr, None, wp, bp)
+                        sid, sw, *_ = torch.ops.base_moe.route_select(
+                            logits, g, None, 1, k, 0, cfg["renormalize"], 1, 1, 1.0, 0, budget, 0)
+                    else:
+                        sid, sw = torch_selection(x, wr, wp, bp, k, budget, cfg["renormalize"])
+                    return torch.ops.base_moe.experts(x, sid, sw, gu, dp)
+
+                base_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp) for gu, dp in copies])
+                if have_sel:
+                    logits, g = torch.ops.base_moe.router_predict(x, wr, None, wp, bp)
+                    sid = torch.ops.base_moe.route_select(logits, g, None, 1, k, 0, cfg["renormalize"], 1, 1, 1.0,
+                                                          0, budget, 0)[0]
+                else:
+                    sid = torch_selection(x, wr, wp, bp, k, budget, cfg["renormalize"])[0]
+                base_active = int(torch.unique(sid[sid < E]).numel())
+                hf_us = None
+                if hf is not None:
+                    ids64 = ids.long()
+                    try:
+                        with torch.no_grad():
+                            hf_us = time_graph([lambda m=m: m(x, ids64, w.to(torch.bfloat16)) for m in hf])
+                    except Exception as exc:
+                        print(f"HF grouped_mm failed at T={T}: {exc!r}")
+                        hf = None
+                bw = active * expert_bytes / (ours * 1e-6)
+                row = dict(model=name, batch=T, budget=M, active=active, ours_us=ours, ours_bw_TBps=bw / 1e12,
+                           ours_frac_copy=bw / copy_bw, base_layer_us=base_us, base_layer_active=base_active,
+                           hf_grouped_mm_us=hf_us, floor_us=active * expert_bytes / copy_bw * 1e6,
+                           vllm_us=VLLM_US.get((T, M)) if name == "qwen3-30b-a3b" else None)
+                rows.append(row)
+                print(f"{name:14s} T={T:4d} M={str(M):4s} active={active:3d} ours={ours:7.1f}us "
+                      f"({bw / 1e12:4.2f} TB/s, {100 * bw / copy_bw:3.0f}% copy) base_layer={base_us:7.1f}us "
+                      f"(|A|={base_active}) hf={hf_us if hf_us is None else round(hf_us, 1)} "
+                      f"vllm={row['vllm_us']}", flush=True)
+        if name == "qwen3-30b-a3b" and not args.no_variants:
+            # tile configurations and PDL, on the acceptance points
+            for T, M in [(1, None), (16, None), (16, 16), (64, 16), (64, 32), (64, None), (256, 16), (256, None)]:
+                ids, w = random_routing(T, E, k, M, cfg["renormalize"], gen)
+                x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+                active = int(torch.unique(ids[ids < E]).numel())
+                res = {}
+                for var in ["S", "M", "L", "XL", "nopdl"]:
+                    os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
+                    os.environ.pop("BASE_MOE_EXPERTS_PDL", None)
+                    if var == "nopdl":
+                        os.environ["BASE_MOE_EXPERTS_PDL"] = "0"
+                    else:
+                        os.environ["BASE_MOE_EXPERTS_CONFIG"] = var
+                    res[var] = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp)
+                                           for gu, dp in copies])
+                os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
+                os.environ.pop("BASE_MOE_EXPERTS_PDL", None)
+                variants.append(dict(batch=T, budget=M, active=active, us=res))
+                print(f"variants T={T:4d} M={str(M):4s} active={active:3d} " +
+                      " ".join(f"{key}={val:6.1f}" for key, val in res.items()), flush=True)
+        del copies, hf
+        torch.cuda.empty_cache()
+
+    print("\nmodel           batch budget active  ours_us  %copy  base_layer_us  hf_grouped_mm_us  vllm_us")
+    for r in rows:
+        print(f"{r['model']:15s} {r['batch']:5d} {str(r['budget']):6s} {r['active']:6d} {r['ours_us']:8.1f} "
+              f"{100 * r['ours_frac_copy']:5.0f}% {r['base_layer_us']:13.1f} "
+              f"{(r['hf_grouped_mm_us'] or float('nan')):17.1f} {r['vllm_us'] or float('nan'):8.1f}")
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except Exception:
+        tf_version = None
+    commit = os.environ.get("BENCH_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        except Exception:
+            commit = None
+    result = dict(machine=dict(gpu=dev.name, sms=dev.multi_processor_count, host=platform.node()),
+                  torch=torch.__version__, cuda=torch.version.cuda, transformers=tf_version, commit=commit,
+                  command=" ".join([sys.executable] + sys.argv), time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  copy_bandwidth_TBps=copy_bw / 1e12, selection=selection,
+                  budget_method="expert op and HF: random softmax routing restricted to M random experts; "
+                                "BASE layer: its own selection with budget M on random router/predictor weights",
+                  rows=rows, variants=variants)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+// Decode expert kernel (stage 4): y_t = sum_j w_tj * down_u(silu(gate_u x_t) * up_u x_t) over the token's
+// non-sentinel slots, for HF v5 layouts (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]).
+//
+// Three launches, chained with programmatic dependent launch (PDL) so each starts streaming weights
+// while the previous one finishes:
+//   1. gate_up GEMM: CTA = (row tile of I, active expert). act[p, i] = silu(gate_i . x) * (up_i . x) for
+//      the expert's tokens, rounded to hidden's dtype; rows p are the (token, slot) pairs sorted by expert
+//      then token ("expert-sorted positions").
+//   2. down GEMM:    CTA = (row tile of H, active expert). yslot[t*k + j, h] = w_tj * (down_h . act[p]) in fp32.
+//   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
+// No separate routing pass: every CTA counts the ids itself (T*k ints, from L2), finds the a-th active
+// expert (blockIdx.y = a; CTAs past the number of active experts exit at once), its token count and
+// its offset in the expert-sorted order, and lists its (token, slot) pairs in token order. So the op
+// needs no host sync and allocates only buffers sized from T, k, H, I.
+//
+// Each CTA streams its weight tile (ROWS rows x K) from HBM exactly once, whatever the number of tokens
+// (up to NP tokens per pass; more tokens take another pass over the tile). The weight tile and the
+// tokens' inputs go through a multi-stage cp.async pipeline in shared memory, KS = 64 columns (128 bytes
+// per row) per stage. Tensor cores: mma.sync m16n8k16 with weight rows as M and tokens as the narrow N
+// side. Each lane loads 16 contiguous bytes of a row; the k order inside each 32-wide chunk is permuted
+// identically for A (weights) and B (tokens), so one 16-byte shared load feeds two MMAs' fragments.
+// Accumulation in fp32; every output element is written by one thread in a fixed order: deterministic.
+//
+// Shape constraints (checked at the op boundary): H and I multiples of 64, E <= 512, 16-byte aligned
+// tensors, bf16 or fp16. ids outside [0, E] are treated like the sentinel (can't be checked without a sync).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "base_moe/checks.h"
+#include "base_moe/experts_mma.cuh"
+#include "base_moe/routing.h"
+
+namespace base_moe {
+namespace {
+
+using namespace experts_detail;
+
+constexpr int KS = 64;          // k elements per pipeline stage
+constexpr int ROW_BYTES = 128;  // KS * 2 bytes: one stage row in shared memory
+constexpr int kMaxE = 512;
+
+struct GemmParams {
+  const int32_t* ids;      // [T*k]
+  const float* weights;    // [T*k]
+  int tk;                  // T * k
+  int top_k;
+  int num_experts;
+  const void* w;           // expert weights [E, R, K]
+  int64_t w_expert_stride; // R * K elements
+  int K;                   // reduction length (H for gate_up, I for down)
+  int up_row_offset;       // gated: row of the first up row (I)
+  const void* b;           // gated: hidden [T, K]; else act [T*k, K]
+  void* out;               // gated: act [T*k, I] (input dtype); else yslot [T*k, H] fp32
+  int out_stride;
+};
+
+// Byte offset of 16-byte chunk `ch` (0..7) of stage row `r`: odd rows swap halves so that the 8 lanes of a
+// quarter warp (two rows x 64 bytes) hit all 32 banks.
+__device__ __forceinline__ uint32_t swz(int r, int ch) { return r * ROW_BYTES + ((ch ^ ((r & 1) << 2)) << 4); }
+
+// GATED: gate_up GEMM + SiLU * up (ROWS = gate rows + up rows, half each); else the down GEMM.
+// WARPS warps split the tokens of a pass (n-tile of 8 tokens j belongs to warp j % WARPS), each warp covers
+// every weight row of the tile: NP = WARPS * NTW * 8 tokens per pass.
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParams p) {
+  constexpr int NT = WARPS * 32;
+  constexpr int NP = WARPS * NTW * 8;
+  constexpr int RT = ROWS / 16;
+  constexpr int A_BYTES = ROWS * ROW_BYTES;
+  constexpr int STAGE_BYTES = (ROWS + NP) * ROW_BYTES;
+  constexpr int A_PER_THREAD = ROWS * 8 / NT;
+  constexpr int B_PER_THREAD = (NP * 8 + NT - 1) / NT;
+  static_assert(ROWS * 8 % NT == 0, "A tile must split evenly over the threads");
+  static_assert(!GATED || RT % 2 == 0, "gated tiles hold as many gate rows as up rows");
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  int* s_cnt = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);  // [kMaxE] tokens per expert
+  int* s_list = s_cnt + kMaxE;                                      // [NP] flat (t*k+j) of this pass's tokens
+  __shared__ int s_scan[WARPS];
+  __shared__ int s_info[3];  // expert, offset in expert-sorted order, token count
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int E = p.num_experts;
+
+  pdl_launch_dependents();  // the next kernel may be scheduled once all our CTAs are
+
+  // ---- routing: count the ids, find the a-th active expert ---------------------------------------------
+  for (int e = tid; e < E; e += NT) s_cnt[e] = 0;
+  if (tid == 0) s_info[0] = -1;
+  __syncthreads();
+  for (int i = tid; i < p.tk; i += NT) {
+    const int u = p.ids[i];
+    if (static_cast<unsigned>(u) < static_cast<unsigned>(E)) atomicAdd(&s_cnt[u], 1);
+  }
+  __syncthreads();
+  {
+    const int per = (E + NT - 1) / NT;
+    const int e0 = min(tid * per, E), e1 = min(e0 + per, E);
+    int n_active = 0, n_tok = 0;
+    for (int e = e0; e < e1; ++e) {
+      n_active += s_cnt[e] > 0;
+      n_tok += s_cnt[e];
+    }
+    int total;
+    int active_before = block_exclusive_scan<WARPS>(n_active, s_scan, total);
+    int tok_before = block_exclusive_scan<WARPS>(n_tok, s_scan, total);
+    const int a = blockIdx.y;
+    if (a >= active_before && a < active_before + n_active) {
+      for (int e = e0; e < e1; ++e) {
+        const int c = s_cnt[e];
+        if (c > 0 && active_before == a) {
+          s_info[0] = e;
+          s_info[1] = tok_before;
+          s_info[2] = c;
+        }
+        active_before += c > 0;
+        tok_before += c;
+      }
+    }
+  }
+  __syncthreads();
+  const int u = s_info[0];
+  if (u < 0) return;  // fewer active experts than grid rows
+  const int off = s_info[1], cnt = s_info[2];
+
+  const T* wexp = static_cast<const T*>(p.w) + static_cast<int64_t>(u) * p.w_expert_stride;
+  const int row0 = blockIdx.x * (GATED ? ROWS / 2 : ROWS);
+  const int K = p.K;
+  const int nk = K / KS;
+  const uint64_t policy = evict_first_policy();
+  const uint32_t smem0 = smem_addr(smem);
+
+  // this thread's A chunks: row pointers (fixed for the whole tile)
+  const T* a_src[A_PER_THREAD];
+  uint32_t a_dst[A_PER_THREAD];
+#pragma unroll
+  for (int i = 0; i < A_PER_THREAD; ++i) {
+    const int c = tid + i * NT, r = c >> 3, ch = c & 7;
+    int grow = row0 + r;
+    if (GATED && r >= ROWS / 2) grow = p.up_row_offset + row0 + (r - ROWS / 2);
+    a_src[i] = wexp + static_cast<int64_t>(grow) * K + ch * 8;
+    a_dst[i] = swz(r, ch);
+  }
+  auto load_a = [&](int slot, int ks) {
+#pragma unroll
+    for (int i = 0; i < A_PER_THREAD; ++i)
+      cp_async16_stream(smem0 + slot * STAGE_BYTES + a_dst[i], a_src[i] + ks * KS, policy);
+  };
+
+  for (int c0 = 0; c0 < cnt; c0 += NP) {
+    const int nv = min(NP, cnt - c0);  // tokens in this pass
+    const int nv8 = (nv + 7) & ~7;
+
+    // weights first: they don't depend on the previous kernel
+#pragma unroll 1
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < nk) load_a(s, s);
+
+    // this pass's (token, slot) pairs of expert u, in token order
+    {
+      const int per = (p.tk + NT - 1) / NT;
+      const int i0 = min(tid * per, p.tk), i1 = min(i0 + per, p.tk);
+      int m = 0;
+      for (int i = i0; i < i1; ++i) m += p.ids[i] == u;
+      int total;
+      int r = block_exclusive_scan<WARPS>(m, s_scan, total);
+      for (int i = i0; i < i1 && r < c0 + nv; ++i) {
+        if (p.ids[i] == u) {
+          if (r >= c0) s_list[r - c0] = i;
+          ++r;
+        }
+      }
+    }
+    __syncthreads();
+
+    if (!GATED) pdl_wait();  // act comes from the gate_up kernel
+
+    // this thread's B chunks (token rows)
+    const T* b_src[B_PER_THREAD];
+    uint32_t b_dst[B_PER_THREAD];
+    bool b_valid[B_PER_THREAD], b_live[B_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < B_PER_THREAD; ++i) {
+      const int c = tid + i * NT, r = c >> 3, ch = c & 7;
+      b_live[i] = c < NP * 8 && r < nv8;
+      b_valid[i] = b_live[i] && r < nv;
+      const T* base = static_cast<const T*>(p.b);
+      int64_t row = 0;
+      if (b_valid[i]) row = GATED ? s_list[r] / p.top_k : off + c0 + r;
+      b_src[i] = base + row * K + ch * 8;
+      b_dst[i] = A_BYTES + swz(r, ch);
+    }
+    auto load_b = [&](int slot, int ks) {
+#pragma unroll
+      for (int i = 0; i < B_PER_THREAD; ++i)
+        if (b_live[i]) cp_async16_zfill(smem0 + slot * STAGE_BYTES + b_dst[i], b_src[i] + ks * KS, b_valid[i]);
+    };
+#pragma unroll 1
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < nk) load_b(s, s);
+      cp_async_commit();
+    }
+
+    float acc[RT][NTW][4];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int j = 0; j < NTW; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
+
+    const bool warp_has_tokens = warp * 8 < nv;
+
+#pragma unroll 1
+    for (int ks = 0; ks < nk; ++ks) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      {
+        const int nx = ks + STAGES - 1;
+        if (nx < nk) {
+          load_a(nx % STAGES, nx);
+          load_b(nx % STAGES, nx);
+        }
+        cp_async_commit();
+      }
+      if (warp_has_tokens) {
+        const uint32_t sa = smem0 + (ks % STAGES) * STAGE_BYTES;
+        const uint32_t sb = sa + A_BYTES;
+#pragma unroll
+        for (int kc = 0; kc < KS / 32; ++kc) {
+          const int ch = kc * 4 + q;
+          uint4 bf[NTW];
+#pragma unroll
+          for (int j = 0; j < NTW; ++j) {
+            const int nt = warp + j * WARPS;
+            if (nt * 8 < nv) bf[j] = lds128(sb + swz(nt * 8 + g, ch));
+          }
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            const uint4 lo = lds128(sa + swz(rt * 16 + g, ch));
+            const uint4 hi = lds128(sa + swz(rt * 16 + g + 8, ch));
+#pragma unroll
+            for (int j = 0; j < NTW; ++j) {
+              const int nt = warp + j * WARPS;
+              if (nt * 8 < nv) {
+                mma16816<T>(acc[rt][j], lo.x, hi.x, lo.y, hi.y, bf[j].x, bf[j].y);
+                mma16816<T>(acc[rt][j], lo.z, hi.z, lo.w, hi.w, bf[j].z, bf[j].w);
+              }
+            }
+          }
+        }
+      }
+    }
+
+    // ---- epilogue: accumulator (row g [+8], tokens 2q, 2q+1) ---------------------------------------------
+    if (warp_has_tokens) {
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        const int nt = warp + j * WARPS;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = nt * 8 + 2 * q + e;
+          if (tok >= nv) continue;
+          if constexpr (GATED) {
+            T* act = static_cast<T*>(p.out) + static_cast<int64_t>(off + c0 + tok) * p.out_stride + row0;
+#pragma unroll
+            for (int rt = 0; rt < RT / 2; ++rt) {
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const float gv = acc[rt][j][2 * h + e], uv = acc[rt + RT / 2][j][2 * h + e];
+                act[rt * 16 + g + 8 * h] = from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+              }
+            }
+          } else {
+            const int flat = s_list[tok];
+            const float wv = p.weights[flat];
+            float* y = static_cast<float*>(p.out) + static_cast<int64_t>(flat) * p.out_stride + row0;
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt) {
+#pragma unroll
+              for (int h = 0; h < 2; ++h) y[rt * 16 + g + 8 * h] = wv * acc[rt][j][2 * h + e];
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // s_list and the stages are reused by the next pass
+  }
+}
+
+// y[t, h..h+8) = sum over slots j (in order) of yslot[t*k + j, h..h+8), skipping sentinel slots.
+template <typename T>
+__global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict__ ids,
+                                                       const float* __restrict__ yslot, T* __restrict__ y,
+                                                       int tokens, int top_k, int num_experts, int H) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int h8 = H / 8;
+  if (idx >= static_cast<int64_t>(tokens) * h8) return;
+  const int t = static_cast<int>(idx / h8), h = static_cast<int>(idx % h8) * 8;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  pdl_wait();
+  for (int j = 0; j < top_k; ++j) {
+    const int u = ids[t * top_k + j];
+    if (static_cast<unsigned>(u) >= static_cast<unsigned>(num_experts)) continue;
+    const float4* src = reinterpret_cast<const float4*>(yslot + (static_cast<int64_t>(t) * top_k + j) * H + h);
+    const float4 a = src[0], b = src[1];
+    acc[0] += a.x; acc[1] += a.y; acc[2] += a.z; acc[3] += a.w;
+    acc[4] += b.x; acc[5] += b.y; acc[6] += b.z; acc[7] += b.w;
+  }
+  alignas(16) T out[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = from_float<T>(acc[i]);
+  *reinterpret_cast<uint4*>(y + static_cast<int64_t>(t) * H + h) = *reinterpret_cast<const uint4*>(out);
+}
+
+// ---- host side ------------------------------------------------------------------------------------------
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
+void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
+  constexpr int NP = WARPS * NTW * 8;
+  constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (kMaxE + NP) * sizeof(int);
+  auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES>;
+  static bool configured = [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    return true;
+  }();
+  (void)configured;
+  launch(kernel, dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, pdl, p);
+}
+
+// Tile configurations, picked by the number of tokens T (a shape, so the choice is graph-safe):
+// up to NP tokens of one expert run in one pass over its weights.
+enum class Config { kS, kM, kL, kXL };
+
+Config pick_config(int64_t tokens) {
+  const char* forced = std::getenv("BASE_MOE_EXPERTS_CONFIG");  // for benchmarks: S, M, L or XL
+  if (forced != nullptr) {
+    if (!std::strcmp(forced, "S")) return Config::kS;
+    if (!std::strcmp(forced, "M")) return Config::kM;
+    if (!std::strcmp(forced, "L")) return Config::kL;
+    if (!std::strcmp(forced, "XL")) return Config::kXL;
+  }
+  if (tokens <= 32) return Config::kS;
+  if (tokens <= 64) return Config::kM;
+  return Config::kL;
+}
+
+bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch off (benchmarks)
+  const char* v = std::getenv("BASE_MOE_EXPERTS_PDL");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+template <typename T>
+void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
+                 Config cfg, cudaStream_t stream) {
+  const bool pdl = use_pdl();
+  switch (cfg) {
+    case Config::kS:  // gate_up: 16+16 rows, 32 tokens per pass; down: 32 rows
+      launch_gemm<T, true, 32, 1, 4, 8>(p1, I / 16, grid_experts, stream, false);
+      launch_gemm<T, false, 32, 1, 4, 6>(p2, H / 32, grid_experts, stream, pdl);
+      break;
+    case Config::kM:  // 64 rows, 64 tokens per pass
+      launch_gemm<T, true, 64, 2, 4, 6>(p1, I / 32, grid_experts, stream, false);
+      launch_gemm<T, false, 64, 2, 4, 6>(p2, H / 64, grid_experts, stream, pdl);
+      break;
+    case Config::kL:  // 64 rows, 128 tokens per pass
+      launch_gemm<T, true, 64, 4, 4, 4>(p1, I / 32, grid_experts, stream, false);
+      launch_gemm<T, false, 64, 4, 4, 4>(p2, H / 64, grid_experts, stream, pdl);
+      break;
+    case Config::kXL:  // 64 rows, 256 tokens per pass, 8 warps
+      launch_gemm<T, true, 64, 4, 8, 3>(p1, I / 32, grid_experts, stream, false);
+      launch_gemm<T, false, 64, 4, 8, 3>(p2, H / 64, grid_experts, stream, pdl);
+      break;
+  }
+}
+
+Tensor experts_cuda(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
+                    const Tensor& gate_up_proj, const Tensor& down_proj) {
+  check_experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj);
+  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 || hidden.scalar_type() == at::kHalf,
+              "experts on CUDA takes bfloat16 or float16 hidden states and weights, got ", hidden.scalar_type(),
+              " (cast the inputs, or run the op on the CPU)");
+  const int64_t T = hidden.size(0), H = hidden.size(1), k = expert_ids.size(1);
+  const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
+  TORCH_CHECK(H % 64 == 0, "experts on CUDA needs hidden_size to be a multiple of 64, got ", H);
+  TORCH_CHECK(I % 64 == 0, "experts on CUDA needs the intermediate size (gate_up_proj.size(1) / 2) to be a "
+              "multiple of 64, got ", I);
+  TORCH_CHECK(E >= 1 && E <= kMaxE, "experts on CUDA supports 1 to ", kMaxE, " experts, got ", E);
+  TORCH_CHECK(T * k < (int64_t{1} << 31) / 2, "experts on CUDA: too many (token, slot) pairs: ", T * k);
+  for (const Tensor* t : {&hidden, &gate_up_proj, &down_proj}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "experts on CUDA needs 16-byte aligned hidden, gate_up_proj and down_proj");
+  }
+  Tensor y = at::empty_like(hidden);
+  if (T == 0) return y;
+
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t tk = T * k;
+  Tensor act = at::empty({tk, I}, hidden.options());
+  Tensor yslot = at::empty({tk, H}, hidden.options().dtype(at::kFloat));
+  const int grid_experts = static_cast<int>(std::min<int64_t>(E, tk));
+
+  GemmParams p1{};
+  p1.ids = expert_ids.data_ptr<int32_t>();
+  p1.weights = expert_weights.data_ptr<float>();
+  p1.tk = static_cast<int>(tk);
+  p1.top_k = static_cast<int>(k);
+  p1.num_experts = static_cast<int>(E);
+  GemmParams p2 = p1;
+  p1.w = gate_up_proj.data_ptr();
+  p1.w_expert_stride = 2 * I * H;
+  p1.K = static_cast<int>(H);
+  p1.up_row_offset = static_cast<int>(I);
+  p1.b = hidden.data_ptr();
+  p1.out = act.data_ptr();
+  p1.out_stride = static_cast<int>(I);
+  p2.w = down_proj.data_ptr();
+  p2.w_expert_stride = H * I;
+  p2.K = static_cast<int>(I);
+  p2.up_row_offset = 0;
+  p2.b = act.data_ptr();
+  p2.out = yslot.data_ptr();
+  p2.out_stride = static_cast<int>(H);
+
+  const Config cfg = pick_config(T);
+  const int64_t n8 = T * (H / 8);
+  const dim3 sum_grid(static_cast<unsigned>((n8 + 255) / 256));
+  if (hidden.scalar_type() == at::kBFloat16) {
+    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, cfg, stream);
+    launch(slot_sum_kernel<__nv_bfloat16>, sum_grid, dim3(256), 0, stream, use_pdl(), p1.ids,
+           static_cast<const float*>(p2.out), static_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<int>(T),
+           static_cast<int>(k), static_cast<int>(E), static_cast<int>(H));
+  } else {
+    run_experts<__half>(p1, p2, I, H, grid_experts, cfg, stream);
+    launch(slot_sum_kernel<__half>, sum_grid, dim3(256), 0, stream, use_pdl(), p1.ids,
+           static_cast<const float*>(p2.out), static_cast<__half*>(y.data_ptr()), static_cast<int>(T),
+           static_cast<int>(k), static_cast<int>(E), static_cast<int>(H));
+  }
+  return y;
+}
+
+}  // namespace
+}  // namespace base_moe
+
+TORCH_LIBRARY_IMPL(base_moe, CUDA, m) { m.impl("experts", &base_moe::experts_cuda); }
