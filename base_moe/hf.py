@@ -1,0 +1,385 @@
+"""Drop-in budgeted MoE decoding for Hugging Face models: ``apply``, ``configure``, ``restore``.
+
+``apply(model, ...)`` finds every MoE block (:func:`base_moe.layouts.find_moe_layouts`) and re-classes it in
+place: the block becomes an instance of a subclass of its own class, and so does its router. Every submodule,
+parameter, buffer and hook stays where it was, so ``state_dict`` keys and shapes, ``save_pretrained`` /
+``from_pretrained`` and ``output_router_logits`` (hooks matched with ``isinstance`` on the router class) keep
+working; ``restore`` puts the original classes back.
+
+What a patched block does with a call:
+
+* the budget is off (``budget=None`` or ``policy="dense"``), or the call has more than one token per sequence
+  (prefill): the model's own forward, unchanged;
+* a decode call (``[B, 1, H]``): the B tokens are one decode batch. ``base_moe.ops.router_predict`` (router +
+  predictor GEMV) -> the policy (``base_moe.ops.route_select`` for the cost-based policies) -> the routed experts
+  over the kept set only (``base_moe.ops.experts`` for the fused HF v5 layout; the model's own experts module,
+  with empty slots pointed at a kept expert with weight 0, for others such as GPT-OSS) -> plus shared experts.
+  No host synchronisation: a decode step can be captured in a CUDA graph.
+* ``group_by="position"`` (the evaluation harness, DESIGN section 7): every call is budgeted, each sequence
+  position of ``[B, S, H]`` is one decode batch of B tokens (``num_groups = S``), except the first
+  ``dense_positions`` positions, which run the model's own forward.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from . import ops, reference
+from .layouts import MoELayout, find_moe_layouts
+from .policies import DecodeStep, Policy, Selection, get_policy, has_kernel, parse_fill
+from .routing import Fill
+
+__all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections"]
+
+_UNSET = object()
+_GROUP_BY = ("batch", "position")
+_EXPERTS = ("auto", "base_moe", "hf")
+_OPTIONS = {
+    "group_by": "'batch' (a decode call's tokens form one batch) or 'position' (each position is one batch)",
+    "dense_positions": "with group_by='position': leading positions that run the model's own routing",
+    "experts": "'auto', 'base_moe' (base_moe.ops.experts) or 'hf' (the model's own experts module)",
+    "record": "keep each block's last Selection (read it with base_moe.hf.selections(model))",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every patched block of one model does; ``configure`` swaps in a new one."""
+
+    budget: int | None = None
+    policy: Policy = get_policy("dense")
+    fill: Fill = Fill.BACKFILL
+    group_by: str = "batch"
+    dense_positions: int = 0
+    experts: str = "auto"
+    record: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.budget is not None and self.policy.budgeted
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------
+def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: str | Policy = "base",
+          fill: str | Fill = "backfill", **options) -> nn.Module:
+    """Make every MoE block of ``model`` budget-aware, in place; returns ``model``.
+
+    ``predictors``: a ``base_moe.Predictors`` or the path of a saved one (needed by ``base`` and
+    ``static_energy``). ``budget``: experts kept per layer and decode batch (None: the model's own routing).
+    ``policy``: a name from ``base_moe.policies.available_policies()``. ``fill``: ``backfill``, ``drop`` or
+    ``drop_renorm``. Options: ``group_by``, ``dense_positions``, ``experts``, ``record`` (see ``_OPTIONS``).
+    """
+    if is_applied(model):
+        raise ValueError(
+            "base_moe.apply was already called on this model: change its settings with base_moe.configure(model, ...) "
+            "or undo it with base_moe.restore(model)"
+        )
+    found = find_moe_layouts(model)
+    if not found:
+        raise ValueError(
+            f"no MoE block found in {type(model).__name__}: base_moe looks for modules with an 'experts' child "
+            "holding fused 3-D expert weights (transformers >= 5 MoE models)"
+        )
+    predictors = _load_predictors(predictors, model)
+    settings = _settings(Settings(), found, predictors, budget=budget, policy=policy, fill=fill, **options)
+    for layout in found:
+        if "forward" in layout.block.__dict__ or "forward" in layout.router.__dict__:
+            raise ValueError(
+                f"MoE block '{layout.name}' has an instance-level forward (an accelerate/kernels hook?); "
+                "call base_moe.apply before dispatching the model across devices"
+            )
+    for layout in found:
+        state = _BlockState(layout, settings)
+        state.set_predictors(predictors)
+        layout.block.__class__ = _patched_class(_BaseMoEBlock, type(layout.block))
+        layout.router.__class__ = _patched_class(_BaseMoERouter, layout.router_class)
+        layout.block._base_moe = state
+    model._base_moe_layouts = found
+    return model
+
+
+def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predictors=_UNSET, **options) -> nn.Module:
+    """Change the budget, policy, fill rule, predictors or options of a patched model; returns ``model``.
+
+    Only the arguments given change. No re-patching; a CUDA graph captured for one budget must be captured again
+    for another (the kept set's shape depends on it)."""
+    found = moe_layouts(model)
+    state0 = found[0].block._base_moe
+    if predictors is not _UNSET:
+        predictors = _load_predictors(predictors, model)
+    has_predictors = state0.predictors if predictors is _UNSET else predictors
+    given = {k: v for k, v in dict(budget=budget, policy=policy, fill=fill).items() if v is not _UNSET}
+    settings = _settings(state0.settings, found, has_predictors, **given, **options)
+    for layout in found:
+        state = layout.block._base_moe
+        if predictors is not _UNSET:
+            state.set_predictors(predictors)
+        state.settings = settings
+        state.last = None
+    return model
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply`: every MoE block and router gets its original class back; returns ``model``."""
+    for layout in moe_layouts(model):
+        layout.block.__class__ = type(layout.block)._base_moe_original_class
+        layout.router.__class__ = layout.router_class
+        del layout.block._base_moe
+    del model._base_moe_layouts
+    return model
+
+
+def is_applied(model: nn.Module) -> bool:
+    return getattr(model, "_base_moe_layouts", None) is not None
+
+
+def moe_layouts(model: nn.Module) -> list[MoELayout]:
+    """The MoE layouts of a patched model."""
+    if not is_applied(model):
+        raise ValueError("this model is not patched: call base_moe.apply(model, ...) first")
+    return model._base_moe_layouts
+
+
+def selections(model: nn.Module) -> dict[int, tuple[Selection, int]]:
+    """With ``record=True``: each MoE layer's last budgeted ``(Selection, num_groups)``, by layer index."""
+    return {lay.layer_index: lay.block._base_moe.last for lay in moe_layouts(model) if lay.block._base_moe.last}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Settings and predictors
+# ---------------------------------------------------------------------------------------------------------------
+def _settings(current: Settings, found: list[MoELayout], predictors, **changes) -> Settings:
+    unknown = sorted(set(changes) - {"budget", "policy", "fill", *_OPTIONS})
+    if unknown:
+        described = "; ".join(f"{k}: {v}" for k, v in _OPTIONS.items())
+        raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}; options are {described}")
+    if "policy" in changes:
+        changes["policy"] = get_policy(changes["policy"])
+    if "fill" in changes:
+        changes["fill"] = parse_fill(changes["fill"])
+    s = replace(current, **changes)
+
+    if s.budget is not None and (isinstance(s.budget, bool) or not isinstance(s.budget, int) or s.budget < 1):
+        raise ValueError(
+            f"budget must be a positive int (experts kept per MoE layer and decode batch) or None, got {s.budget!r}"
+        )
+    if s.group_by not in _GROUP_BY:
+        raise ValueError(f"group_by must be one of {_GROUP_BY}, got {s.group_by!r}")
+    if isinstance(s.dense_positions, bool) or not isinstance(s.dense_positions, int) or s.dense_positions < 0:
+        raise ValueError(f"dense_positions must be an int >= 0, got {s.dense_positions!r}")
+    if s.experts not in _EXPERTS:
+        raise ValueError(f"experts must be one of {_EXPERTS}, got {s.experts!r}")
+    if s.experts == "base_moe":
+        for layout in found:
+            if not layout.fused:
+                raise ValueError(
+                    f"experts='base_moe' needs the fused SiLU expert layout; MoE block '{layout.name}' has another "
+                    "(e.g. GPT-OSS): use experts='auto'"
+                )
+    if not isinstance(s.record, bool):
+        raise ValueError(f"record must be a bool, got {s.record!r}")
+    if s.active and s.policy.needs_predictors and predictors is None:
+        raise ValueError(
+            f"policy '{s.policy.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path "
+            "(policies without predictors: router_sum, router_sq, frequency, top1_union, oracle)"
+        )
+    if s.active and s.policy.needs_statistics:
+        if predictors is None or not getattr(predictors, "mean_log_norm", None):
+            raise ValueError(
+                f"policy '{s.policy.name}' needs the calibrated per-expert mean log-norms: pass predictors=path "
+                "(from base_moe.calibrate(...), which stores them)"
+            )
+    return s
+
+
+def _load_predictors(predictors, model: nn.Module):
+    if predictors is None:
+        return None
+    if isinstance(predictors, (str, os.PathLike)):
+        try:
+            from .predictors import Predictors
+        except ImportError as error:  # pragma: no cover - until base_moe.predictors exists
+            raise ImportError("loading predictors from a path needs base_moe.predictors") from error
+        predictors = Predictors.load(predictors)
+    if not (hasattr(predictors, "weight") and hasattr(predictors, "bias")):
+        raise TypeError(
+            f"predictors must be a base_moe.Predictors or the path of a saved one, got {type(predictors).__name__}"
+        )
+    check = getattr(predictors, "check_compatible", None)
+    if check is not None:
+        check(model)
+    for layout in find_moe_layouts(model) if not is_applied(model) else moe_layouts(model):
+        i, shape = layout.layer_index, (layout.num_experts, layout.hidden_size)
+        if i not in predictors.weight or i not in predictors.bias:
+            raise ValueError(
+                f"the predictors have no layer {i} (MoE block '{layout.name}'); they cover layers "
+                f"{sorted(predictors.weight)}: calibrate this model with base_moe.calibrate(...)"
+            )
+        if tuple(predictors.weight[i].shape) != shape or tuple(predictors.bias[i].shape) != shape[:1]:
+            raise ValueError(
+                f"the predictors of layer {i} have weight {tuple(predictors.weight[i].shape)} and bias "
+                f"{tuple(predictors.bias[i].shape)}, but MoE block '{layout.name}' has {shape[0]} experts of "
+                f"hidden size {shape[1]}: they were calibrated for another model"
+            )
+    return predictors
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The patched classes
+# ---------------------------------------------------------------------------------------------------------------
+_PATCHED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _patched_class(mixin: type, cls: type) -> type:
+    key = (mixin, cls)
+    if key not in _PATCHED_CLASSES:
+        _PATCHED_CLASSES[key] = type(
+            f"BaseMoE{cls.__name__}", (mixin, cls), {"_base_moe_original_class": cls, "__module__": __name__}
+        )
+    return _PATCHED_CLASSES[key]
+
+
+class _BaseMoERouter:
+    """Mixed into the model's router class. Called with ``base_moe=state`` it returns ``(logits [T, E] fp32,
+    predicted log-norms [T, E] or [T, 0])`` from one fused GEMV; otherwise it is the model's own router. Either
+    way HF's ``output_router_logits`` hooks see the logits at index 0."""
+
+    def forward(self, hidden_states, *args, base_moe: _BlockState | None = None, **kwargs):
+        if base_moe is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        return base_moe.router_predict(self, hidden_states)
+
+
+class _BaseMoEBlock:
+    """Mixed into the model's MoE block class: the budgeted decode path, or the block's own forward."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        state: _BlockState = self._base_moe
+        s = state.settings
+        if not s.active or hidden_states.dim() != 3 or args or kwargs:
+            return super().forward(hidden_states, *args, **kwargs)
+        B, S, H = hidden_states.shape
+        if s.group_by == "batch":
+            if S != 1:
+                return super().forward(hidden_states)
+            y, scores = state.budgeted(hidden_states.reshape(B, H), num_groups=1)
+            return state.output(y.view(B, 1, H), scores)
+        P = min(s.dense_positions, S)
+        if P == S:
+            return super().forward(hidden_states)
+        x = hidden_states[:, P:].transpose(0, 1).reshape((S - P) * B, H)  # position after position
+        y, scores = state.budgeted(x, num_groups=S - P)
+        y = y.view(S - P, B, H).transpose(0, 1)
+        if P == 0:
+            return state.output(y.contiguous(), scores)
+        dense = super().forward(hidden_states[:, :P].contiguous())
+        dense = dense[0] if isinstance(dense, tuple) else dense
+        return state.output(torch.cat([dense, y], dim=1), None)
+
+
+class _BlockState:
+    """One patched block's settings, predictor tensors and last selection (a plain attribute of the block, so
+    nothing of it reaches ``state_dict``)."""
+
+    def __init__(self, layout: MoELayout, settings: Settings):
+        self.layout = layout
+        self.settings = settings
+        self.predictors = None
+        self.predictor_weight: torch.Tensor | None = None
+        self.predictor_bias: torch.Tensor | None = None
+        self.mean_log_norm: torch.Tensor | None = None
+        self.last: tuple[Selection, int] | None = None
+
+    def set_predictors(self, predictors) -> None:
+        """Take this layer's predictor, converted once to the router's dtype and device (bias fp32)."""
+        self.predictors = predictors
+        self.predictor_weight = self.predictor_bias = self.mean_log_norm = None
+        if predictors is None:
+            return
+        i, weight = self.layout.layer_index, self.layout.router_weight
+        self.predictor_weight = predictors.weight[i].to(device=weight.device, dtype=weight.dtype).contiguous()
+        self.predictor_bias = predictors.bias[i].to(device=weight.device, dtype=torch.float32).contiguous()
+        mean = (getattr(predictors, "mean_log_norm", None) or {}).get(i)
+        if mean is not None:
+            self.mean_log_norm = mean.to(device=weight.device, dtype=torch.float32).contiguous()
+
+    def _follow(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Re-convert the predictor tensors if the model moved after apply (python-level check, no sync)."""
+        w = self.predictor_weight
+        if w is not None and (w.device != device or w.dtype != dtype):
+            self.predictor_weight = w.to(device=device, dtype=dtype)
+            self.predictor_bias = self.predictor_bias.to(device)
+        if self.mean_log_norm is not None and self.mean_log_norm.device != device:
+            self.mean_log_norm = self.mean_log_norm.to(device)
+
+    # -- stage 1 (called through the router module, so its hooks fire) -----------------------------------------
+    def router_predict(self, router: nn.Module, hidden: torch.Tensor):
+        weight = router.weight
+        x = hidden.to(weight.dtype).contiguous()  # DeepSeek-V3 routes in fp32
+        bias = self.layout.router_bias
+        bias = None if bias is None else bias.float()
+        pw = pb = None
+        if self.settings.policy.needs_predictors:
+            self._follow(weight.device, weight.dtype)
+            pw, pb = self.predictor_weight, self.predictor_bias
+        if has_kernel("router_predict", x.device):
+            return ops.router_predict(x, weight, bias, pw, pb)
+        return reference.router_predict(x, weight, bias, pw, pb)
+
+    # -- stages 1-4 -----------------------------------------------------------------------------------------------
+    def budgeted(self, x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` (``num_groups`` decode batches, group after group) -> ``(y [T, H], weights [T, k])``."""
+        layout, s = self.layout, self.settings
+        x = x.contiguous()
+        logits, log_norms = layout.router(x, base_moe=self)
+        if s.policy.needs_statistics:
+            self._follow(x.device, x.dtype)
+        step = DecodeStep(
+            hidden=x,
+            logits=logits,
+            predicted_log_norms=log_norms if s.policy.needs_predictors else None,
+            routing=layout.routing,
+            correction_bias=layout.correction_bias(),
+            num_groups=num_groups,
+            budget=s.budget,
+            fill=s.fill,
+            layout=layout,
+            mean_log_norm=self.mean_log_norm,
+        )
+        sel = s.policy.select(step)
+        if s.record:
+            self.last = (sel, num_groups)
+        y = self.experts(x, sel, num_groups)
+        shared = layout.shared_output(x)
+        if shared is not None:
+            y = y + shared
+        return y, sel.weights
+
+    def experts(self, x: torch.Tensor, sel: Selection, num_groups: int) -> torch.Tensor:
+        layout, ex = self.layout, self.layout.experts
+        use_ops = (
+            layout.fused
+            and self.settings.experts != "hf"
+            and has_kernel("experts", x.device)
+            and ex.gate_up_proj.dtype == x.dtype
+            and ex.gate_up_proj.is_contiguous()
+            and ex.down_proj.is_contiguous()
+        )
+        if use_ops:
+            return ops.experts(x, sel.ids.contiguous(), sel.weights.contiguous(), ex.gate_up_proj, ex.down_proj)
+        fallback = None
+        if sel.kept is not None:  # the group's first kept expert: loaded anyway, used with weight 0
+            T = x.shape[0]
+            fallback = sel.kept[:, :1].expand(num_groups, T // num_groups).reshape(T)
+        return layout.routed_experts(x, sel.ids, sel.weights, fallback)
+
+    def output(self, y: torch.Tensor, scores: torch.Tensor | None):
+        if self.layout.returns_router_scores:
+            return y, (None if scores is None else scores.to(y.dtype))
+        return y

@@ -1,0 +1,404 @@
+"""Find the MoE blocks of a Hugging Face model by their structure, and describe each one.
+
+A transformers 5.x MoE block has a router child (a ``weight [E, H]``, optionally a ``bias [E]``) that returns
+``(logits, top_k_weights, top_k_index)``, an experts child holding fused 3-D weights (``gate_up_proj``,
+``down_proj``), and optionally shared experts. Nothing here looks at class names: blocks are found by their
+parameters, and the routing rule (softmax/top-k, top-k/softmax, sigmoid with correction bias and groups,
+renormalisation, scaling) is read from the router's attributes and then *verified* by running the router once
+on a probe input and comparing its output with :func:`base_moe.reference.route`.
+
+:class:`MoELayout` is what the rest of base_moe (the drop-in module, calibration, evaluation) codes against:
+the router's logits, one expert's output, the shared experts' output, all in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import reference
+from .routing import Routing, Scoring
+
+__all__ = ["MoELayout", "MoELayoutError", "find_moe_layouts"]
+
+
+class MoELayoutError(ValueError):
+    """A module looks like an MoE block but base_moe does not understand its layout."""
+
+
+@dataclass(eq=False)
+class MoELayout:
+    """One MoE block of a model, as base_moe sees it.
+
+    ``name`` is the block's qualified module name (``"model.layers.3.mlp"``), ``layer_index`` the decoder layer
+    it sits in (the key of a layer's predictor). The methods compute, in plain PyTorch and fp32, what the HF
+    block computes internally.
+    """
+
+    name: str
+    layer_index: int
+    block: nn.Module
+    routing: Routing
+    num_experts: int
+    hidden_size: int
+    router_name: str = "gate"
+    """attribute of ``block`` holding the router (``gate``; ``router`` for GPT-OSS)."""
+    experts_name: str = "experts"
+    shared_names: tuple[str, ...] = ()
+    """children of ``block`` that are always-on shared experts (added to the routed output)."""
+    shared_gate_name: str | None = None
+    """a child ``Linear(H, 1)`` whose sigmoid scales the shared experts' output (Qwen2-MoE)."""
+    fused: bool = True
+    """experts in the HF v5 layout ``base_moe.ops.experts`` takes: ``gate_up_proj [E, 2I, H]`` (gate rows first),
+    ``down_proj [E, H, I]``, SiLU, no biases. False for GPT-OSS (transposed, interleaved, biases, clamped SwiGLU)
+    and for other activations: those run through the model's own experts module."""
+    returns_router_scores: bool = False
+    """the block returns ``(hidden, router_scores)`` rather than a tensor (GPT-OSS)."""
+    router_class: type = field(default=nn.Module, repr=False)
+    """the router's own (unpatched) class."""
+
+    # -- the modules -------------------------------------------------------------------------------------------
+    @property
+    def router(self) -> nn.Module:
+        return getattr(self.block, self.router_name)
+
+    @property
+    def experts(self) -> nn.Module:
+        return getattr(self.block, self.experts_name)
+
+    @property
+    def router_weight(self) -> torch.Tensor:
+        return self.router.weight
+
+    @property
+    def router_bias(self) -> torch.Tensor | None:
+        bias = getattr(self.router, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the hidden states the block sees (its experts' weights)."""
+        return self.experts.gate_up_proj.dtype
+
+    # -- the public contract -----------------------------------------------------------------------------------
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [N, H]`` -> the HF router's logits ``[N, E]`` as fp32 (computed by the router's own forward)."""
+        return self.router_class.forward(self.router, x.reshape(-1, self.hidden_size))[0].float()
+
+    def correction_bias(self) -> torch.Tensor | None:
+        """DeepSeek-V3's ``e_score_correction_bias`` (fp32, contiguous) or None."""
+        bias = _correction_bias(self.router, self.block)
+        return None if bias is None else bias.float().contiguous()
+
+    def expert_output(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """``E_u(x) [N, H]``: expert ``u``'s output, unweighted, computed in fp32 (no shared experts)."""
+        ex = self.experts
+        xf = x.reshape(-1, self.hidden_size).float()
+        transposed = bool(getattr(ex, "is_transposed", False))
+        h = _linear(xf, ex.gate_up_proj[expert].float(), transposed)
+        gate_up_bias = getattr(ex, "gate_up_proj_bias", None)
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[expert].float()
+        act = ex._apply_gate(h) if hasattr(ex, "_apply_gate") else _silu_gate(ex, h)
+        y = _linear(act, ex.down_proj[expert].float(), transposed)
+        down_bias = getattr(ex, "down_proj_bias", None)
+        if down_bias is not None:
+            y = y + down_bias[expert].float()
+        if getattr(ex, "has_post_expert_norm", False):
+            y = ex.post_expert_norm(y)
+        return y
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' contribution ``[N, H]`` in ``x``'s dtype, as the block adds it, or None."""
+        if not self.shared_names:
+            return None
+        x = x.reshape(-1, self.hidden_size)
+        out = None
+        for name in self.shared_names:
+            y = getattr(self.block, name)(x)
+            out = y if out is None else out + y
+        if self.shared_gate_name is not None:
+            out = torch.sigmoid(getattr(self.block, self.shared_gate_name)(x)) * out
+        return out
+
+    # -- helpers for the drop-in module and the oracle policy ---------------------------------------------------
+    def expert_log_norms(self, x: torch.Tensor) -> torch.Tensor:
+        """``log ||E_u(x_t)||`` for every token and expert, ``[N, E]`` fp32 (runs every expert: evaluation only)."""
+        norms = [torch.linalg.vector_norm(self.expert_output(x, u), dim=-1) for u in range(self.num_experts)]
+        return torch.stack(norms, dim=1).clamp_min(1e-30).log().contiguous()
+
+    def routed_experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fallback_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The routed output through the model's own experts module (its ``experts_implementation``), for
+        ``ids [T, k]`` that may hold the sentinel ``E``: a sentinel slot is pointed at ``fallback_ids [T]`` (an
+        expert the token's group loads anyway) with weight 0, so no other expert runs and every HF
+        implementation (eager, grouped_mm, batched_mm) accepts the ids."""
+        E = self.num_experts
+        empty = ids >= E
+        fallback = ids[:, :1] if fallback_ids is None else fallback_ids.reshape(-1, 1).to(ids.dtype)
+        fallback = torch.where(fallback >= E, torch.zeros_like(fallback), fallback)
+        safe_ids = torch.where(empty, fallback, ids).long()
+        safe_weights = torch.where(empty, torch.zeros_like(weights), weights)
+        return self.experts(x, safe_ids, safe_weights)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Detection
+# ---------------------------------------------------------------------------------------------------------------
+def find_moe_layouts(model: nn.Module) -> list[MoELayout]:
+    """Every MoE block of ``model``, in module order.
+
+    A module is an MoE block when it has a child named ``experts`` or a child holding 3-D parameters. Raises
+    :class:`MoELayoutError` (a ``ValueError``) naming the module when such a block is not understood.
+    """
+    layouts = []
+    for name, module in model.named_modules():
+        experts_name = _experts_child(module)
+        if experts_name is None:
+            continue
+        layouts.append(_describe(name, module, experts_name, ordinal=len(layouts)))
+    return layouts
+
+
+def _experts_child(module: nn.Module) -> str | None:
+    for child_name, child in module.named_children():
+        if child_name == "experts" or any(p.dim() == 3 for p in child.parameters(recurse=False)):
+            return child_name
+    return None
+
+
+def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> MoELayout:
+    where = f"MoE block '{name}' ({type(block).__name__})"
+    experts = getattr(block, experts_name)
+    if isinstance(experts, nn.ModuleList):
+        raise MoELayoutError(
+            f"{where}: its experts are a per-expert ModuleList (the transformers 4.x layout), which base_moe does "
+            "not support; load the model with transformers >= 5 (fused 3-D expert weights)."
+        )
+    gate_up = getattr(experts, "gate_up_proj", None)
+    down = getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
+        raise MoELayoutError(
+            f"{where}: its experts module '{experts_name}' has no fused 3-D 'gate_up_proj'/'down_proj' weights; "
+            "base_moe understands the transformers 5.x expert layout only."
+        )
+    E = gate_up.shape[0]
+
+    router_name = None
+    for child_name, child in block.named_children():
+        w = getattr(child, "weight", None)
+        if child_name != experts_name and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E:
+            router_name = child_name
+            break
+    if router_name is None:
+        raise MoELayoutError(
+            f"{where}: no router found (a child with a 'weight' of shape [{E}, hidden_size] next to "
+            f"'{experts_name}')."
+        )
+    router = getattr(block, router_name)
+    H = router.weight.shape[1]
+
+    shared_names, shared_gate_name = [], None
+    for child_name, child in block.named_children():
+        if child_name in (router_name, experts_name) or not any(True for _ in child.parameters()):
+            continue
+        if "shared" not in child_name:
+            raise MoELayoutError(
+                f"{where}: unexpected submodule '{child_name}' ({type(child).__name__}); base_moe knows routers, "
+                "experts and shared experts ('shared*')."
+            )
+        weight = getattr(child, "weight", None)
+        if isinstance(child, nn.Linear) and weight is not None and weight.shape == (1, H):
+            shared_gate_name = child_name
+        else:
+            shared_names.append(child_name)
+    if shared_gate_name is not None and not shared_names:
+        raise MoELayoutError(f"{where}: a shared-expert gate '{shared_gate_name}' without a shared expert.")
+
+    transposed = bool(getattr(experts, "is_transposed", False))
+    inter2 = gate_up.shape[2] if transposed else gate_up.shape[1]
+    expected_gate_up = (E, H, inter2) if transposed else (E, inter2, H)
+    expected_down = (E, inter2 // 2, H) if transposed else (E, H, inter2 // 2)
+    if tuple(gate_up.shape) != expected_gate_up or tuple(down.shape) != expected_down or inter2 % 2:
+        raise MoELayoutError(
+            f"{where}: expert weights gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} do not "
+            f"match hidden size {H} and {E} experts in the {'transposed ' if transposed else ''}HF v5 layout."
+        )
+    if not transposed and not getattr(experts, "is_concatenated", True) and not hasattr(experts, "_apply_gate"):
+        raise MoELayoutError(f"{where}: interleaved gate/up rows without an '_apply_gate' method.")
+    fused = (
+        not transposed
+        and getattr(experts, "is_concatenated", True)
+        and getattr(experts, "gate_up_proj_bias", None) is None
+        and getattr(experts, "down_proj_bias", None) is None
+        and not getattr(experts, "has_post_expert_norm", False)
+        and _is_default_gate(experts)
+        and _is_silu(getattr(experts, "act_fn", None))
+    )
+
+    layout = MoELayout(
+        name=name,
+        layer_index=_layer_index(name, ordinal),
+        block=block,
+        routing=Routing(top_k=1),  # replaced below
+        num_experts=E,
+        hidden_size=H,
+        router_name=router_name,
+        experts_name=experts_name,
+        shared_names=tuple(shared_names),
+        shared_gate_name=shared_gate_name,
+        fused=fused,
+        router_class=getattr(type(router), "_base_moe_original_class", type(router)),
+    )
+    layout.routing = _infer_routing(layout, where)
+    layout.returns_router_scores = _returns_tuple(layout)
+    return layout
+
+
+def _layer_index(name: str, ordinal: int) -> int:
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+    return int(match.group(1)) if match else ordinal
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return x @ weight if transposed else F.linear(x, weight)
+
+
+def _silu_gate(experts: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
+def _is_default_gate(experts: nn.Module) -> bool:
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    return apply_gate is None or getattr(apply_gate, "__name__", "") == "_default_apply_gate"
+
+
+def _is_silu(act_fn) -> bool:
+    if not callable(act_fn):
+        return False
+    probe = torch.linspace(-6.0, 6.0, 49)
+    try:
+        return torch.allclose(act_fn(probe), F.silu(probe), rtol=1e-6, atol=1e-6)
+    except Exception:  # noqa: BLE001 - an activation that cannot run on a CPU probe is not SiLU for us
+        return False
+
+
+def _correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
+    for owner in (router, block):
+        bias = getattr(owner, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            return bias
+    return None
+
+
+def _attr(modules, *names, default=None):
+    for module in modules:
+        for name in names:
+            value = getattr(module, name, None)
+            if value is not None and not isinstance(value, (nn.Module, torch.Tensor)):
+                return value
+    return default
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routing rule: read from attributes, verified on a probe
+# ---------------------------------------------------------------------------------------------------------------
+def _candidate_routings(layout: MoELayout) -> list[Routing]:
+    """Routing rules to try, the one the router's attributes describe first."""
+    router, block = layout.router, layout.block
+    top_k = _attr((router, block), "top_k", "num_experts_per_tok")
+    if top_k is None:
+        config = getattr(router, "config", None) or getattr(block, "config", None)
+        top_k = getattr(config, "num_experts_per_tok", None)
+    if top_k is None:
+        raise MoELayoutError(f"MoE block '{layout.name}': cannot tell its top-k (no 'top_k' attribute on the router).")
+    n_group = int(_attr((router, block), "n_group", "num_group", default=1) or 1)
+    topk_group = int(_attr((router, block), "topk_group", default=1) or 1)
+    scaling = float(_attr((router, block), "routed_scaling_factor", default=1.0))
+    norm = _attr((router, block), "norm_topk_prob")
+    renorm_order = [bool(norm), not bool(norm)] if norm is not None else [True, False]
+    sigmoid_like = _correction_bias(router, block) is not None or n_group > 1 or scaling != 1.0
+    if sigmoid_like:
+        scorings = [Scoring.SIGMOID, Scoring.SOFTMAX, Scoring.SOFTMAX_AFTER_TOPK]
+    elif layout.router_bias is not None:
+        scorings = [Scoring.SOFTMAX_AFTER_TOPK, Scoring.SOFTMAX, Scoring.SIGMOID]
+    else:
+        scorings = [Scoring.SOFTMAX, Scoring.SOFTMAX_AFTER_TOPK, Scoring.SIGMOID]
+    candidates = []
+    for scoring in scorings:
+        groups = (n_group, topk_group) if scoring == Scoring.SIGMOID and n_group > 1 else (1, 1)
+        renorms = [False] if scoring == Scoring.SOFTMAX_AFTER_TOPK else renorm_order
+        scale = scaling if scoring == Scoring.SIGMOID else 1.0
+        for renorm in renorms:
+            candidates.append(Routing(int(top_k), scoring, renorm, groups[0], groups[1], scale))
+    return candidates
+
+
+def _infer_routing(layout: MoELayout, where: str) -> Routing:
+    candidates = _candidate_routings(layout)
+    weight = layout.router_weight
+    if weight.device.type == "meta":
+        return candidates[0]  # nothing to run: trust the attributes
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(64, layout.hidden_size, generator=generator).to(device=weight.device, dtype=layout.dtype)
+    with torch.no_grad():
+        out = layout.router_class.forward(layout.router, probe)
+    if not (isinstance(out, tuple) and len(out) >= 3):
+        raise MoELayoutError(
+            f"{where}: its router '{layout.router_name}' does not return (logits, top_k_weights, top_k_index) "
+            "like transformers 5.x routers."
+        )
+    logits, weights, ids = out[0].float(), out[1].float(), out[2].long()
+    bias = layout.correction_bias()
+    for routing in candidates:
+        if _matches(logits, weights, ids, routing, bias if routing.scoring == Scoring.SIGMOID else None):
+            return routing
+    raise MoELayoutError(
+        f"{where}: its router's top-k weights match none of base_moe's routing rules (softmax then top-k, "
+        "top-k then softmax, sigmoid with correction bias and groups; with or without renormalisation)."
+    )
+
+
+def _matches(logits, weights, ids, routing: Routing, bias) -> bool:
+    if ids.shape[1] != routing.top_k:
+        return False
+    try:
+        ref_ids, ref_weights = reference.route(logits, routing, bias)
+    except Exception:  # noqa: BLE001 - e.g. an impossible group split: not this rule
+        return False
+    # tokens whose k-th and (k+1)-th choices (nearly) tie may legitimately differ: leave them out
+    choice = reference.choice_scores(logits, routing, bias)
+    if ids.shape[1] < logits.shape[1]:
+        top = torch.sort(choice, dim=-1, descending=True).values
+        gap = top[:, routing.top_k - 1] - top[:, routing.top_k]
+        clear = gap > 1e-3 * top[:, 0].abs().clamp_min(1.0)
+    else:
+        clear = torch.ones(logits.shape[0], dtype=torch.bool)
+    if not bool(clear.any()):
+        return True  # degenerate router (e.g. all-zero weights): cannot tell, accept the attributes' rule
+    ids_sorted, order = torch.sort(ids, dim=-1)
+    ref_sorted, ref_order = torch.sort(ref_ids.long(), dim=-1)
+    if not torch.equal(ids_sorted[clear], ref_sorted[clear]):
+        return False
+    w = torch.gather(weights, 1, order)[clear]
+    ref_w = torch.gather(ref_weights, 1, ref_order)[clear]
+    return torch.allclose(w, ref_w, rtol=2e-2, atol=1e-3 * max(1.0, routing.scaling))
+
+
+def _returns_tuple(layout: MoELayout) -> bool:
+    """Whether the block's forward returns ``(hidden, router_scores)`` (run once on two probe tokens)."""
+    weight = layout.router_weight
+    if weight.device.type == "meta":
+        return False
+    block = layout.block
+    probe = torch.zeros(1, 2, layout.hidden_size, device=weight.device, dtype=layout.dtype)
+    forward = getattr(type(block), "_base_moe_original_class", type(block)).forward
+    with torch.no_grad():
+        out = forward(block, probe)
+    return isinstance(out, tuple)

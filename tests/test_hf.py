@@ -1,0 +1,425 @@
+"""base_moe.apply / configure / restore on tiny random HF models of every family (CPU; GPU tests marked cuda)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from hf_models import FAMILIES, NUM_EXPERTS, VOCAB, StandInPredictors, tiny_model
+
+import base_moe
+from base_moe import reference
+from base_moe.hf import moe_layouts, selections
+from base_moe.layouts import find_moe_layouts
+from base_moe.policies import Policy, available_policies, get_policy, parse_fill
+
+BUDGETED = [name for name in available_policies() if get_policy(name).budgeted]
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def fresh(family: str, dtype=torch.float32, device="cpu") -> torch.nn.Module:
+    """A copy of this module's tiny model of ``family`` (built once; each test may patch its copy)."""
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family)
+    return copy.deepcopy(_MODELS[family]).to(device=device, dtype=dtype)
+
+
+def logits_of(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def decode_ids(batch=6, seed=1):
+    return torch.randint(3, VOCAB, (batch, 1), generator=torch.Generator().manual_seed(seed))
+
+
+def prompt_ids(batch=4, length=6, seed=2):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def block_input(layout, batch=6, seq=1, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, seq, layout.hidden_size, generator=g).to(layout.dtype)
+
+
+def run_block(layout, hidden):
+    with torch.no_grad():
+        out = layout.block(hidden)
+    return out[0] if isinstance(out, tuple) else out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# budget=None / dense: the model's own output
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # past_key_values: renamed after 5.17
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_budget_reproduces_the_model(family):
+    model = fresh(family)
+    prompt, step = prompt_ids(), decode_ids(batch=4)
+    with torch.no_grad():
+        ref = model(prompt, use_cache=True)
+        ref_step = model(step, past_key_values=ref.past_key_values).logits
+    base_moe.apply(model)  # budget=None
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+        out_step = model(step, past_key_values=out.past_key_values).logits
+    assert (out.logits - ref.logits).abs().max() <= 1e-5
+    assert (out_step - ref_step).abs().max() <= 1e-5
+    base_moe.configure(model, budget=2, policy="dense")
+    assert (logits_of(model, step) - logits_of(base_moe.restore(copy.deepcopy(model)), step)).abs().max() == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_budget_that_does_not_bind_matches_dense(family):
+    """budget = E runs the whole budgeted path (router GEMV, route_select, experts) and changes nothing."""
+    model = fresh(family)
+    step = decode_ids()
+    ref = logits_of(model, step)
+    base_moe.apply(model, budget=NUM_EXPERTS, policy="router_sum")
+    assert (logits_of(model, step) - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_budget_changes_decode_calls_only(family):
+    model = fresh(family)
+    prompt, step = prompt_ids(), decode_ids()
+    ref_prompt, ref_step = logits_of(model, prompt), logits_of(model, step)
+    base_moe.apply(model, budget=1, policy="router_sum")
+    assert torch.equal(logits_of(model, prompt), ref_prompt)  # prefill: the model's own routing
+    assert (logits_of(model, step) - ref_step).abs().max() > 1e-3  # decode: one expert per layer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The decode path computes what the selection says, with only kept experts
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fill", ["backfill", "drop", "drop_renorm"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_output_is_the_selected_experts(family, fill):
+    model = fresh(family)
+    base_moe.apply(model, budget=2, policy="frequency", fill=fill, record=True)
+    for layout in moe_layouts(model):
+        hidden = block_input(layout)
+        y = run_block(layout, hidden)
+        sel, groups = selections(model)[layout.layer_index]
+        assert groups == 1
+        active = sel.counts > 0
+        assert int(active.sum()) <= 2
+        ids = sel.ids.long()
+        assert bool(((ids == NUM_EXPERTS) | active[0].gather(0, ids.clamp(max=NUM_EXPERTS - 1).flatten()).view_as(ids)).all())
+        x = hidden.view(-1, layout.hidden_size)
+        expected = torch.zeros_like(x)
+        for u in range(NUM_EXPERTS):
+            token, slot = torch.nonzero(ids == u, as_tuple=True)
+            if len(token):
+                expected[token] += sel.weights[token, slot, None] * layout.expert_output(x[token], u)
+        shared = layout.shared_output(x)
+        if shared is not None:
+            expected += shared
+        torch.testing.assert_close(y.view(-1, layout.hidden_size), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", BUDGETED)
+def test_every_policy_selects_as_the_reference(policy):
+    model = fresh("deepseek_v3")
+    predictors = StandInPredictors(model)
+    base_moe.apply(model, predictors=predictors, budget=3, policy=policy, record=True)
+    pol = get_policy(policy)
+    for layout in moe_layouts(model):
+        hidden = block_input(layout, batch=8)
+        run_block(layout, hidden)
+        sel, _ = selections(model)[layout.layer_index]
+        x = hidden.view(-1, layout.hidden_size)
+        i = layout.layer_index
+        logits, g = reference.router_predict(x, layout.router_weight, None, predictors.weight[i], predictors.bias[i])
+        log_norms = {
+            "predicted": g,
+            "static": predictors.mean_log_norm[i].expand(8, -1),
+            "oracle": layout.expert_log_norms(x),
+            "none": None,
+        }[pol.log_norms]
+        ids, weights, kept, counts, D = reference.route_select(
+            logits, log_norms, layout.correction_bias(), 1, layout.routing, pol.cost, 3, parse_fill("backfill")
+        )
+        assert torch.equal(sel.ids, ids) and torch.equal(sel.kept, kept) and torch.equal(sel.counts, counts)
+        torch.testing.assert_close(sel.weights, weights)
+        torch.testing.assert_close(sel.batch_cost, D)
+
+
+def test_base_policy_follows_the_predictor():
+    """A predictor that calls expert 5 huge makes BASE keep it whenever some token routes to it."""
+    model = fresh("qwen3_moe")
+    predictors = StandInPredictors(model, scale=0.0)
+    for i in predictors.bias:
+        predictors.bias[i] = torch.zeros(NUM_EXPERTS)
+        predictors.bias[i][5] = 20.0
+    base_moe.apply(model, predictors=predictors, budget=1, policy="base", record=True)
+    for layout in moe_layouts(model):
+        hidden = block_input(layout, batch=16)
+        routed, _ = reference.route(layout.router_logits(hidden.view(16, -1)), layout.routing)
+        run_block(layout, hidden)
+        sel, _ = selections(model)[layout.layer_index]
+        if bool((routed == 5).any()):
+            assert sel.kept.tolist() == [[5]]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_position_groups(family):
+    """group_by='position': each position of [B, S, H] is one decode batch (tokens stored position after
+    position), the first dense_positions positions run the model's own routing."""
+    model = fresh(family)
+    base_moe.apply(model, budget=2, policy="router_sq")
+    layout = moe_layouts(model)[0]
+    hidden = block_input(layout, batch=5, seq=4)
+    per_position = torch.cat([run_block(layout, hidden[:, s : s + 1]) for s in range(4)], dim=1)
+    base_moe.configure(model, group_by="position")
+    torch.testing.assert_close(run_block(layout, hidden), per_position, rtol=1e-6, atol=1e-6)
+    base_moe.configure(model, dense_positions=2)
+    mixed = run_block(layout, hidden)
+    torch.testing.assert_close(mixed[:, 2:], per_position[:, 2:], rtol=1e-6, atol=1e-6)
+    base_moe.configure(model, budget=None)
+    torch.testing.assert_close(mixed[:, :2], run_block(layout, hidden)[:, :2], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hugging Face integration: parameters, checkpoints, hooks, generate, restore
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_and_restore(family):
+    model = fresh(family)
+    before = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    classes = {name: type(m) for name, m in modules.items()}
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
+    assert {k: (v.shape, v.dtype) for k, v in model.state_dict().items()} == before
+    for layout in moe_layouts(model):
+        assert isinstance(layout.block, classes[layout.name]) and type(layout.block) is not classes[layout.name]
+        router_name = f"{layout.name}.{layout.router_name}"
+        assert isinstance(layout.router, classes[router_name]) and type(layout.router) is not classes[router_name]
+    assert dict(model.named_modules()) == modules  # the same module objects, nothing added or removed
+    base_moe.restore(model)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert not base_moe.hf.is_applied(model)
+    assert not any(hasattr(m, "_base_moe") for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_save_pretrained_round_trip(family, tmp_path):
+    model = fresh(family)
+    prompt = prompt_ids()
+    ref = logits_of(model, prompt)
+    base_moe.apply(model, budget=2, policy="router_sum")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").eval()
+    assert set(loaded.state_dict()) == set(model.state_dict())
+    assert torch.equal(logits_of(loaded, prompt), ref)
+    base_moe.apply(loaded, budget=2, policy="router_sum")
+    assert torch.equal(logits_of(loaded, decode_ids()), logits_of(model, decode_ids()))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("hooks_first", [False, True])
+def test_output_router_logits(family, hooks_first):
+    model = fresh(family)
+    step = decode_ids()
+    if hooks_first:  # HF installs its recording hooks on the first call that asks for router logits
+        with torch.no_grad():
+            model(step, output_router_logits=True)
+    base_moe.apply(model, budget=2, policy="router_sum")
+    with torch.no_grad():
+        out = model(step, output_router_logits=True)
+    num_moe = len(moe_layouts(model))
+    assert len(out.router_logits) == num_moe
+    for logits in out.router_logits:
+        assert logits.shape == (6, NUM_EXPERTS)
+    layout = moe_layouts(model)[0]
+    base_moe.restore(model)
+    with torch.no_grad():
+        dense = model(step, output_router_logits=True)
+    # the budgeted path's logits (fp32 router GEMV) equal the model's own
+    torch.testing.assert_close(out.router_logits[0].float(), dense.router_logits[0].float(), rtol=1e-5, atol=1e-5)
+    assert layout is not None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_a_budget(family):
+    model = fresh(family)
+    prompt = prompt_ids(batch=3, length=5)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        dense = model.generate(prompt, **kwargs)
+        base_moe.apply(model, budget=NUM_EXPERTS, policy="router_sum")
+        assert torch.equal(model.generate(prompt, **kwargs), dense)  # a budget that does not bind
+        base_moe.configure(model, budget=1)
+        out = model.generate(prompt, **kwargs)
+    assert out.shape == dense.shape and torch.equal(out[:, :5], prompt)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_bfloat16_on_cpu(family):
+    model = fresh(family, dtype=torch.bfloat16)
+    step = decode_ids()
+    ref = logits_of(model, step)
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=None)
+    assert torch.equal(logits_of(model, step), ref)
+    base_moe.configure(model, budget=2, policy="base")
+    out = logits_of(model, step)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    base_moe.configure(model, budget=NUM_EXPERTS)
+    assert (logits_of(model, step).float() - ref.float()).abs().max() < 0.1
+
+
+def test_predictors_from_a_file(tmp_path):
+    model = fresh("qwen3_moe")
+    stand_in = StandInPredictors(model)
+    predictors = base_moe.Predictors(
+        stand_in.weight, stand_in.bias, stand_in.mean_log_norm, stand_in.r2, {"model_type": "qwen3_moe"}
+    )
+    path = tmp_path / "predictors.safetensors"
+    predictors.save(path)
+    base_moe.apply(model, predictors=str(path), budget=2, policy="base", record=True)
+    logits_of(model, decode_ids())
+    by_object = base_moe.apply(fresh("qwen3_moe"), predictors=predictors, budget=2, policy="base", record=True)
+    logits_of(by_object, decode_ids())
+    for i, (sel, _) in selections(model).items():
+        assert torch.equal(sel.kept, selections(by_object)[i][0].kept)
+
+
+def test_configure_changes_settings_in_place():
+    model = fresh("olmoe")
+    step = decode_ids()
+    base_moe.apply(model, budget=1, policy="router_sum")
+    blocks = [layout.block for layout in moe_layouts(model)]
+    one = logits_of(model, step)
+    base_moe.configure(model, budget=None)
+    dense = logits_of(model, step)
+    base_moe.configure(model, budget=1)
+    assert torch.equal(logits_of(model, step), one) and not torch.equal(one, dense)
+    assert [layout.block for layout in moe_layouts(model)] == blocks
+
+
+def test_new_policies_plug_in():
+    """Issue 6's policies (OEA, Lynx, top-k reduction) subclass Policy and register; nothing else changes."""
+
+    class KeepFirstExpert(Policy):
+        name = "test_first_routed"
+
+        def select(self, step):
+            ids, weights = reference.route(step.logits, step.routing, step.correction_bias)
+            return base_moe.policies.Selection(ids[:, :1].contiguous(), weights[:, :1].contiguous())
+
+    base_moe.policies.register_policy(KeepFirstExpert(), replace=True)
+    model = fresh("gpt_oss")
+    base_moe.apply(model, budget=4, policy="test_first_routed")
+    out = logits_of(model, decode_ids())
+    assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors say what to do next
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(budget=2, policy="base"), ValueError, r"policy 'base' needs predictors: run base_moe.calibrate"),
+        (dict(budget=2, policy="nope"), ValueError, r"unknown policy 'nope'; available: dense, base"),
+        (dict(budget=2, policy="router_sum", fill="sideways"), ValueError, r"unknown fill rule 'sideways'"),
+        (dict(budget=0, policy="router_sum"), ValueError, r"budget must be a positive int"),
+        (dict(budget=2.0, policy="router_sum"), ValueError, r"budget must be a positive int"),
+        (dict(budget=True, policy="router_sum"), ValueError, r"budget must be a positive int"),
+        (dict(budget=2, policy="router_sum", group_by="token"), ValueError, r"group_by must be one of"),
+        (dict(budget=2, policy="router_sum", dense_positions=-1), ValueError, r"dense_positions must be"),
+        (dict(budget=2, policy="router_sum", colour="red"), TypeError, r"unknown option\(s\) 'colour'"),
+        (dict(budget=2, policy="router_sum", experts="base_moe"), ValueError, r"experts='base_moe' needs the fused"),
+    ],
+)
+def test_bad_options(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        base_moe.apply(fresh("gpt_oss"), **kwargs)
+
+
+def test_static_energy_needs_calibration_statistics():
+    model = fresh("qwen3_moe")
+    with pytest.raises(ValueError, match="static_energy' needs the calibrated per-expert mean log-norms"):
+        base_moe.apply(model, predictors=StandInPredictors(model, with_mean=False), budget=2, policy="static_energy")
+
+
+def test_predictors_of_another_model():
+    model = fresh("qwen3_moe")
+    wrong = StandInPredictors(fresh("olmoe"))
+    wrong.weight = {i: w[:, :16] for i, w in wrong.weight.items()}
+    with pytest.raises(ValueError, match="calibrated for another model"):
+        base_moe.apply(model, predictors=wrong, budget=2)
+    deepseek_layers = StandInPredictors(fresh("deepseek_v3"))
+    with pytest.raises(ValueError, match="the predictors have no layer 0"):
+        base_moe.apply(model, predictors=deepseek_layers, budget=2)
+
+
+def test_apply_twice_configure_and_restore_unpatched():
+    model = fresh("mixtral")
+    with pytest.raises(ValueError, match="not patched: call base_moe.apply"):
+        base_moe.configure(model, budget=2)
+    with pytest.raises(ValueError, match="not patched"):
+        base_moe.restore(model)
+    base_moe.apply(model)
+    with pytest.raises(ValueError, match="already called on this model: change its settings with base_moe.configure"):
+        base_moe.apply(model)
+    with pytest.raises(ValueError, match="policy 'base' needs predictors"):
+        base_moe.configure(model, budget=2)
+
+
+def test_model_without_moe_blocks():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4)
+    with pytest.raises(ValueError, match="no MoE block found in LlamaForCausalLM"):
+        base_moe.apply(transformers.LlamaForCausalLM(cfg))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+def _max_diff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_bf16_matches_eager_within_hf_tolerance(family):
+    """bf16 on the GPU: budget=None is the model itself; a budget that does not bind stays within HF's own
+    eager-vs-grouped_mm difference (doubled, as flash-attention's rule)."""
+    model = fresh(family, dtype=torch.bfloat16, device="cuda")
+    step, prompt = decode_ids(batch=16).cuda(), prompt_ids().cuda()
+    eager_step, eager_prompt = logits_of(model, step), logits_of(model, prompt)
+    model.set_experts_implementation("grouped_mm")
+    tol = max(_max_diff(logits_of(model, step), eager_step), _max_diff(logits_of(model, prompt), eager_prompt))
+    base_moe.apply(model)
+    assert _max_diff(logits_of(model, prompt), eager_prompt) <= tol
+    assert _max_diff(logits_of(model, step), eager_step) <= tol
+    base_moe.configure(model, budget=NUM_EXPERTS, policy="router_sum")
+    assert _max_diff(logits_of(model, step), eager_step) <= max(2 * tol, 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_graph_captures_a_decode_step(family):
+    model = fresh(family, dtype=torch.bfloat16, device="cuda")
+    model.set_experts_implementation("grouped_mm")  # the eager HF experts path synchronises
+    predictors = StandInPredictors(model)
+    base_moe.apply(model, predictors=predictors, budget=3, policy="base")
+    layout = moe_layouts(model)[0]
+    static_in = block_input(layout, batch=16).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):
+            run_block(layout, static_in)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_out = run_block(layout, static_in)
+    new = block_input(layout, batch=16, seed=9).cuda()
+    static_in.copy_(new)
+    graph.replay()
+    torch.testing.assert_close(static_out, run_block(layout, new), rtol=0, atol=0)

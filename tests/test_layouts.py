@@ -1,0 +1,182 @@
+"""base_moe.layouts: structure-based detection of HF MoE blocks and the plain-PyTorch view of each one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import FAMILIES, NUM_EXPERTS, tiny_model
+from torch import nn
+
+from base_moe import reference
+from base_moe.layouts import MoELayoutError, find_moe_layouts
+from base_moe.routing import Routing, Scoring
+
+EXPECTED = {
+    "qwen3_moe": dict(routing=Routing(2, Scoring.SOFTMAX, True), layers=[0, 1], fused=True, shared=()),
+    "qwen2_moe": dict(routing=Routing(2, Scoring.SOFTMAX, False), layers=[0, 1], fused=True, shared=("shared_expert",)),
+    "olmoe": dict(routing=Routing(2, Scoring.SOFTMAX, False), layers=[0, 1], fused=True, shared=()),
+    "mixtral": dict(routing=Routing(2, Scoring.SOFTMAX, True), layers=[0, 1], fused=True, shared=()),
+    "deepseek_v3": dict(
+        routing=Routing(2, Scoring.SIGMOID, True, n_group=4, topk_group=2, scaling=2.5),
+        layers=[1, 2], fused=True, shared=("shared_experts",),
+    ),
+    "gpt_oss": dict(routing=Routing(2, Scoring.SOFTMAX_AFTER_TOPK, False), layers=[0, 1], fused=False, shared=()),
+}
+
+_MODELS: dict[str, nn.Module] = {}
+
+
+def model_of(family: str) -> nn.Module:
+    """One tiny model per family for this module (the layout functions do not modify it)."""
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family)
+    return _MODELS[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_detects_every_family(family):
+    model = model_of(family)
+    layouts = find_moe_layouts(model)
+    expected = EXPECTED[family]
+    assert [lay.layer_index for lay in layouts] == expected["layers"]
+    assert [lay.name for lay in layouts] == [f"model.layers.{i}.mlp" for i in expected["layers"]]
+    for lay in layouts:
+        assert lay.routing == expected["routing"]
+        assert lay.num_experts == NUM_EXPERTS and lay.hidden_size == 32
+        assert lay.fused == expected["fused"]
+        assert lay.shared_names == expected["shared"]
+        assert lay.block is model.get_submodule(lay.name)
+        assert lay.returns_router_scores == (family == "gpt_oss")
+    assert (layouts[0].shared_gate_name is not None) == (family == "qwen2_moe")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_layout_reproduces_the_block(family):
+    """router_logits, routing, expert_output and shared_output together give the HF block's output."""
+    lay = find_moe_layouts(model_of(family))[-1]
+    x = torch.randn(7, lay.hidden_size)
+    hf_logits = lay.router(x)[0]
+    logits = lay.router_logits(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, hf_logits.float())
+
+    bias = lay.correction_bias()
+    assert (bias is not None) == (family == "deepseek_v3")
+    ids, weights = reference.route(logits, lay.routing, bias)
+    y = torch.zeros(7, lay.hidden_size)
+    for u in range(lay.num_experts):
+        token, slot = torch.nonzero(ids == u, as_tuple=True)
+        if len(token):
+            y[token] += weights[token, slot, None] * lay.expert_output(x[token], u)
+    shared = lay.shared_output(x)
+    assert (shared is not None) == bool(EXPECTED[family]["shared"])
+    if shared is not None:
+        y += shared
+    out = lay.block(x[None])
+    out = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(y, out[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_expert_log_norms_match_expert_outputs():
+    lay = find_moe_layouts(model_of("gpt_oss"))[0]
+    x = torch.randn(5, lay.hidden_size)
+    norms = lay.expert_log_norms(x)
+    assert norms.shape == (5, lay.num_experts) and norms.dtype == torch.float32
+    torch.testing.assert_close(norms[:, 3], lay.expert_output(x, 3).norm(dim=-1).log())
+
+
+def test_norm_topk_prob_is_read_from_the_model():
+    lay = find_moe_layouts(tiny_model("qwen3_moe", norm_topk_prob=False))[0]
+    assert lay.routing == Routing(2, Scoring.SOFTMAX, False)
+
+
+def test_dense_model_has_no_moe_blocks():
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
+    )
+    assert find_moe_layouts(transformers.LlamaForCausalLM(cfg)) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Blocks that look like MoE but are not understood: a clear error naming the module
+# ---------------------------------------------------------------------------------------------------------------
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+
+class _ModuleListBlock(nn.Module):  # the transformers 4.x layout
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.experts = nn.ModuleList(_Expert() for _ in range(4))
+
+
+class _FusedExperts(nn.Module):
+    def __init__(self, E=4, H=8, I=6):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.randn(E, H, I))
+        self.act_fn = nn.SiLU()
+
+
+class _Router(nn.Module):
+    def __init__(self, E=4, H=8, mode="softmax"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(E, H))
+        self.top_k, self.mode = 2, mode
+
+    def forward(self, x):
+        logits = nn.functional.linear(x, self.weight)
+        values, ids = torch.topk(logits, 2, dim=-1)
+        if self.mode == "softmax":
+            weights = torch.softmax(logits, -1).gather(1, ids)
+        else:  # a rule base_moe does not know
+            weights = values.abs().sqrt()
+        return logits, weights, ids
+
+
+class _Block(nn.Module):
+    def __init__(self, mode="softmax", extra=False, router=True):
+        super().__init__()
+        if router:
+            self.gate = _Router(mode=mode)
+        self.experts = _FusedExperts()
+        if extra:
+            self.adapter = nn.Linear(8, 8)
+
+    def forward(self, hidden):
+        return hidden
+
+
+class _Model(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Module(), nn.Module()])
+        self.layers[1].mlp = block
+
+
+def test_hand_written_block_is_understood():
+    (lay,) = find_moe_layouts(_Model(_Block()))
+    assert lay.name == "layers.1.mlp" and lay.layer_index == 1
+    assert lay.routing == Routing(2, Scoring.SOFTMAX, False) and lay.fused
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        (_ModuleListBlock(), "per-expert ModuleList"),
+        (_Block(mode="other"), "match none of base_moe's routing rules"),
+        (_Block(extra=True), "unexpected submodule 'adapter'"),
+        (_Block(router=False), "no router found"),
+    ],
+)
+def test_unknown_layouts_raise_naming_the_module(block, message):
+    with pytest.raises(MoELayoutError, match=message) as info:
+        find_moe_layouts(_Model(block))
+    assert "'layers.1.mlp'" in str(info.value)
