@@ -215,7 +215,7 @@ def test_calibrate_tiny_qwen3_moe_reports_r2_per_layer(tmp_path):
     z = captured["z"].reshape(-1, 32)
     experts = model.model.layers[1].mlp.experts
     gate, up = F.linear(z, experts.gate_up_proj[3]).chunk(2, dim=-1)
-    direct = F.linear(F.silu(gate) * up, experts.down_proj[3]).norm(dim=-1).log().mean()
+    direct = F.linear(F.silu(gate) * up, experts.down_proj[3]).norm(dim=-1).log().mean().detach()
     assert float(predictors.mean_log_norm[1][3]) == pytest.approx(float(direct), abs=1e-4)
 
     # same model, tokens and options: the same file, byte for byte

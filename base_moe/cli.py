@@ -1,0 +1,188 @@
+"""``python -m base_moe COMMAND``: command-line entry points.
+
+Each subcommand is an ``add_<name>(subparsers)`` function that builds its parser and sets ``func`` to the
+function that runs it; :data:`COMMANDS` lists them. The helpers :func:`load_model` and :func:`load_token_ids`
+are shared by every command that reads a local model directory and a text file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------------
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(path: str, device: str, dtype: str = "auto") -> torch.nn.Module:
+    """A causal LM from a local directory (never the network), in eval mode, on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.isdir(path):
+        raise SystemExit(f"error: --model {path!r} is not a directory (a local Hugging Face checkpoint is needed)")
+    kwargs = dict(local_files_only=True, dtype=DTYPES[dtype])
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=device, **kwargs)
+    except (ImportError, ValueError, TypeError):  # device_map not usable here: load on the CPU, then move
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
+    return model.eval()
+
+
+def load_token_ids(
+    text_path: str, model_path: str, tokens: int, seq: int, byte_level: bool, vocab_size: int | None = None
+) -> torch.Tensor:
+    """The first ``tokens`` tokens of the text file as ``[tokens // seq, seq]`` int64 (a shorter file gives
+    fewer sequences; any remainder shorter than ``seq`` is dropped). ``byte_level``: each byte of the file
+    is a token id (models with a 256-entry vocabulary and no tokenizer files); otherwise the model
+    directory's tokenizer encodes the text (no special tokens)."""
+    if seq < 1 or tokens < seq:
+        raise SystemExit(f"error: need --tokens >= --seq >= 1, got --tokens {tokens} --seq {seq}")
+    if byte_level:
+        if vocab_size is not None and vocab_size < 256:
+            raise SystemExit(f"error: --bytes needs a vocabulary of at least 256 tokens, the model has {vocab_size}")
+        with open(text_path, "rb") as f:
+            data = f.read(tokens)
+        ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+    else:
+        ids = _tokenize(text_path, model_path, tokens)
+    n = ids.numel() // seq
+    if n == 0:
+        raise SystemExit(f"error: {text_path} gives {ids.numel()} tokens, fewer than one sequence of --seq {seq}")
+    if n * seq < tokens:
+        print(f"note: {text_path} gives {ids.numel()} tokens; using {n} sequences of {seq} ({n * seq} tokens)")
+    return ids[: n * seq].reshape(n, seq).clone()
+
+
+def _tokenize(text_path: str, model_path: str, tokens: int) -> torch.Tensor:
+    """Encode the start of the file, reading more of it only while fewer than ``tokens`` tokens came out."""
+    from transformers import AutoTokenizer
+
+    # transformers 5 builds an empty tokenizer for a directory without tokenizer files: look for them first
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    if not any(os.path.exists(os.path.join(model_path, name)) for name in files):
+        raise SystemExit(f"error: no tokenizer files in {model_path}; for a byte-level model pass --bytes")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: cannot load the tokenizer in {model_path} ({err}); for a byte-level model pass --bytes") from None
+    chars = max(16 * tokens, 1 << 16)
+    with open(text_path, encoding="utf-8", errors="replace") as f:
+        text = f.read(chars)
+        while True:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            more = f.read(len(text)) if len(ids) < tokens else ""
+            if not more:
+                return torch.tensor(ids[:tokens], dtype=torch.int64)
+            text += more
+
+
+def _peak_memory(device: str) -> str:
+    parts = []
+    if torch.device(device).type == "cuda":
+        parts.append(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+    parts.append(f"peak host RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# calibrate
+# ---------------------------------------------------------------------------------------------
+def add_calibrate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit BASE's removal-cost predictors for a local MoE checkpoint",
+        description="Run calibration text through the dense model, fit one linear log-norm predictor per MoE "
+        "layer (closed-form ridge), print the held-out R^2 per layer and write a safetensors file that "
+        "base_moe.apply(model, predictors=FILE) accepts.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model directory")
+    p.add_argument("--text", required=True, metavar="FILE", help="calibration text file (UTF-8, or raw bytes with --bytes)")
+    p.add_argument("--out", required=True, metavar="FILE", help="predictors file to write (.safetensors)")
+    p.add_argument("--tokens", type=int, default=65536, metavar="N", help="calibration tokens (default: 65536)")
+    p.add_argument("--seq", type=int, default=512, metavar="S", help="tokens per sequence (default: 512)")
+    p.add_argument("--bytes", action="store_true", help="byte-level model: each byte of --text is a token id")
+    p.add_argument("--device", default=None, help="cuda, cpu, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default: 8)")
+    p.add_argument("--ridge", type=float, default=1e-3, metavar="L", help="relative ridge strength (default: 1e-3)")
+    p.add_argument("--holdout", type=float, default=0.1, metavar="H", help="held-out fraction of sequences (default: 0.1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_calibrate)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import calibrate
+
+    device = args.device or default_device()
+    start = time.perf_counter()
+    model = load_model(args.model, device, args.dtype)
+    vocab = getattr(model.config, "vocab_size", None)
+    ids = load_token_ids(args.text, args.model, args.tokens, args.seq, args.bytes, vocab)
+    loaded = time.perf_counter() - start
+    predictors = calibrate(
+        model, ids, batch_size=args.batch_size, ridge=args.ridge, holdout=args.holdout,
+        progress=not args.no_progress, device=device,
+    )
+    predictors.save(args.out)
+    print(format_table(predictors))
+    stats = predictors.stats
+    print(
+        f"{stats['tokens']} tokens ({predictors.metadata['tokens_holdout']} held out) on {device}: calibration "
+        f"{stats['seconds']:.1f} s ({stats['tokens'] / max(stats['seconds'], 1e-9):.0f} tok/s), model and text "
+        f"loading {loaded:.1f} s; {_peak_memory(device)}"
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+def format_table(predictors) -> str:
+    """One row per MoE layer: held-out R^2 (pooled, and the worst expert), mean target, tokens."""
+    meta = predictors.metadata
+    tokens = f"{meta.get('tokens_train', '?')}/{meta.get('tokens_holdout', '?')}"
+    rows = [f"{'layer':>5}  {'experts':>7}  {'R^2':>7}  {'worst R^2':>9}  {'mean log||E||':>13}  {'tokens train/held':>17}"]
+    for i in predictors.layers:
+        expert_r2 = predictors.expert_r2.get(i)
+        worst = float(expert_r2.nan_to_num(nan=float("inf")).min()) if expert_r2 is not None else float("nan")
+        worst = worst if worst != float("inf") else float("nan")
+        rows.append(
+            f"{i:>5}  {predictors.weight[i].shape[0]:>7}  {predictors.r2[i]:>7.4f}  {worst:>9.4f}  "
+            f"{float(predictors.mean_log_norm[i].mean()):>13.4f}  {tokens:>17}"
+        )
+    finite = [v for v in predictors.r2.values() if v == v]
+    if finite:
+        rows.append(f"mean R^2 over {len(finite)} layers: {sum(finite) / len(finite):.4f}")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_calibrate]
+"""Every subcommand's parser builder; a new command appends its ``add_<name>`` here."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m base_moe", description="BASE: batch-aware selection of MoE experts")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

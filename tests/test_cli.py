@@ -1,0 +1,108 @@
+"""``python -m base_moe calibrate`` end to end on a tiny byte-level Qwen3-MoE checkpoint directory."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from base_moe import Predictors
+from base_moe.cli import build_parser, load_token_ids, main
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Batched decoding streams every active expert's weights once; "
+    "an expert budget keeps the experts whose removal would cost the most. "
+) * 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A randomly initialised byte-level (vocab 256) Qwen3-MoE saved with save_pretrained, and a text file."""
+    from test_calibrate import layouts_or_skip, tiny_qwen3_moe
+
+    layouts_or_skip()
+    root = tmp_path_factory.mktemp("ckpt")
+    tiny_qwen3_moe(layers=2).save_pretrained(root / "model")
+    (root / "text.txt").write_text(TEXT)
+    return root
+
+
+def calibrate_args(root, out, *extra):
+    return [
+        "calibrate", "--model", str(root / "model"), "--text", str(root / "text.txt"), "--tokens", "1024",
+        "--seq", "64", "--bytes", "--device", "cpu", "--out", str(out), "--no-progress", *extra,
+    ]
+
+
+def test_cli_calibrate_end_to_end(checkpoint, tmp_path, capsys):
+    out = tmp_path / "pred.safetensors"
+    assert main(calibrate_args(checkpoint, out, "--batch-size", "4")) == 0
+    printed = capsys.readouterr().out
+    assert "R^2" in printed and "mean log||E||" in printed and "tokens train/held" in printed
+    rows = [row for row in map(str.split, printed.splitlines()) if len(row) == 6 and row[0].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1"]  # one row per MoE layer
+    assert all(row[-1] == "960/64" for row in rows)  # 16 sequences of 64, the 10th held out
+    assert "tokens (64 held out)" in printed and "peak host RSS" in printed and f"wrote {out}" in printed
+
+    predictors = Predictors.load(out)
+    assert predictors.layers == [0, 1] and all(math.isfinite(v) for v in predictors.r2.values())
+    meta = predictors.metadata
+    assert (meta["tokens"], meta["sequences"], meta["seq_len"], meta["model_type"]) == (1024, 16, 64, "qwen3_moe")
+    assert meta["model_name_or_path"] == str(checkpoint / "model")
+
+    from transformers import AutoModelForCausalLM
+
+    predictors.check_compatible(AutoModelForCausalLM.from_pretrained(checkpoint / "model", local_files_only=True))
+
+    # same model, text and options: the same file, byte for byte
+    again = tmp_path / "again.safetensors"
+    assert main(calibrate_args(checkpoint, again, "--batch-size", "4")) == 0
+    assert out.read_bytes() == again.read_bytes()
+
+
+def test_python_dash_m(checkpoint, tmp_path):
+    out = tmp_path / "pred.safetensors"
+    cmd = [sys.executable, "-m", "base_moe", *calibrate_args(checkpoint, out, "--tokens", "256", "--seq", "32")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}" in result.stdout and Predictors.load(out).metadata["tokens"] == 256
+
+
+def test_tokenizer_path(checkpoint, tmp_path):
+    """Without --bytes the model directory's tokenizer encodes the text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted(set(TEXT.split()))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokdir = tmp_path / "tok"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tokdir)
+    ids = load_token_ids(str(checkpoint / "text.txt"), str(tokdir), tokens=40, seq=16, byte_level=False)
+    expected = [1 + words.index(w) for w in TEXT.split()[:32]]
+    assert ids.shape == (2, 16) and ids.flatten().tolist() == expected
+
+    with pytest.raises(SystemExit, match="no tokenizer.*--bytes"):
+        load_token_ids(str(checkpoint / "text.txt"), str(checkpoint / "model"), tokens=40, seq=16, byte_level=False)
+
+
+def test_bytes_and_argument_errors(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(200)))
+    ids = load_token_ids(str(text), "unused", tokens=150, seq=64, byte_level=True, vocab_size=256)
+    assert ids.dtype == torch.int64 and ids.shape == (2, 64) and ids.flatten().tolist() == list(range(128))
+    with pytest.raises(SystemExit, match="at least 256"):
+        load_token_ids(str(text), "unused", tokens=64, seq=64, byte_level=True, vocab_size=64)
+    with pytest.raises(SystemExit, match="fewer than one sequence"):
+        load_token_ids(str(text), "unused", tokens=512, seq=256, byte_level=True)
+    with pytest.raises(SystemExit, match="not a directory"):
+        main(["calibrate", "--model", str(tmp_path / "nope"), "--text", str(text), "--out", "x", "--bytes"])
+    with pytest.raises(SystemExit):  # argparse: --out is required
+        build_parser().parse_args(["calibrate", "--model", "m", "--text", "t"])
+    args = build_parser().parse_args(["calibrate", "--model", "m", "--text", "t", "--out", "o"])
+    assert (args.tokens, args.seq, args.batch_size, args.ridge, args.holdout, args.bytes) == (65536, 512, 8, 1e-3, 0.1, False)
