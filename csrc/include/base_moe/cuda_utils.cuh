@@ -1,0 +1,144 @@
+// Small device helpers shared by the CUDA kernels: dtype conversion, 16-byte loads, order-preserving
+// float keys for warp top-k, deterministic warp sums, tensor-core MMA, thread-block clusters.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cooperative_groups.h>
+#include <cstdint>
+
+namespace base_moe {
+namespace cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarpSize = 32;
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+// 16-byte read-only global load (the pointer must be 16-byte aligned).
+__device__ __forceinline__ uint4 load16(const void* ptr) {
+  return __ldg(reinterpret_cast<const uint4*>(ptr));
+}
+
+// Monotone map of finite floats to unsigned integers: a < b  <=>  ordered(a) < ordered(b).
+// Finite floats map to [0x00800000, 0xff7fffff], so 0 is free to mean "no candidate".
+__device__ __forceinline__ uint32_t ordered_bits(float v) {
+  const uint32_t b = __float_as_uint(v);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float from_ordered_bits(uint32_t o) {
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+
+// Butterfly sum over the warp: every lane gets the bitwise same result (fp addition is commutative),
+// and the order is fixed, so it is deterministic.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+// Packed 64-bit key: larger value first, equal values to the lower index. A single max over keys gives
+// the deterministic argmax (FlashInfer / TensorRT-LLM style).
+__device__ __forceinline__ uint64_t pack_key(float value, uint32_t index) {
+  return (static_cast<uint64_t>(ordered_bits(value)) << 32) | static_cast<uint64_t>(0xffffffffu - index);
+}
+__device__ __forceinline__ uint32_t key_index(uint64_t key) {
+  return 0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu);
+}
+__device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const uint64_t other = __shfl_xor_sync(kFullMask, key, offset);
+    key = other > key ? other : key;
+  }
+  return key;
+}
+
+// Hardware warp reductions of 32-bit integers (sm_80+).
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+  return __reduce_max_sync(kFullMask, v);
+}
+__device__ __forceinline__ uint32_t warp_or_u32(uint32_t v) {
+  return __reduce_or_sync(kFullMask, v);
+}
+
+// D += A * B on tensor cores: m16n8k16, A row-major (16x16), B column-major (16x8), fp32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                  uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Thread-block clusters (sm_90): the kernels launch one cluster per unit of work and exchange partial
+// results through distributed shared memory, so reductions across CTAs stay in a fixed order.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define BASE_MOE_HAS_CLUSTERS 1
+#endif
+
+__device__ __forceinline__ void cluster_sync() {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  cooperative_groups::this_cluster().sync();
+#else
+  __syncthreads();
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  return cooperative_groups::this_cluster().block_rank();
+#else
+  return 0;
+#endif
+}
+
+// The same shared-memory variable in CTA `rank` of this cluster.
+template <typename T>
+__device__ __forceinline__ T* cluster_map(T* ptr, unsigned rank) {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  return cooperative_groups::this_cluster().map_shared_rank(ptr, rank);
+#else
+  return ptr;
+#endif
+}
+
+}  // namespace cuda
+}  // namespace base_moe

@@ -1,0 +1,689 @@
+// Stages 2 and 3 on CUDA: routing + cost reduction (route_cost), top-budget selection + fill (select_fill),
+// and both fused (route_select). One kernel serves the three ops.
+//
+// Layout: one thread-block cluster per group (decode batch); its C CTAs (C <= 8) split the group's tokens,
+// one warp per token at a time (a "chunk" is C * NW consecutive tokens). Per token, a warp holds the E scores
+// in registers (lane l owns experts [l * EPL, (l + 1) * EPL)), and picks the top k with k rounds of a hardware
+// warp max (redux.sync) over order-preserving 32-bit keys; equal scores go to the lowest lane, and within a
+// lane to the lowest register, i.e. to the lower expert index, as in the reference.
+//
+// The batch cost D[g, u] must equal the reference's sequential fp32 sum in token order, bit for bit. Each warp
+// writes its token's slot costs into a dense row [E] in shared memory; after a cluster barrier, CTA r owns
+// experts [r * EPC, (r + 1) * EPC), copies the chunk's rows for them out of every CTA's shared memory
+// (distributed shared memory), and one thread per expert adds them in token order to a register accumulator.
+// Top-budget selection ranks every candidate expert against all others (D descending, index ascending) in
+// parallel; the fill rules run per token again; per-expert counts are summed over the cluster in rank order.
+// No float atomics, no host synchronisation, fixed output shapes.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "base_moe/checks.h"
+#include "base_moe/cuda_utils.cuh"
+#include "base_moe/routing.h"
+
+namespace base_moe {
+namespace {
+
+using cuda::kFullMask;
+
+struct SelectParams {
+  const float* logits;           // [G * B, E]
+  const float* log_norms;        // rows of E, row stride ln_stride (0: broadcast); BASE cost only
+  int64_t ln_stride;
+  const float* correction_bias;  // [E] or null (sigmoid only)
+  const float* batch_cost_in;    // [G, E] (select_fill)
+  int32_t* ids;                  // [G * B, k]: routed ids (route_cost), final ids (select_fill / route_select)
+  float* weights;                // [G * B, k]
+  int32_t* kept;                 // [G, W]
+  int32_t* counts;               // [G, E]
+  float* batch_cost_out;         // [G, E] (route_cost / route_select)
+  int B, E, k, W;
+  int scoring;                   // Scoring
+  bool renormalize;
+  int n_group, topk_group, group_size;
+  float scaling;
+  int cost;                      // Cost
+  int fill;                      // Fill
+  bool compute_cost;             // route_cost / route_select
+  bool select;                   // select_fill / route_select
+  float top1_offset;
+  int cluster;                   // CTAs per group
+  int experts_per_cta;           // EPC: experts each CTA of the cluster reduces
+};
+
+struct SharedLayout {
+  // Offsets in 4-byte words into dynamic shared memory.
+  int dense, scratch, slots, flags, state, counts, batch_cost, kept, total;
+};
+
+__host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int cluster, int experts_per_cta,
+                                                      int n_group) {
+  SharedLayout s{};
+  int at = 0;
+  s.dense = at;
+  at += NW * E;
+  s.scratch = at;  // copy buffer of the D reduction, or group scores of the group limit (never both at once)
+  at += max(cluster * NW * experts_per_cta, NW * 2 * n_group);
+  s.slots = at;  // per warp: ids, logits, log-norms of the picked experts
+  at += NW * 3 * static_cast<int>(kMaxTopK);
+  s.flags = at;  // per expert: bit 0 routed by some token of this CTA, bit 1 some token's top-1
+  at += E;
+  s.state = at;  // per expert: bit 0 routed in the group (candidate), bit 1 kept
+  at += E;
+  s.counts = at;
+  at += E;
+  s.batch_cost = at;
+  at += E;
+  s.kept = at;
+  at += W;
+  s.total = at;
+  return s;
+}
+
+template <int EPL>
+struct Token {
+  float logit[EPL];
+  float choice[EPL];
+  float log_norm[EPL];
+  uint32_t allowed;    // bit j: expert lane * EPL + j is in one of the token's top groups
+  float max_logit;     // softmax over all experts
+  float denominator;
+  int32_t slot_id;     // lane r < k: slot r (routed set)
+  float slot_weight;
+};
+
+__device__ __forceinline__ float sigmoid(float x) {
+  return 1.0f / (1.0f + expf(-x));
+}
+
+// Loads token t's logits (and log-norms), computes choice scores, the group limit and the softmax statistics.
+template <int EPL>
+__device__ __forceinline__ void prepare_token(const SelectParams& p, int64_t t, int lane, float* scratch_row, float* group_scratch,
+                              Token<EPL>& s) {
+  const int E = p.E;
+  const float* row = p.logits + t * E;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    const int u = lane * EPL + j;
+    s.logit[j] = u < E ? row[u] : 0.0f;
+  }
+  if (p.compute_cost && p.cost == static_cast<int>(Cost::kBase)) {
+    const float* g = p.log_norms + t * p.ln_stride;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      const int u = lane * EPL + j;
+      s.log_norm[j] = u < E ? g[u] : 0.0f;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) s.log_norm[j] = 0.0f;
+  }
+  const bool sig = p.scoring == static_cast<int>(Scoring::kSigmoid);
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    const int u = lane * EPL + j;
+    float c = s.logit[j];
+    if (sig) {
+      c = sigmoid(c);
+      if (p.correction_bias != nullptr && u < E) c = c + p.correction_bias[u];
+    }
+    s.choice[j] = c;
+  }
+  s.allowed = (1u << EPL) - 1u;
+  if (p.n_group > 1) {
+    // DeepSeek-V3 group limit: group score = best + second best choice score; keep the top topk_group groups.
+    __syncwarp();  // earlier readers of the scratch are done
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      const int u = lane * EPL + j;
+      if (u < E) scratch_row[u] = s.choice[j];
+    }
+    __syncwarp();
+    const int gs = p.group_size, ng = p.n_group;
+    for (int grp = lane; grp < ng; grp += 32) {
+      float best = -INFINITY, second = -INFINITY;
+      for (int i = 0; i < gs; ++i) {
+        const float v = scratch_row[grp * gs + i];
+        if (v > best) {
+          second = best;
+          best = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      group_scratch[grp] = best + second;
+    }
+    __syncwarp();
+    for (int grp = lane; grp < ng; grp += 32) {
+      const float mine = group_scratch[grp];
+      int rank = 0;
+      for (int o = 0; o < ng; ++o) {
+        const float v = group_scratch[o];
+        rank += (v > mine || (v == mine && o < grp)) ? 1 : 0;
+      }
+      group_scratch[ng + grp] = rank < p.topk_group ? 1.0f : 0.0f;
+    }
+    __syncwarp();
+    s.allowed = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      const int u = lane * EPL + j;
+      if (u < E && group_scratch[ng + u / gs] != 0.0f) s.allowed |= 1u << j;
+    }
+    __syncwarp();  // the scratch row is reused by the caller
+  }
+  if (p.scoring == static_cast<int>(Scoring::kSoftmax)) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      if (lane * EPL + j < E) m = max(m, cuda::ordered_bits(s.logit[j]));
+    }
+    s.max_logit = cuda::from_ordered_bits(cuda::warp_max_u32(m));
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      if (lane * EPL + j < E) sum += expf(s.logit[j] - s.max_logit);
+    }
+    s.denominator = cuda::warp_sum(sum);
+  } else {
+    s.max_logit = 0.0f;
+    s.denominator = 1.0f;
+  }
+}
+
+// Picks up to k experts: first by `first` keys, then (when those run out) by `second` keys; key 0 = not
+// eligible. Slot r's expert id, logit and log-norm go to slots[r], slots[kMaxTopK + r], slots[2 kMaxTopK + r]
+// (sentinel E when nothing is left). Returns the number picked.
+template <int EPL>
+__device__ __forceinline__ int warp_top_k(uint32_t (&first)[EPL], uint32_t (&second)[EPL], bool has_second, const Token<EPL>& s,
+                          int k, int E, int lane, float* slots) {
+  int* slot_ids = reinterpret_cast<int*>(slots);
+  __syncwarp();  // the previous token's slots have been read
+  int picked = 0;
+  bool on_second = false;
+  while (picked < k) {
+    uint32_t best = 0;
+    int best_j = 0;
+    float best_logit = 0.0f, best_norm = 0.0f;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      if (first[j] > best) {
+        best = first[j];
+        best_j = j;
+        best_logit = s.logit[j];
+        best_norm = s.log_norm[j];
+      }
+    }
+    const uint32_t top = cuda::warp_max_u32(best);
+    if (top == 0) {
+      if (has_second && !on_second) {
+        on_second = true;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) first[j] = second[j];
+        continue;
+      }
+      break;
+    }
+    const unsigned owners = __ballot_sync(kFullMask, best == top);
+    if (lane == __ffs(owners) - 1) {
+      slot_ids[picked] = lane * EPL + best_j;
+      slots[kMaxTopK + picked] = best_logit;
+      slots[2 * kMaxTopK + picked] = best_norm;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        if (j == best_j) first[j] = 0;
+      }
+    }
+    ++picked;
+  }
+  if (lane >= picked && lane < k) slot_ids[lane] = E;
+  __syncwarp();
+  return picked;
+}
+
+// The model's weight rule for the picked slots. Lane r < k gets slot r's id and weight; other lanes get (E, 0).
+template <int EPL>
+__device__ __forceinline__ void slot_weights(const SelectParams& p, const Token<EPL>& s, const float* slots, int lane, int32_t& id,
+                             float& weight, float& log_norm) {
+  const int E = p.E;
+  const int* slot_ids = reinterpret_cast<const int*>(slots);
+  id = lane < p.k ? slot_ids[lane] : E;
+  const bool valid = id < E;
+  const float logit = valid ? slots[kMaxTopK + lane] : 0.0f;
+  log_norm = valid ? slots[2 * kMaxTopK + lane] : 0.0f;
+  float w;
+  if (p.scoring == static_cast<int>(Scoring::kSoftmax)) {
+    w = valid ? expf(logit - s.max_logit) / s.denominator : 0.0f;
+  } else if (p.scoring == static_cast<int>(Scoring::kSoftmaxAfterTopk)) {
+    const float m = cuda::warp_max(valid ? logit : -INFINITY);
+    const float e = valid ? expf(logit - m) : 0.0f;
+    const float total = cuda::warp_sum(e);
+    w = total > 0.0f ? e / total : 0.0f;
+  } else {
+    w = valid ? sigmoid(logit) : 0.0f;
+  }
+  if (p.renormalize && p.scoring != static_cast<int>(Scoring::kSoftmaxAfterTopk)) {
+    float total = cuda::warp_sum(w);
+    if (p.scoring == static_cast<int>(Scoring::kSigmoid)) total = total + 1e-20f;  // DeepSeek-V3's guard
+    w = total > 0.0f ? w / total : 0.0f;
+  }
+  weight = w * p.scaling;
+}
+
+__device__ __forceinline__ float slot_cost(int cost, float w, float log_norm) {
+  switch (static_cast<Cost>(cost)) {
+    case Cost::kBase:
+      return w * w * expf(2.0f * log_norm);
+    case Cost::kRouterSq:
+      return w * w;
+    case Cost::kFrequency:
+      return 1.0f;
+    default:  // kRouterSum, kTop1Union
+      return w;
+  }
+}
+
+template <int EPL, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectParams p) {
+  extern __shared__ __align__(16) float smem[];
+  const int E = p.E, k = p.k, B = p.B, C = p.cluster, EPC = p.experts_per_cta;
+  const SharedLayout L = shared_layout(NW, E, p.W, C, EPC, p.n_group);
+  float* dense = smem + L.dense;
+  float* scratch = smem + L.scratch;
+  int* flags = reinterpret_cast<int*>(smem + L.flags);
+  int* state = reinterpret_cast<int*>(smem + L.state);
+  int* counts = reinterpret_cast<int*>(smem + L.counts);
+  float* batch_cost = smem + L.batch_cost;
+  int* kept = reinterpret_cast<int*>(smem + L.kept);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int kThreads = NW * 32;
+  const unsigned rank = cuda::cluster_rank();
+  const int group = blockIdx.x / C;
+  const int64_t first_token = static_cast<int64_t>(group) * B;
+  float* my_row = dense + warp * E;
+  float* my_group_scratch = scratch + warp * 2 * p.n_group;
+  float* my_slots = smem + L.slots + warp * 3 * kMaxTopK;
+
+  for (int u = tid; u < E; u += kThreads) {
+    flags[u] = 0;
+    counts[u] = 0;
+  }
+  __syncthreads();
+
+  const int per_chunk = C * NW;
+  const int chunks = (B + per_chunk - 1) / per_chunk;
+  const bool single_chunk = chunks <= 1;
+  const bool base_cost = p.cost == static_cast<int>(Cost::kBase);
+  Token<EPL> s;
+  constexpr int kOwned = (static_cast<int>(kMaxExperts) + kThreads - 1) / kThreads;
+  float acc[kOwned];  // D of this thread's owned experts (u_local = tid + i * kThreads), in token order
+#pragma unroll
+  for (int i = 0; i < kOwned; ++i) acc[i] = 0.0f;
+
+  // ---- routing (and the batch cost, chunk by chunk) ----
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const int local = chunk * per_chunk + static_cast<int>(rank) * NW + warp;
+    if (local < B) {
+      const int64_t t = first_token + local;
+      prepare_token<EPL>(p, t, lane, my_row, my_group_scratch, s);
+      uint32_t key[EPL], none[EPL];
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        key[j] = ((s.allowed >> j) & 1u) && lane * EPL + j < E ? cuda::ordered_bits(s.choice[j]) : 0u;
+        none[j] = 0;
+      }
+      warp_top_k<EPL>(key, none, false, s, k, E, lane, my_slots);
+      float w, log_norm;
+      int32_t id;
+      slot_weights<EPL>(p, s, my_slots, lane, id, w, log_norm);
+      s.slot_id = id;
+      s.slot_weight = w;
+      if (p.compute_cost) {
+        for (int u = lane; u < E; u += 32) my_row[u] = 0.0f;
+        __syncwarp();
+        if (id < E) my_row[id] = slot_cost(p.cost, w, base_cost ? log_norm : 0.0f);
+      }
+      if (id < E) atomicOr(&flags[id], lane == 0 ? 3 : 1);
+      if (lane < k) {
+        p.ids[t * k + lane] = id;  // final output of route_cost; scratch for the fill otherwise
+        p.weights[t * k + lane] = w;
+      }
+    } else if (p.compute_cost) {
+      for (int u = lane; u < E; u += 32) my_row[u] = 0.0f;
+    }
+    if (!p.compute_cost) continue;
+    cuda::cluster_sync();
+    // Copy this CTA's experts' columns of the chunk from every CTA, then add them in token order.
+    const float* columns = dense;
+    int stride = E, offset = static_cast<int>(rank) * EPC;
+    if (C > 1) {
+      for (int i = tid; i < C * NW * EPC; i += kThreads) {
+        const int src = i / (NW * EPC), rem = i % (NW * EPC), w = rem / EPC, ul = rem % EPC;
+        const int u = static_cast<int>(rank) * EPC + ul;
+        scratch[i] = u < E ? cuda::cluster_map(dense, src)[w * E + u] : 0.0f;
+      }
+      __syncthreads();
+      columns = scratch;
+      stride = EPC;
+      offset = 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kOwned; ++i) {
+      const int ul = tid + i * kThreads;
+      if (ul < EPC) {
+        float d = acc[i];
+        const float* col = columns + offset + ul;
+#pragma unroll 8
+        for (int r = 0; r < C * NW; ++r) d += col[r * stride];  // token order (zeros for absent tokens)
+        acc[i] = d;
+      }
+    }
+    if (chunk + 1 < chunks) cuda::cluster_sync();  // before the dense rows are overwritten
+  }
+
+  // ---- exchange: candidates (routed union), top-1 seeds, the finished D ----
+  cuda::cluster_sync();
+  for (int u = tid; u < E; u += kThreads) {
+    int f = 0;
+    for (int c = 0; c < C; ++c) f |= cuda::cluster_map(flags, c)[u];
+    state[u] = f & 1;
+    if (!p.compute_cost) batch_cost[u] = p.batch_cost_in[static_cast<int64_t>(group) * E + u];
+  }
+  if (p.compute_cost) {
+#pragma unroll
+    for (int i = 0; i < kOwned; ++i) {
+      const int ul = tid + i * kThreads, u = static_cast<int>(rank) * EPC + ul;
+      if (ul >= EPC || u >= E) continue;
+      float d = acc[i];
+      if (p.cost == static_cast<int>(Cost::kTop1Union)) {
+        int f = 0;
+        for (int c = 0; c < C; ++c) f |= cuda::cluster_map(flags, c)[u];
+        if (f & 2) d = d + p.top1_offset;
+      }
+      batch_cost[u] = d;
+      p.batch_cost_out[static_cast<int64_t>(group) * E + u] = d;
+    }
+  }
+  if (!p.select) {
+    cuda::cluster_sync();
+    return;
+  }
+  if (p.compute_cost && C > 1) {
+    cuda::cluster_sync();
+    for (int u = tid; u < E; u += kThreads) {
+      const int owner = u / EPC;
+      if (owner != static_cast<int>(rank)) batch_cost[u] = cuda::cluster_map(batch_cost, owner)[u];
+    }
+  }
+  for (int i = tid; i < p.W; i += kThreads) kept[i] = E;
+  __syncthreads();
+
+  // ---- top-budget selection: rank each candidate against all (D descending, index ascending) ----
+  {
+    int tpe = 1;  // threads per expert (power of two, within a warp)
+    while (tpe < 32 && tpe * 2 * E <= kThreads) tpe *= 2;
+    const int experts_per_pass = kThreads / tpe;
+    const int passes = (E + experts_per_pass - 1) / experts_per_pass;
+    const int sub = tid % tpe;
+    for (int pass = 0; pass < passes; ++pass) {
+      const int u = pass * experts_per_pass + tid / tpe;
+      const bool cand = u < E && (state[u] & 1);
+      const float du = u < E ? batch_cost[u] : 0.0f;
+      int r = 0;
+      if (cand) {
+        for (int v = sub; v < E; v += tpe) {
+          const float dv = batch_cost[v];
+          r += ((state[v] & 1) && (dv > du || (dv == du && v < u))) ? 1 : 0;
+        }
+      }
+      for (int o = tpe / 2; o > 0; o >>= 1) r += __shfl_xor_sync(kFullMask, r, o);
+      if (cand && sub == 0 && r < p.W) kept[r] = u;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < p.W; i += kThreads) {
+    if (kept[i] < E) state[kept[i]] |= 2;
+    if (rank == 0) p.kept[static_cast<int64_t>(group) * p.W + i] = kept[i];
+  }
+  __syncthreads();
+
+  // ---- fill ----
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const int local = chunk * per_chunk + static_cast<int>(rank) * NW + warp;
+    if (local >= B) continue;
+    const int64_t t = first_token + local;
+    if (!single_chunk) {
+      prepare_token<EPL>(p, t, lane, my_row, my_group_scratch, s);
+      s.slot_id = lane < k ? p.ids[t * k + lane] : E;
+      s.slot_weight = lane < k ? p.weights[t * k + lane] : 0.0f;
+      __syncwarp();  // every lane has read its routed slot before any lane overwrites it
+    }
+    if (p.fill == static_cast<int>(Fill::kBackfill)) {
+      uint32_t preferred[EPL], other[EPL];
+      const bool grouped = p.n_group > 1;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        const int u = lane * EPL + j;
+        const bool in_kept = u < E && (state[u] & 2);
+        const bool allowed = (s.allowed >> j) & 1u;
+        const uint32_t key = cuda::ordered_bits(s.choice[j]);
+        preferred[j] = in_kept && (allowed || !grouped) ? key : 0u;
+        other[j] = in_kept && grouped && !allowed ? key : 0u;
+      }
+      warp_top_k<EPL>(preferred, other, grouped, s, k, E, lane, my_slots);
+      int32_t id;
+      float w, unused;
+      slot_weights<EPL>(p, s, my_slots, lane, id, w, unused);
+      if (lane < k) {
+        p.ids[t * k + lane] = id;
+        p.weights[t * k + lane] = w;
+        if (id < E) atomicAdd(&counts[id], 1);
+      }
+    } else {
+      const bool in_slot = lane < k;
+      const bool survives = in_slot && s.slot_id < E && (state[s.slot_id] & 2);
+      const unsigned mask = __ballot_sync(kFullMask, survives);
+      const int survivors = __popc(mask);
+      const float total = cuda::warp_sum(in_slot ? s.slot_weight : 0.0f);
+      const float kept_total = cuda::warp_sum(survives ? s.slot_weight : 0.0f);
+      float scale = 1.0f;
+      if (p.fill == static_cast<int>(Fill::kDropRenorm)) scale = kept_total > 0.0f ? total / kept_total : 0.0f;
+      // survivors keep their order; dropped slots move to the end
+      const int position = __popc(mask & ((1u << lane) - 1u));
+      if (survives) {
+        p.ids[t * k + position] = s.slot_id;
+        p.weights[t * k + position] = s.slot_weight * scale;
+        atomicAdd(&counts[s.slot_id], 1);
+      }
+      if (lane >= survivors && lane < k) {
+        p.ids[t * k + lane] = E;
+        p.weights[t * k + lane] = 0.0f;
+      }
+    }
+  }
+
+  // ---- counts: sum over the cluster's CTAs ----
+  cuda::cluster_sync();
+  for (int u = static_cast<int>(rank) * EPC + tid; u < min(E, (static_cast<int>(rank) + 1) * EPC); u += kThreads) {
+    int c = 0;
+    for (int src = 0; src < C; ++src) c += cuda::cluster_map(counts, src)[u];
+    p.counts[static_cast<int64_t>(group) * E + u] = c;
+  }
+  cuda::cluster_sync();  // keep shared memory alive until the other CTAs have read it
+}
+
+bool device_has_clusters(int device) {
+  static int major[64] = {0};
+  if (device < 0 || device >= 64) return false;
+  if (major[device] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
+  return major[device] >= 9;
+}
+
+template <int EPL, int NW>
+void launch_select(SelectParams p, int groups, int device, cudaStream_t stream) {
+  const bool clusters = device_has_clusters(device);
+  const int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, 8) : 1;
+  p.cluster = C;
+  p.experts_per_cta = (p.E + C - 1) / C;
+  const SharedLayout layout = shared_layout(NW, p.E, p.W, C, p.experts_per_cta, p.n_group);
+  const size_t smem = static_cast<size_t>(layout.total) * 4;
+  auto kernel = route_select_kernel<EPL, NW>;
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(groups * C);
+  config.blockDim = dim3(NW * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = C;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = clusters ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+}
+
+void launch(const SelectParams& p, int groups, int device) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int epl = (p.E + 31) / 32;
+  if (epl <= 1) {
+    launch_select<1, 32>(p, groups, device, stream);
+  } else if (epl <= 2) {
+    launch_select<2, 32>(p, groups, device, stream);
+  } else if (epl <= 4) {
+    launch_select<4, 32>(p, groups, device, stream);
+  } else if (epl <= 8) {
+    launch_select<8, 16>(p, groups, device, stream);
+  } else {
+    launch_select<16, 8>(p, groups, device, stream);
+  }
+}
+
+SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias, const RoutingParams& r,
+                         int64_t num_groups) {
+  TORCH_CHECK(logits.size(0) <= (int64_t{1} << 30), "logits has too many tokens for the CUDA kernel");
+  SelectParams p{};
+  p.logits = logits.data_ptr<float>();
+  p.correction_bias = correction_bias.has_value() ? correction_bias->data_ptr<float>() : nullptr;
+  p.B = static_cast<int>(logits.size(0) / num_groups);
+  p.E = static_cast<int>(r.num_experts);
+  p.k = static_cast<int>(r.top_k);
+  p.scoring = static_cast<int>(r.scoring);
+  p.renormalize = r.renormalize;
+  p.n_group = static_cast<int>(r.n_group);
+  p.topk_group = static_cast<int>(r.topk_group);
+  p.group_size = static_cast<int>(r.num_experts / r.n_group);
+  p.scaling = static_cast<float>(r.scaling);
+  p.cost = static_cast<int>(Cost::kRouterSum);
+  p.fill = static_cast<int>(Fill::kBackfill);
+  p.top1_offset = top1_offset(p.B, r);
+  return p;
+}
+
+void set_cost(SelectParams& p, const OptTensor& log_norms, int64_t cost) {
+  p.compute_cost = true;
+  p.cost = static_cast<int>(cost);
+  if (static_cast<Cost>(cost) == Cost::kBase) {
+    p.log_norms = log_norms->data_ptr<float>();
+    p.ln_stride = log_norms->size(0) > 1 ? log_norms->stride(0) : 0;
+  }
+}
+
+void set_selection(SelectParams& p, int64_t budget, int64_t fill, const Tensor& kept, const Tensor& counts) {
+  p.select = true;
+  p.W = static_cast<int>(kept.size(1));
+  p.fill = static_cast<int>(fill);
+  p.kept = kept.data_ptr<int32_t>();
+  p.counts = counts.data_ptr<int32_t>();
+  (void)budget;
+}
+
+std::tuple<Tensor, Tensor, Tensor> route_cost_cuda(const Tensor& logits, const OptTensor& log_norms,
+                                                   const OptTensor& correction_bias, int64_t num_groups,
+                                                   int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group,
+                                                   int64_t topk_group, double scaling, int64_t cost) {
+  const RoutingParams r =
+      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
+  check_route_cost(logits, log_norms, num_groups, cost);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t T = logits.size(0), E = logits.size(1);
+  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  Tensor weights = at::empty({T, top_k}, logits.options());
+  Tensor D = at::empty({num_groups, E}, logits.options());
+  SelectParams p = make_params(logits, correction_bias, r, num_groups);
+  set_cost(p, log_norms, cost);
+  p.ids = ids.data_ptr<int32_t>();
+  p.weights = weights.data_ptr<float>();
+  p.batch_cost_out = D.data_ptr<float>();
+  p.W = 0;
+  launch(p, static_cast<int>(num_groups), logits.get_device());
+  return {ids, weights, D};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cuda(const Tensor& logits, const Tensor& batch_cost,
+                                                            const OptTensor& correction_bias, int64_t top_k,
+                                                            int64_t scoring, bool renormalize, int64_t n_group,
+                                                            int64_t topk_group, double scaling, int64_t budget,
+                                                            int64_t fill) {
+  const RoutingParams r =
+      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
+  check_select_fill(logits, batch_cost, budget, fill);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t T = logits.size(0), E = logits.size(1), G = batch_cost.size(0);
+  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  Tensor weights = at::empty({T, top_k}, logits.options());
+  Tensor kept = at::empty({G, std::min(budget, E)}, logits.options().dtype(at::kInt));
+  Tensor counts = at::empty({G, E}, logits.options().dtype(at::kInt));
+  SelectParams p = make_params(logits, correction_bias, r, G);
+  p.compute_cost = false;
+  p.batch_cost_in = batch_cost.data_ptr<float>();
+  p.ids = ids.data_ptr<int32_t>();
+  p.weights = weights.data_ptr<float>();
+  set_selection(p, budget, fill, kept, counts);
+  launch(p, static_cast<int>(G), logits.get_device());
+  return {ids, weights, kept, counts};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
+    const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
+    int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
+    int64_t cost, int64_t budget, int64_t fill) {
+  const RoutingParams r =
+      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
+  check_route_cost(logits, log_norms, num_groups, cost);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t T = logits.size(0), E = logits.size(1);
+  Tensor D = at::empty({num_groups, E}, logits.options());
+  check_select_fill(logits, D, budget, fill);
+  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  Tensor weights = at::empty({T, top_k}, logits.options());
+  Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
+  Tensor counts = at::empty({num_groups, E}, logits.options().dtype(at::kInt));
+  SelectParams p = make_params(logits, correction_bias, r, num_groups);
+  set_cost(p, log_norms, cost);
+  p.ids = ids.data_ptr<int32_t>();
+  p.weights = weights.data_ptr<float>();
+  p.batch_cost_out = D.data_ptr<float>();
+  set_selection(p, budget, fill, kept, counts);
+  launch(p, static_cast<int>(num_groups), logits.get_device());
+  return {ids, weights, kept, counts, D};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(base_moe, CUDA, m) {
+  m.impl("route_cost", &route_cost_cuda);
+  m.impl("select_fill", &select_fill_cuda);
+  m.impl("route_select", &route_select_cuda);
+}
+
+}  // namespace base_moe

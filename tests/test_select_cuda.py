@@ -1,0 +1,420 @@
+"""CUDA selection kernels (router_predict, route_cost, select_fill, route_select) against base_moe.reference.
+
+Indices must equal the reference exactly whenever they are a function of the same inputs (routing ranks by logits or
+by sigmoid + bias, which the kernels compute like torch). Where the kept set depends on exp/softmax-derived batch costs,
+the kept set must be exactly the ranking of the kernel's own D, and agree with the reference's up to experts whose
+reference D values are within 1e-5 of each other; the fill is then checked exactly given the kernel's kept set.
+
+``BASE_MOE_TEST_DEVICE=cpu python -m pytest tests/test_select_cuda.py -p no:cacheprovider`` runs the same checks
+against the CPU ops (a dry run of the test logic on machines without a GPU; the ``cuda`` marker still skips them
+there, so call the test functions directly, see ``__main__``). ``python tests/test_select_cuda.py sanitize`` runs a
+few calls of every op for compute-sanitizer.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import zlib
+
+import pytest
+import torch
+
+import base_moe
+from base_moe import Cost, Fill, Routing, Scoring, ops, reference
+
+pytestmark = pytest.mark.cuda
+DEVICE = os.environ.get("BASE_MOE_TEST_DEVICE", "cuda")
+
+EXPERTS = (8, 60, 64, 128, 256, 512)
+TOP_K = (1, 2, 4, 6, 8, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+def routings(E: int, k: int) -> dict[str, tuple[Routing, bool]]:
+    """Every scoring the ops support, as (routing, uses a correction bias)."""
+    cases = {
+        "softmax_renorm": (Routing(k, Scoring.SOFTMAX, renormalize=True), False),
+        "softmax": (Routing(k, Scoring.SOFTMAX), False),
+        "softmax_after_topk": (Routing(k, Scoring.SOFTMAX_AFTER_TOPK), False),
+        "sigmoid_bias_renorm": (Routing(k, Scoring.SIGMOID, renormalize=True, scaling=2.5), True),
+        "sigmoid": (Routing(k, Scoring.SIGMOID), False),
+    }
+    for n_group, topk_group in ((8, 4), (4, 1)):
+        if E % n_group == 0 and E // n_group >= 2 and topk_group * (E // n_group) >= k:
+            cases[f"sigmoid_groups{n_group}_{topk_group}"] = (
+                Routing(k, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=topk_group, scaling=2.5),
+                True,
+            )
+    return cases
+
+
+def make_logits(T: int, E: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    if kind == "ties":  # many equal logits: ties broken by index
+        x = torch.randint(0, 3, (T, E), generator=gen).float()
+    elif kind == "dup":  # duplicated columns: pairs of experts with equal logits
+        x = torch.randn(T, E, generator=gen) * 2
+        x[:, 1::2] = x[:, 0::2]
+    else:
+        x = torch.randn(T, E, generator=gen) * 2
+    return x.to(DEVICE)
+
+
+def make_inputs(G: int, B: int, E: int, uses_bias: bool, kind: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    logits = make_logits(G * B, E, kind, gen)
+    log_norms = (torch.randn(G * B, E, generator=gen) * 0.5).to(DEVICE)
+    bias = None
+    if uses_bias:
+        bias = torch.zeros(E) if kind == "ties" else torch.randn(E, generator=gen) * 0.1
+        bias = bias.to(DEVICE)
+    return logits, log_norms, bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+def assert_kept_matches(kept: torch.Tensor, kept_ref: torch.Tensor, D_ref: torch.Tensor, rel: float = 1e-5):
+    """kept equals the reference's kept list, except at positions where the two experts' reference batch costs are
+    within ``rel`` of each other (a near-tie that fp32 rounding of exp-derived costs may flip)."""
+    E = D_ref.shape[1]
+    kept, kept_ref, D_ref = kept.cpu(), kept_ref.cpu(), D_ref.double().cpu()
+    assert kept.shape == kept_ref.shape
+    for g in range(kept.shape[0]):
+        for i in torch.nonzero(kept[g] != kept_ref[g]).flatten().tolist():
+            a, b = int(kept[g, i]), int(kept_ref[g, i])
+            assert a < E and b < E, f"group {g} slot {i}: kept {a}, reference {b} (sentinel mismatch)"
+            da, db = float(D_ref[g, a]), float(D_ref[g, b])
+            assert abs(da - db) <= rel * max(abs(da), abs(db)), (
+                f"group {g} slot {i}: kept expert {a} (D={da}) but the reference keeps {b} (D={db})"
+            )
+
+
+def assert_weights_close(w: torch.Tensor, w_ref: torch.Tensor):
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a, b)
+
+
+def check_fill(logits, bias, routing, kept, fill, ids, weights, counts, G):
+    ids_ref, w_ref = reference.fill(logits, bias, routing, kept, fill)
+    assert torch.equal(ids, ids_ref), "fill ids differ from the reference given the same kept set"
+    assert_weights_close(weights, w_ref)
+    assert torch.equal(counts, reference.expert_counts(ids_ref, G, logits.shape[1]))
+
+
+def budgets(E: int, k: int) -> list[int]:
+    return sorted({1, max(1, k - 1), k, 16, E, E + 3})
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: router_predict
+# ---------------------------------------------------------------------------------------------
+GEMV_CASES = [
+    # (T, H, E, dtype, predictor, router bias)
+    (1, 2048, 128, torch.bfloat16, True, False),
+    (4, 2048, 128, torch.bfloat16, True, True),
+    (16, 2048, 128, torch.float16, True, False),
+    (17, 1024, 60, torch.bfloat16, True, True),
+    (33, 2048, 128, torch.bfloat16, False, False),
+    (64, 2048, 128, torch.bfloat16, True, False),
+    (65, 512, 8, torch.float16, True, True),
+    (256, 2048, 128, torch.bfloat16, True, False),
+    (256, 7168, 256, torch.bfloat16, True, True),
+    (3, 7168, 256, torch.bfloat16, True, False),
+    (1000, 1024, 512, torch.bfloat16, True, False),
+    (4096, 2048, 128, torch.bfloat16, True, False),
+    (4096, 512, 64, torch.float16, False, True),
+    (7, 200, 64, torch.bfloat16, True, True),  # H % 8 != 0: scalar kernel
+    (5, 64, 8, torch.float32, True, True),
+    (130, 2048, 128, torch.float32, True, False),
+    (1, 32, 8, torch.bfloat16, True, False),
+]
+
+
+@pytest.mark.parametrize("T,H,E,dtype,predict,router_bias", GEMV_CASES)
+def test_router_predict(T, H, E, dtype, predict, router_bias):
+    gen = torch.Generator().manual_seed(T * 7919 + H + E)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    Wr = (torch.randn(E, H, generator=gen) / H**0.5).to(DEVICE, dtype)
+    Wp = (torch.randn(E, H, generator=gen) / H**0.5).to(DEVICE, dtype) if predict else None
+    br = torch.randn(E, generator=gen).to(DEVICE) if router_bias else None
+    bp = torch.randn(E, generator=gen).to(DEVICE) if predict else None
+    logits, log_norms = ops.router_predict(hidden, Wr, br, Wp, bp)
+    assert logits.dtype == torch.float32 and logits.shape == (T, E) and logits.is_contiguous()
+    assert log_norms.shape == (T, E if predict else 0)
+
+    x64 = hidden.double()
+
+    def exact(W, b):
+        out = x64 @ W.double().T
+        return out + b.double() if b is not None else out
+
+    def in_dtype(W, b):  # the same computation by torch in the input dtype
+        out = (hidden @ W.T).float()
+        return out + b if b is not None else out
+
+    pairs = [(logits, Wr, br)] + ([(log_norms, Wp, bp)] if predict else [])
+    for out, W, b in pairs:
+        ref = exact(W, b)
+        err = (out.double() - ref).abs().max().item()
+        torch_err = (in_dtype(W, b).double() - ref).abs().max().item()
+        bound = 2 * torch_err + 1e-6 * ref.abs().max().item() + 1e-7
+        assert err <= bound, f"max error {err} exceeds {bound} (torch in {dtype}: {torch_err})"
+
+
+def test_router_predict_deterministic():
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(64, 2048, generator=gen).to(DEVICE, torch.bfloat16)
+    Wr = torch.randn(128, 2048, generator=gen).to(DEVICE, torch.bfloat16)
+    Wp = torch.randn(128, 2048, generator=gen).to(DEVICE, torch.bfloat16)
+    bp = torch.randn(128, generator=gen).to(DEVICE)
+    first = ops.router_predict(hidden, Wr, None, Wp, bp)
+    for _ in range(5):
+        again = ops.router_predict(hidden, Wr, None, Wp, bp)
+        assert all(bitwise_equal(a, b) for a, b in zip(first, again))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages 2 and 3
+# ---------------------------------------------------------------------------------------------
+def _select_cases(count: int, seed: int) -> list[tuple]:
+    """A fixed random sample of (G, B, E, k, routing name, logits kind): every E, k, scoring and tie kind occur."""
+    rng = random.Random(seed)
+    shapes = [(1, 1), (3, 1), (1, 7), (4, 16), (2, 33), (3, 64), (1, 256), (2, 300), (1, 1000)]
+    cases = []
+    for i in range(count):
+        E = EXPERTS[i % len(EXPERTS)]
+        k = rng.choice([k for k in TOP_K if k <= E])
+        names = sorted(routings(E, k))
+        G, B = shapes[(i * 5 + rng.randrange(3)) % len(shapes)]
+        kind = ("normal", "ties", "dup")[i % 3]
+        cases.append((G, B, E, k, names[(i // len(EXPERTS)) % len(names)], kind))
+    return cases
+
+
+SELECT_CASES = _select_cases(48, seed=3) + [
+    (1, 4096, 128, 8, "softmax_renorm", "normal"),
+    (2, 2048, 256, 8, "sigmoid_groups8_4", "normal"),
+    (1, 4096, 512, 16, "softmax", "ties"),
+    (2, 16, 128, 8, "softmax_renorm", "ties"),
+    (4, 64, 256, 8, "sigmoid_groups8_4", "dup"),
+]
+
+
+def _seed_of(case) -> int:
+    return zlib.crc32(repr(case).encode()) % 10_000
+
+
+def _case_id(case):
+    return "G{}-B{}-E{}-k{}-{}-{}".format(*case)
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=_case_id)
+def test_route_cost(case):
+    G, B, E, k, name, kind = case
+    routing, uses_bias = routings(E, k)[name]
+    logits, log_norms, bias = make_inputs(G, B, E, uses_bias, kind, seed=_seed_of(case))
+    for cost in Cost:
+        ids, weights, D = ops.route_cost(logits, routing, num_groups=G, cost=cost, log_norms=log_norms,
+                                         correction_bias=bias)
+        ids_ref, w_ref, D_ref = reference.route_cost(logits, log_norms, bias, G, routing, cost)
+        assert torch.equal(ids, ids_ref), f"{cost.name}: routed ids differ"
+        assert_weights_close(weights, w_ref)
+        torch.testing.assert_close(D, D_ref, rtol=1e-4, atol=1e-6)
+        # the kernel sums in token order: slot costs computed exactly like torch give D bit for bit
+        # (torch's CUDA sigmoid is 1 / (1 + expf(-x)), as in the kernel)
+        exact_costs = cost == Cost.FREQUENCY or (
+            DEVICE == "cuda" and routing.scoring == Scoring.SIGMOID and not routing.renormalize and routing.scaling == 1.0
+            and cost in (Cost.ROUTER_SUM, Cost.TOP1_UNION)
+        )
+        if exact_costs:
+            assert bitwise_equal(D, D_ref), f"{cost.name}: D is not bitwise equal to the token-order sum"
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=_case_id)
+def test_select_fill(case):
+    G, B, E, k, name, kind = case
+    routing, uses_bias = routings(E, k)[name]
+    logits, _, bias = make_inputs(G, B, E, uses_bias, kind, seed=_seed_of(case) + 1)
+    gen = torch.Generator().manual_seed(5)
+    D = torch.randint(0, 4, (G, E), generator=gen).float().to(DEVICE)  # ties on purpose: lower index wins
+    for budget in budgets(E, k):
+        for fill in Fill:
+            ids, weights, kept, counts = ops.select_fill(logits, D, routing, budget=budget, fill=fill,
+                                                         correction_bias=bias)
+            ids_ref, w_ref, kept_ref, counts_ref = reference.select_fill(logits, D, bias, routing, budget, fill)
+            assert torch.equal(kept, kept_ref), f"budget {budget}, {fill.name}: kept differs"
+            assert torch.equal(ids, ids_ref), f"budget {budget}, {fill.name}: ids differ"
+            assert_weights_close(weights, w_ref)
+            assert torch.equal(counts, counts_ref)
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=_case_id)
+def test_route_select(case):
+    G, B, E, k, name, kind = case
+    routing, uses_bias = routings(E, k)[name]
+    logits, log_norms, bias = make_inputs(G, B, E, uses_bias, kind, seed=_seed_of(case) + 2)
+    routed_ref, _ = reference.route(logits, routing, bias)
+    union = reference.routed_union(routed_ref, G, E)
+    for cost in Cost:
+        _, _, D_ref = reference.route_cost(logits, log_norms, bias, G, routing, cost)
+        for budget in budgets(E, k):
+            for fill in Fill:
+                ids, weights, kept, counts, D = ops.route_select(
+                    logits, routing, budget=budget, num_groups=G, cost=cost, fill=fill, log_norms=log_norms,
+                    correction_bias=bias,
+                )
+                torch.testing.assert_close(D, D_ref, rtol=1e-4, atol=1e-6)
+                # kept is exactly the ranking of the kernel's own D over the routed union ...
+                assert torch.equal(kept, reference.keep_experts(D, union, budget)), f"{cost.name}: kept vs own D"
+                # ... and the reference's kept set up to near-ties of the reference D
+                assert_kept_matches(kept, reference.keep_experts(D_ref, union, budget), D_ref)
+                check_fill(logits, bias, routing, kept, fill, ids, weights, counts, G)
+
+
+def test_route_select_broadcast_log_norms():
+    G, B, E, k = 2, 16, 64, 4
+    routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
+    logits, _, _ = make_inputs(G, B, E, False, "normal", seed=11)
+    static = torch.randn(E, device=DEVICE).expand(G * B, E)  # static per-expert log-norms
+    ids, weights, kept, counts, D = ops.route_select(logits, routing, budget=8, num_groups=G, log_norms=static)
+    _, _, D_ref = reference.route_cost(logits, static, None, G, routing, Cost.BASE)
+    torch.testing.assert_close(D, D_ref, rtol=1e-4, atol=1e-6)
+    check_fill(logits, None, routing, kept, Fill.BACKFILL, ids, weights, counts, G)
+
+
+def test_route_select_deterministic():
+    G, B, E, k = 3, 1000, 128, 8
+    routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
+    logits, log_norms, _ = make_inputs(G, B, E, False, "normal", seed=12)
+    first = ops.route_select(logits, routing, budget=16, num_groups=G, log_norms=log_norms)
+    for _ in range(5):
+        again = ops.route_select(logits, routing, budget=16, num_groups=G, log_norms=log_norms)
+        assert all(bitwise_equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("E,H,T,G", [(128, 2048, 16, 1), (256, 1024, 64, 4), (128, 512, 512, 1)])
+def test_cuda_graph_replay(E, H, T, G):
+    k = 8
+    routing = Routing(k, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, scaling=2.5)
+    hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    Wr = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) / H**0.5
+    Wp = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) / H**0.5
+    bp = torch.randn(E, device="cuda") * 0.1
+    bias = torch.randn(E, device="cuda") * 0.1
+
+    def step():
+        logits, log_norms = ops.router_predict(hidden, Wr, None, Wp, bp)
+        return (logits, log_norms) + ops.route_select(logits, routing, budget=16, num_groups=G, log_norms=log_norms,
+                                                      correction_bias=bias)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for trial in range(3):
+        hidden.copy_(torch.randn(T, H, device="cuda", dtype=torch.bfloat16))
+        bias.copy_(torch.randn(E, device="cuda") * 0.1)
+        graph.replay()
+        eager = step()
+        for name, a, b in zip(("logits", "log_norms", "ids", "weights", "kept", "counts", "D"), static_out, eager):
+            assert bitwise_equal(a, b), f"replay {trial}: {name} differs from an eager call"
+
+
+# ---------------------------------------------------------------------------------------------
+# Op registration and argument checks
+# ---------------------------------------------------------------------------------------------
+def test_opcheck():
+    G, B, E, k, H = 2, 8, 64, 4, 256
+    hidden = torch.randn(G * B, H, device=DEVICE, dtype=torch.bfloat16)
+    Wr = torch.randn(E, H, device=DEVICE, dtype=torch.bfloat16)
+    Wp = torch.randn(E, H, device=DEVICE, dtype=torch.bfloat16)
+    br = torch.randn(E, device=DEVICE)
+    bp = torch.randn(E, device=DEVICE)
+    torch.library.opcheck(torch.ops.base_moe.router_predict.default, (hidden, Wr, br, Wp, bp))
+    torch.library.opcheck(torch.ops.base_moe.router_predict.default, (hidden, Wr, None, None, None))
+    logits, log_norms, bias = make_inputs(G, B, E, True, "normal", seed=13)
+    D = torch.rand(G, E, device=DEVICE)
+    routing = (k, int(Scoring.SIGMOID), True, 8, 4, 2.5)
+    torch.library.opcheck(torch.ops.base_moe.route_cost.default, (logits, log_norms, bias, G, *routing, 0))
+    torch.library.opcheck(torch.ops.base_moe.select_fill.default, (logits, D, bias, *routing, 6, 0))
+    torch.library.opcheck(torch.ops.base_moe.route_select.default, (logits, log_norms, bias, G, *routing, 0, 6, 2))
+    softmax = (k, int(Scoring.SOFTMAX), False, 1, 1, 1.0)
+    torch.library.opcheck(torch.ops.base_moe.route_select.default, (logits, None, None, G, *softmax, 3, 100, 1))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="device mixes")
+def test_bad_inputs_raise():
+    E, H, k = 64, 128, 4
+    hidden = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
+    Wr = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="same device"):
+        ops.router_predict(hidden, Wr.cpu())
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.router_predict(hidden, Wr.half())
+    with pytest.raises(RuntimeError, match="predictor_bias"):
+        ops.router_predict(hidden, Wr, None, Wr, None)
+    logits = torch.randn(4, E, device="cuda")
+    routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
+    with pytest.raises(RuntimeError, match="same device"):
+        ops.route_select(logits, routing, budget=4, log_norms=torch.randn(4, E))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.route_select(logits.half(), routing, budget=4, cost=Cost.FREQUENCY)
+    with pytest.raises(RuntimeError, match="budget"):
+        ops.route_select(logits, routing, budget=0, cost=Cost.FREQUENCY)
+    with pytest.raises(RuntimeError, match="multiple of num_groups"):
+        ops.route_cost(logits, routing, num_groups=3, cost=Cost.FREQUENCY)
+    with pytest.raises(RuntimeError, match="same device"):
+        ops.select_fill(logits, torch.rand(1, E), routing, budget=4)
+    with pytest.raises(RuntimeError, match="same device"):
+        sig = Routing(k, Scoring.SIGMOID)
+        ops.route_cost(logits, sig, cost=Cost.FREQUENCY, correction_bias=torch.zeros(E))
+
+
+# ---------------------------------------------------------------------------------------------
+# A few calls of every op, for compute-sanitizer (memcheck / racecheck)
+# ---------------------------------------------------------------------------------------------
+def _sanitize():
+    torch.manual_seed(0)
+    for T, H, E in ((3, 256, 64), (70, 512, 128), (300, 256, 256)):
+        hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        Wr = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
+        Wp = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
+        bp = torch.randn(E, device="cuda")
+        logits, log_norms = ops.router_predict(hidden, Wr, None, Wp, bp)
+        ops.router_predict(hidden.float(), Wr.float(), None, Wp.float(), bp)
+        bias = torch.randn(E, device="cuda") * 0.1
+        for routing, b in (
+            (Routing(8, Scoring.SOFTMAX, renormalize=True), None),
+            (Routing(8, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, scaling=2.5), bias),
+        ):
+            for G in (1, T // 3 if T % 3 == 0 else 1):
+                for fill in Fill:
+                    ops.route_select(logits, routing, budget=6, num_groups=G, fill=fill, log_norms=log_norms,
+                                     correction_bias=b)
+                ids, w, D = ops.route_cost(logits, routing, num_groups=G, cost=Cost.TOP1_UNION, correction_bias=b)
+                ops.select_fill(logits, D, routing, budget=20, fill=Fill.DROP_RENORM, correction_bias=b)
+    big = torch.randn(2 * 700, 512, device="cuda")
+    ops.route_select(big, Routing(16, Scoring.SOFTMAX), budget=40, num_groups=2, cost=Cost.FREQUENCY)
+    torch.cuda.synchronize()
+    print("sanitize: ok")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "sanitize":
+        _sanitize()
+    else:
+        sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
