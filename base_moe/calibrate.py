@@ -154,6 +154,7 @@ def held_out_sequences(first: int, count: int, holdout: float) -> torch.Tensor:
 def expert_log_norms(layout: Any, x: torch.Tensor) -> torch.Tensor:
     """Targets ``[N, E]`` fp32: ``log ||E_u(x)||`` for every expert ``u`` (floored at ``LOG_NORM_FLOOR``)."""
     norms = torch.empty(x.shape[0], layout.num_experts, dtype=torch.float32, device=x.device)
+    x = x.float()  # once, not once per expert (expert_output computes in fp32 anyway)
     for u in range(layout.num_experts):
         out = layout.expert_output(x, u)
         norms[:, u] = torch.linalg.vector_norm(out, dim=-1, dtype=torch.float32)
@@ -245,6 +246,13 @@ def calibrate_layouts(
     if ridge < 0:
         raise ValueError(f"ridge must be >= 0, got {ridge}")
     layouts = sorted(layouts, key=lambda layout: layout.layer_index)
+    for layout in layouts:
+        state = getattr(layout.block, "_base_moe", None)  # set by base_moe.apply
+        if getattr(getattr(state, "settings", None), "active", False):
+            raise ValueError(
+                "calibration runs the dense model, but this model has an expert budget (base_moe.apply): call "
+                "base_moe.configure(model, budget=None) or base_moe.restore(model) first"
+            )
     device = torch.device(device) if device is not None else _input_device(model)
     sums: dict[int, RidgeAccumulator] = {}
     rows_seen = {layout.layer_index: 0 for layout in layouts}

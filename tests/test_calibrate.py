@@ -223,3 +223,29 @@ def test_calibrate_tiny_qwen3_moe_reports_r2_per_layer(tmp_path):
     predictors.save(tmp_path / "a.safetensors")
     again.save(tmp_path / "b.safetensors")
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_calibrate_every_supported_family(family):
+    """Shared experts, sigmoid routing with groups, dense first layers, router biases: predictors for exactly
+    the MoE layers, and apply() accepts them."""
+    layouts_or_skip()
+    from hf_models import VOCAB, tiny_model
+
+    model = tiny_model(family)
+    ids = torch.randint(0, VOCAB, (10, 16))
+    predictors = base_moe.calibrate(model, ids, progress=False)
+    layers = [layout.layer_index for layout in base_moe.layouts.find_moe_layouts(model)]
+    assert predictors.layers == layers and all(math.isfinite(v) for v in predictors.r2.values())
+    assert predictors.metadata["model_type"] == family
+    base_moe.apply(model, predictors=predictors, budget=3)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[:4])
+        with pytest.raises(ValueError, match="calibration runs the dense model"):
+            base_moe.calibrate(model, ids, progress=False)
+        base_moe.configure(model, budget=None)
+        again = base_moe.calibrate(model, ids, progress=False)  # dense again: the same predictors
+        assert all(torch.equal(again.weight[i], predictors.weight[i]) for i in layers)
+    finally:
+        base_moe.restore(model)

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import base_moe
 from base_moe import Predictors
 from base_moe.cli import build_parser, load_token_ids, main
 
@@ -56,7 +57,11 @@ def test_cli_calibrate_end_to_end(checkpoint, tmp_path, capsys):
 
     from transformers import AutoModelForCausalLM
 
-    predictors.check_compatible(AutoModelForCausalLM.from_pretrained(checkpoint / "model", local_files_only=True))
+    model = AutoModelForCausalLM.from_pretrained(checkpoint / "model", local_files_only=True)
+    predictors.check_compatible(model)
+    base_moe.apply(model, predictors=str(out), budget=2)  # the file is what apply() takes
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (4, 8)))
 
     # same model, text and options: the same file, byte for byte
     again = tmp_path / "again.safetensors"
