@@ -333,8 +333,10 @@ class _BlockState:
         return reference.router_predict(x, weight, bias, pw, pb)
 
     # -- stages 1-4 -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def budgeted(self, x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H]`` (``num_groups`` decode batches, group after group) -> ``(y [T, H], weights [T, k])``."""
+        """``x [T, H]`` (``num_groups`` decode batches, group after group) -> ``(y [T, H], weights [T, k])``.
+        Inference only: no gradient flows through the budgeted path (the ops have no backward)."""
         layout, s = self.layout, self.settings
         x = x.contiguous()
         logits, log_norms = layout.router(x, base_moe=self)
