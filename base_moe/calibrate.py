@@ -91,9 +91,9 @@ class RidgeAccumulator:
         self.holdout.add(x[held_out], y[held_out])
 
     def fit(self, ridge: float) -> RidgeFit:
-        """Closed-form ridge on the training sums: centre, solve ``(C + lam I) W = C_xy`` with
-        ``lam = ridge * trace(C) / H`` (``ridge`` is relative to the mean feature variance, so it does not
-        depend on the token count or the scale of the hidden states; the bias is not penalised), then
+        """Closed-form ridge on the training sums: centre (so the bias is not penalised), solve
+        ``(C + ridge * diag(C)) W = C_xy`` -- ridge regression on standardised features, so ``ridge`` does not
+        depend on the token count or on the (very uneven) scales of the hidden-state dimensions -- then
         ``b = mean_y - mean_x @ W``. R^2 on the held-out sums."""
         H = self.hidden_size
         A, B = self.train.A, self.train.B
@@ -103,15 +103,18 @@ class RidgeAccumulator:
         mean_x, mean_y = A[H, :H] / n, B[H] / n
         C = A[:H, :H] - n * torch.outer(mean_x, mean_x)
         Cxy = B[:H] - n * torch.outer(mean_x, mean_y)
-        lam = ridge * torch.diagonal(C).sum() / H
-        system = C + lam * torch.eye(H, dtype=C.dtype, device=C.device)
+        variance = torch.diagonal(C).clamp_min(0)
+        variance = variance.clamp_min(1e-6 * float(variance.mean()))  # constant features: keep the system solvable
+        scale = variance.rsqrt()  # solve in standardised coordinates (unit diagonal): better conditioned
+        system = C * scale[:, None] * scale[None, :]
+        system.diagonal().add_(ridge)
         factor, info = torch.linalg.cholesky_ex(system)
         if int(info.item()) != 0:
             raise ValueError(
                 f"ridge system is singular (ridge={ridge}, {int(n.item())} training tokens for {H} features): "
                 "calibrate on more tokens or pass a larger ridge"
             )
-        W = torch.cholesky_solve(Cxy, factor)  # [H, E]
+        W = torch.cholesky_solve(Cxy * scale[:, None], factor) * scale[:, None]  # [H, E]
         b = mean_y - mean_x @ W
 
         n_all = n + self.holdout.A[H, H]
@@ -197,6 +200,7 @@ def calibrate(
     holdout: float = 0.1,
     progress: bool = True,
     device: torch.device | str | None = None,
+    ridge_sweep: Iterable[float] = (),
 ) -> Predictors:
     """Fit BASE's removal-cost predictors for every MoE layer of ``model`` (DESIGN section 4).
 
@@ -204,11 +208,14 @@ def calibrate(
         model: a Hugging Face MoE model (any layout :func:`base_moe.layouts.find_moe_layouts` knows), dense.
         input_ids: calibration tokens, a LongTensor ``[N, S]`` or an iterable of such batches.
         batch_size: sequences per forward pass (the activation memory scales with ``batch_size x S``).
-        ridge: ridge strength relative to the mean feature variance (``lam = ridge * trace(C) / H``).
+        ridge: ridge strength on standardised features (each weight's penalty is ``ridge`` x its feature's
+            sum of squared deviations), so independent of the token count and of the features' scales.
         holdout: fraction of the sequences held out for R^2 (deterministic: every ``1/holdout``-th sequence).
         progress: show a tqdm progress bar (tokens).
         device: where input ids are sent; defaults to the device of the model's input embeddings. The sums
             of each layer live on the device of that layer's inputs.
+        ridge_sweep: other ridge values to fit from the same sums, for choosing ``ridge``: their held-out R^2
+            per layer go to ``.stats["r2_by_ridge"]`` (not saved); the predictors use ``ridge``.
 
     Returns a :class:`Predictors`; ``.r2`` holds each layer's held-out R^2 and ``.stats`` the time and peak
     memory of the run. The result depends only on the model, the tokens and these options (fixed split, fp64
@@ -220,7 +227,8 @@ def calibrate(
     if not layouts:
         raise ValueError(f"no MoE blocks found in {type(model).__name__}: nothing to calibrate")
     return calibrate_layouts(
-        model, layouts, input_ids, batch_size=batch_size, ridge=ridge, holdout=holdout, progress=progress, device=device
+        model, layouts, input_ids, batch_size=batch_size, ridge=ridge, holdout=holdout, progress=progress,
+        device=device, ridge_sweep=ridge_sweep,
     )
 
 
@@ -234,6 +242,7 @@ def calibrate_layouts(
     holdout: float = 0.1,
     progress: bool = True,
     device: torch.device | str | None = None,
+    ridge_sweep: Iterable[float] = (),
 ) -> Predictors:
     """:func:`calibrate` on explicitly given MoE layouts (objects with ``layer_index``, ``block``,
     ``num_experts``, ``hidden_size`` and ``expert_output(x, u)``)."""
@@ -243,8 +252,9 @@ def calibrate_layouts(
         raise ValueError(f"holdout must be in [0, 1), got {holdout}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if ridge < 0:
-        raise ValueError(f"ridge must be >= 0, got {ridge}")
+    ridge_sweep = [float(r) for r in ridge_sweep]
+    if ridge < 0 or any(r < 0 for r in ridge_sweep):
+        raise ValueError(f"ridge must be >= 0, got {ridge} (sweep: {ridge_sweep})")
     layouts = sorted(layouts, key=lambda layout: layout.layer_index)
     for layout in layouts:
         state = getattr(layout.block, "_base_moe", None)  # set by base_moe.apply
@@ -312,9 +322,12 @@ def calibrate_layouts(
 
     weight, bias, mean, r2, expert_r2 = {}, {}, {}, {}, {}
     fits: dict[int, RidgeFit] = {}
+    r2_by_ridge: dict[float, dict[int, float]] = {}
     for layout in layouts:
         i = layout.layer_index
         fit = sums[i].fit(ridge)
+        for r in ridge_sweep:
+            r2_by_ridge.setdefault(r, {})[i] = sums[i].fit(r).r2
         fits[i] = fit
         weight[i], bias[i], mean[i] = fit.weight.float().cpu(), fit.bias.float().cpu(), fit.mean_target.float().cpu()
         expert_r2[i], r2[i] = fit.expert_r2.float().cpu(), fit.r2
@@ -341,7 +354,7 @@ def calibrate_layouts(
         "sequences": sequences,
         "seq_len": seq_lens.pop() if len(seq_lens) == 1 else None,
         "ridge": ridge,
-        "ridge_scale": "lambda = ridge * trace(centred X^T X) / H; bias not penalised",
+        "ridge_scale": "per feature: ridge * its variance x tokens (ridge on standardised features); bias not penalised",
         "holdout": holdout,
         "holdout_split": "sequence i held out when floor((i+1)*holdout) > floor(i*holdout)",
         "target": f"log(max(||E_u(z)||_2, {LOG_NORM_FLOOR})): unweighted routed-expert output at the MoE block input z",
@@ -349,6 +362,8 @@ def calibrate_layouts(
     }
     predictors = Predictors(weight, bias, mean, r2, metadata, expert_r2)
     predictors.stats = {"seconds": elapsed, "tokens": first.tokens_train + first.tokens_holdout, "device": str(device)}
+    if r2_by_ridge:
+        predictors.stats["r2_by_ridge"] = r2_by_ridge
     if use_cuda:
         predictors.stats["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(device)
     predictors.stats["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -117,6 +117,10 @@ def add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's)")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default: 8)")
     p.add_argument("--ridge", type=float, default=1e-3, metavar="L", help="relative ridge strength (default: 1e-3)")
+    p.add_argument(
+        "--ridge-sweep", default="", metavar="L1,L2,...",
+        help="also fit these ridge values from the same sums and print their held-out R^2 (to choose --ridge)",
+    )
     p.add_argument("--holdout", type=float, default=0.1, metavar="H", help="held-out fraction of sequences (default: 0.1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_calibrate)
@@ -133,10 +137,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     loaded = time.perf_counter() - start
     predictors = calibrate(
         model, ids, batch_size=args.batch_size, ridge=args.ridge, holdout=args.holdout,
-        progress=not args.no_progress, device=device,
+        progress=not args.no_progress, device=device, ridge_sweep=_floats(args.ridge_sweep),
     )
     predictors.save(args.out)
     print(format_table(predictors))
+    if "r2_by_ridge" in predictors.stats:
+        print(format_sweep(predictors))
     stats = predictors.stats
     print(
         f"{stats['tokens']} tokens ({predictors.metadata['tokens_holdout']} held out) on {device}: calibration "
@@ -164,6 +170,25 @@ def format_table(predictors) -> str:
     if finite:
         rows.append(f"mean R^2 over {len(finite)} layers: {sum(finite) / len(finite):.4f}")
     return "\n".join(rows)
+
+
+def format_sweep(predictors) -> str:
+    """Held-out R^2 per layer for each swept ridge value (and the one used)."""
+    sweep = {predictors.metadata["ridge"]: predictors.r2, **predictors.stats["r2_by_ridge"]}
+    rows = [f"{'ridge':>10}  {'mean R^2':>8}  per layer"]
+    for ridge in sorted(sweep):
+        r2 = sweep[ridge]
+        mean = sum(r2.values()) / len(r2)
+        used = "  (used)" if ridge == predictors.metadata["ridge"] else ""
+        rows.append(f"{ridge:>10.3g}  {mean:>8.4f}  " + " ".join(f"{v:.3f}" for v in r2.values()) + used)
+    return "\n".join(rows)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --ridge-sweep takes comma-separated numbers, got {text!r}") from None
 
 
 # ---------------------------------------------------------------------------------------------

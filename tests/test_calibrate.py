@@ -85,6 +85,20 @@ def test_ridge_does_not_penalise_the_bias():
     assert math.isnan(fit.r2)  # no held-out rows
 
 
+def test_ridge_is_invariant_to_feature_scales():
+    """Hidden states have a few dimensions far larger than the rest: rescaling one changes nothing."""
+    x, y, _, _ = planted(500, 12, 3, noise=1.0)
+    scaled = x * torch.tensor([1000.0] + [1.0] * 11)
+    fits = []
+    for features in (x, scaled):
+        acc = RidgeAccumulator(12, 3)
+        acc.add(features, y, torch.arange(500) % 5 == 0)
+        fits.append(acc.fit(ridge=0.3))
+    torch.testing.assert_close(fits[1].weight * torch.tensor([1000.0] + [1.0] * 11), fits[0].weight)
+    torch.testing.assert_close(fits[1].bias, fits[0].bias)
+    assert fits[1].r2 == pytest.approx(fits[0].r2, abs=1e-9)
+
+
 def test_singular_system_is_a_clear_error():
     acc = RidgeAccumulator(16, 2)
     acc.add(torch.randn(5, 16), torch.randn(5, 2))

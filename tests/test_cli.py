@@ -71,11 +71,12 @@ def test_cli_calibrate_end_to_end(checkpoint, tmp_path, capsys):
 
 def test_python_dash_m(checkpoint, tmp_path):
     out = tmp_path / "pred.safetensors"
-    cmd = [sys.executable, "-m", "base_moe", *calibrate_args(checkpoint, out, "--tokens", "256", "--seq", "32")]
+    cmd = [sys.executable, "-m", "base_moe", *calibrate_args(checkpoint, out, "--tokens", "256", "--seq", "32", "--ridge-sweep", "0.01,1")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert f"wrote {out}" in result.stdout and Predictors.load(out).metadata["tokens"] == 256
+    assert "(used)" in result.stdout and "mean R^2" in result.stdout  # the ridge sweep table
 
 
 def test_tokenizer_path(checkpoint, tmp_path):
