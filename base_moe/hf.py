@@ -276,8 +276,8 @@ class _BaseMoEBlock:
         x = hidden_states[:, P:].transpose(0, 1).reshape((S - P) * B, H)  # position after position
         y, scores = state.budgeted(x, num_groups=S - P)
         y = y.view(S - P, B, H).transpose(0, 1)
-        if P == 0:
-            return state.output(y.contiguous(), scores)
+        if P == 0:  # back to token order, as the block returns it
+            return state.output(y.contiguous(), scores.view(S, B, -1).transpose(0, 1).reshape(B * S, -1))
         dense = super().forward(hidden_states[:, :P].contiguous())
         dense = dense[0] if isinstance(dense, tuple) else dense
         return state.output(torch.cat([dense, y], dim=1), None)

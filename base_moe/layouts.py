@@ -87,7 +87,7 @@ class MoELayout:
     # -- the public contract -----------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, H]`` -> the HF router's logits ``[N, E]`` as fp32 (computed by the router's own forward)."""
-        return self.router_class.forward(self.router, x.reshape(-1, self.hidden_size))[0].float()
+        return _logits_of(self.router_class.forward(self.router, x.reshape(-1, self.hidden_size))).float()
 
     def correction_bias(self) -> torch.Tensor | None:
         """DeepSeek-V3's ``e_score_correction_bias`` (fp32, contiguous) or None."""
@@ -260,6 +260,10 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
     return layout
 
 
+def _logits_of(router_output) -> torch.Tensor:
+    return router_output[0] if isinstance(router_output, tuple) else router_output
+
+
 def _layer_index(name: str, ordinal: int) -> int:
     match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
     return int(match.group(1)) if match else ordinal
@@ -349,12 +353,19 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
     probe = torch.randn(64, layout.hidden_size, generator=generator).to(device=weight.device, dtype=layout.dtype)
     with torch.no_grad():
         out = layout.router_class.forward(layout.router, probe)
-    if not (isinstance(out, tuple) and len(out) >= 3):
-        raise MoELayoutError(
-            f"{where}: its router '{layout.router_name}' does not return (logits, top_k_weights, top_k_index) "
-            "like transformers 5.x routers."
-        )
-    logits, weights, ids = out[0].float(), out[1].float(), out[2].long()
+        route = getattr(layout.block, "route_tokens_to_experts", None)
+        if isinstance(out, tuple) and len(out) >= 3:  # (logits, top_k_weights, top_k_index)
+            logits, weights, ids = out[0], out[1], out[2]
+        elif isinstance(out, torch.Tensor) and callable(route):  # logits; the block routes them
+            logits = out
+            first, second = route(logits)
+            ids, weights = (first, second) if not first.is_floating_point() else (second, first)
+        else:
+            raise MoELayoutError(
+                f"{where}: its router '{layout.router_name}' returns neither (logits, top_k_weights, top_k_index) "
+                "nor logits that the block routes with route_tokens_to_experts (the transformers 5.x shapes)."
+            )
+    logits, weights, ids = logits.float(), weights.float(), ids.long()
     bias = layout.correction_bias()
     for routing in candidates:
         if _matches(logits, weights, ids, routing, bias if routing.scoring == Scoring.SIGMOID else None):

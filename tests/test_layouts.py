@@ -154,6 +154,28 @@ class _Block(nn.Module):
         return hidden
 
 
+class _LogitsRouter(nn.Linear):
+    """A router that only computes logits; the block routes them (another transformers 5.x shape)."""
+
+
+class _RoutingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = _LogitsRouter(8, 4, bias=False)
+        self.experts = _FusedExperts()
+        self.register_buffer("e_score_correction_bias", torch.randn(4) * 0.1)
+        self.top_k, self.norm_topk_prob, self.routed_scaling_factor = 2, True, 1.5
+
+    def route_tokens_to_experts(self, router_logits):
+        scores = router_logits.sigmoid()
+        ids = torch.topk(scores + self.e_score_correction_bias, 2, dim=-1).indices
+        weights = scores.gather(1, ids)
+        return ids, weights / weights.sum(-1, keepdim=True) * self.routed_scaling_factor
+
+    def forward(self, hidden):
+        return hidden
+
+
 class _Model(nn.Module):
     def __init__(self, block):
         super().__init__()
@@ -165,6 +187,14 @@ def test_hand_written_block_is_understood():
     (lay,) = find_moe_layouts(_Model(_Block()))
     assert lay.name == "layers.1.mlp" and lay.layer_index == 1
     assert lay.routing == Routing(2, Scoring.SOFTMAX, False) and lay.fused
+
+
+def test_block_that_routes_the_logits_itself():
+    (lay,) = find_moe_layouts(_Model(_RoutingBlock()))
+    assert lay.routing == Routing(2, Scoring.SIGMOID, True, scaling=1.5)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(lay.router_logits(x), lay.router(x))
+    assert torch.equal(lay.correction_bias(), lay.block.e_score_correction_bias)
 
 
 @pytest.mark.parametrize(
