@@ -127,7 +127,8 @@ class Predictors:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the predictors as a safetensors file (deterministic bytes; see the module docstring)."""
-        _write_safetensors(path, self.tensors(), {k: json.dumps(v, sort_keys=True) for k, v in self.metadata.items()})
+        metadata = {**self.metadata, "layers": self.layers, "r2": {str(i): float(v) for i, v in self.r2.items()}}
+        _write_safetensors(path, self.tensors(), {k: json.dumps(v, sort_keys=True) for k, v in metadata.items()})
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> Predictors:
