@@ -8,11 +8,12 @@ then drops them. Sequences are split deterministically into a training and a hel
 own sums. At the end each layer's ridge regression is solved in closed form from the training sums (the
 bias is not penalised), and its R^2 is evaluated on the held-out sums.
 
-Memory, beyond the model itself: the fp64 sums of all MoE layers, ``8 L (2 (H+1)^2 + 2 (H+1) E + 4 E)`` bytes
-(Qwen3-30B-A3B: L=48, H=2048, E=128 -> 3.4 GB), plus one batch's activations at one layer: its input in fp64
-``[N, H+1]`` and one expert's output ``[N, H]`` and intermediate ``[N, 2I]`` at a time, ``N = batch_size x seq``
-tokens. Nothing grows with the number of calibration tokens, and the forward stops after the last MoE layer
-(no LM head logits).
+Memory, beyond the model itself: the fp64 sums of all MoE layers, ``16 L ((H+1)^2 + (H+1) E + E)`` bytes
+(Qwen3-30B-A3B: L=48, H=2048, E=128 -> 3.4 GB), plus one batch's activations at one layer -- its input in fp32
+and fp64 (``[N, H+1]``, twice while split into training and held-out rows) and one expert's fp32 output
+``[N, H]`` and intermediate ``[N, 2I]`` at a time, ``N = batch_size x seq`` tokens (N = 4096: ~0.3 GB) -- and
+the model's own forward activations for that batch. Nothing grows with the number of calibration tokens, and
+the forward stops after the last MoE layer (no LM-head logits).
 """
 
 from __future__ import annotations
