@@ -305,6 +305,10 @@ def test_configure_changes_settings_in_place():
     base_moe.configure(model, budget=1)
     assert torch.equal(logits_of(model, step), one) and not torch.equal(one, dense)
     assert [layout.block for layout in moe_layouts(model)] == blocks
+    base_moe.configure(model, predictors=StandInPredictors(model), policy="base", budget=2)
+    base_ops = logits_of(model, step)
+    base_moe.configure(model, experts="hf")  # the model's own experts module instead of base_moe.ops.experts
+    torch.testing.assert_close(logits_of(model, step), base_ops, rtol=1e-5, atol=1e-5)
 
 
 def test_new_policies_plug_in():
