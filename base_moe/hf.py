@@ -60,7 +60,7 @@ class Settings:
 
     @property
     def active(self) -> bool:
-        return self.budget is not None and self.policy.budgeted
+        return self.policy.budgeted and (self.budget is not None or not self.policy.needs_budget)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ model's routing rule, the budget, the fill rule) into each token's final experts
 (:class:`Selection`). Most policies differ only in the per-slot cost that ranks experts for the keep set A; they
 are :class:`CostPolicy` instances and run the fused ``route_select`` op. A policy that chooses A some other way
 (OEA, Lynx, per-token top-k reduction: issue 6) subclasses :class:`Policy`, implements :meth:`Policy.select`
-and calls :func:`register_policy`; nothing else in base_moe needs to change.
+and calls :func:`register_policy` (or is passed as an instance: ``apply(model, policy=MyPolicy(k0=2))``);
+nothing else in base_moe needs to change.
 
 | name | keep set A (top-M by the batch sum of) |
 | --- | --- |
@@ -60,7 +61,7 @@ class DecodeStep:
     routing: Routing
     correction_bias: torch.Tensor | None
     num_groups: int
-    budget: int
+    budget: int | None
     fill: Fill
     layout: MoELayout
     mean_log_norm: torch.Tensor | None = None
@@ -87,6 +88,9 @@ class Policy:
     description: str = ""
     budgeted: bool = True
     """False only for ``dense``: the model's own block runs, the policy is never asked."""
+    needs_budget: bool = True
+    """False for a policy with its own size rule (OEA's k0, Lynx's threshold, top-k reduction): it runs on
+    decode calls whatever the budget (``DecodeStep.budget`` may then be None)."""
     needs_predictors: bool = False
     """the router GEMV also computes the predictor's g (``DecodeStep.predicted_log_norms``)."""
     needs_statistics: bool = False

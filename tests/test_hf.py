@@ -316,6 +316,7 @@ def test_new_policies_plug_in():
 
     class KeepFirstExpert(Policy):
         name = "test_first_routed"
+        needs_budget = False
 
         def select(self, step):
             ids, weights = reference.route(step.logits, step.routing, step.correction_bias)
@@ -323,9 +324,11 @@ def test_new_policies_plug_in():
 
     base_moe.policies.register_policy(KeepFirstExpert(), replace=True)
     model = fresh("gpt_oss")
-    base_moe.apply(model, budget=4, policy="test_first_routed")
+    dense = logits_of(model, decode_ids())
+    base_moe.apply(model, policy="test_first_routed")  # no budget needed
     out = logits_of(model, decode_ids())
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(out).all() and not torch.equal(out, dense)
+    base_moe.configure(model, policy=KeepFirstExpert())  # an instance works as well
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
