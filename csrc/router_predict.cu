@@ -234,7 +234,7 @@ std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tenso
   const c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t T = hidden.size(0), H = hidden.size(1), E = router_weight.size(0);
   const bool predict = predictor_weight.has_value();
-  TORCH_CHECK(T <= (int64_t{1} << 20) && H <= (int64_t{1} << 24), "router_predict: hidden shape ", hidden.sizes(),
+  TORCH_CHECK(T < (int64_t{1} << 20) && H < (int64_t{1} << 24), "router_predict: hidden shape ", hidden.sizes(),
               " is too large for the CUDA kernel");
   Tensor logits = at::empty({T, E}, hidden.options().dtype(at::kFloat));
   Tensor log_norms = at::empty({T, predict ? E : 0}, hidden.options().dtype(at::kFloat));

@@ -36,9 +36,9 @@ __device__ __forceinline__ uint4 load16(const void* ptr) {
 }
 
 // Monotone map of finite floats to unsigned integers: a < b  <=>  ordered(a) < ordered(b).
-// Finite floats map to [0x00800000, 0xff7fffff], so 0 is free to mean "no candidate".
+// Finite floats map to [0x00800000, 0xff7fffff], so 0 is free to mean "no candidate"; -0 and +0 map alike.
 __device__ __forceinline__ uint32_t ordered_bits(float v) {
-  const uint32_t b = __float_as_uint(v);
+  const uint32_t b = __float_as_uint(v + 0.0f);  // -0 -> +0: equal floats get equal keys
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 

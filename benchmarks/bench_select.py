@@ -1,0 +1,269 @@
+"""Selection path of one MoE layer: base_moe's CUDA kernels next to plain PyTorch, under CUDA-graph replay.
+
+Paths, all timed in the same run on the same inputs:
+  fused    base_moe.ops.router_predict + base_moe.ops.route_select (two launches)
+  pytorch  the same BASE selection in plain PyTorch (one GEMV over the concatenated router and predictor weights,
+           routing, costs, batch sums, top-M, backfill, counts), graph-capturable, no Python loop over tokens
+  hf       the model's own router alone (linear + scoring + top-k + renormalisation), as Hugging Face writes it
+
+Timing: each graph holds ROT consecutive calls on ROT different copies of the weights and hidden states (more bytes
+than the 60 MB L2), is replayed many times, and the per-call time is the median replay time / ROT.
+
+    python benchmarks/bench_select.py [--out benchmarks/results/bench_select.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import base_moe
+from base_moe import Cost, Fill, Routing, Scoring, ops
+
+MODELS = {
+    "qwen3-30b-a3b": dict(H=2048, E=128, routing=Routing(8, Scoring.SOFTMAX, renormalize=True), bias=False),
+    "deepseek-v3-like": dict(
+        H=7168, E=256, routing=Routing(8, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, scaling=2.5),
+        bias=True,
+    ),
+}
+TOKENS = (1, 4, 16, 64, 256)
+BUDGET = 16
+L2_BYTES = 60 * 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain-PyTorch paths
+# ---------------------------------------------------------------------------------------------
+def torch_routing(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None, keep: torch.Tensor | None = None):
+    """ids, weights [T, k]; ``keep`` [T, E] bool restricts the choice (backfill)."""
+    T, E = logits.shape
+    if routing.scoring == Scoring.SIGMOID:
+        probs = torch.sigmoid(logits)
+        choice = probs + bias if bias is not None else probs
+    else:
+        probs = torch.softmax(logits, dim=-1)
+        choice = logits
+    if routing.n_group > 1:
+        grouped = choice.view(T, routing.n_group, -1)
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        top_groups = group_score.topk(routing.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_groups, True)
+        allowed = group_mask.repeat_interleave(E // routing.n_group, dim=1)
+        # backfill: group-allowed kept experts first, then other kept experts
+        choice = torch.where(allowed, choice, choice - 1e4) if keep is not None else choice.masked_fill(~allowed, -1e9)
+    if keep is not None:
+        choice = choice.masked_fill(~keep, float("-inf"))
+    top = choice.topk(routing.top_k, dim=-1)
+    ids = top.indices
+    w = probs.gather(1, ids)
+    if keep is not None:
+        valid = torch.isfinite(top.values)
+        w = w * valid
+        ids = torch.where(valid, ids, E)
+    if routing.renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if routing.scoring == Scoring.SIGMOID else 0.0))
+    return ids, w * routing.scaling
+
+
+def torch_select(x, W_cat, b_cat, routing: Routing, bias, E: int, budget: int):
+    """BASE selection in plain PyTorch (G = 1): returns ids, weights, kept, counts, D."""
+    out = F.linear(x, W_cat).float() + b_cat
+    logits, log_norms = out[:, :E], out[:, E:]
+    ids, w = torch_routing(logits, routing, bias)
+    cost = w * w * torch.exp(2.0 * log_norms.gather(1, ids))
+    D = torch.zeros(1, E, device=x.device).scatter_add_(1, ids.view(1, -1), cost.view(1, -1))
+    union = torch.zeros(1, E, dtype=torch.bool, device=x.device).scatter_(1, ids.view(1, -1), True)
+    top = torch.where(union, D, -1.0).topk(min(budget, E), dim=-1)
+    kept = torch.where(top.values >= 0, top.indices, E)
+    keep = torch.zeros(1, E + 1, dtype=torch.bool, device=x.device).scatter_(1, kept, True)[:, :E]
+    final_ids, final_w = torch_routing(logits, routing, bias, keep.expand(x.shape[0], E))
+    counts = torch.zeros(1, E + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(1, final_ids.view(1, -1), torch.ones_like(final_ids, dtype=torch.int32).view(1, -1))
+    return final_ids, final_w, kept, counts[:, :E], D
+
+
+def hf_router(x, W_r, routing: Routing, bias):
+    """The model's router as Hugging Face writes it (Qwen3-MoE / DeepSeek-V3)."""
+    if routing.scoring == Scoring.SIGMOID:  # DeepseekV3TopkRouter: fp32 linear, sigmoid, bias, groups
+        logits = F.linear(x.float(), W_r.float())
+        scores = logits.sigmoid()
+        choice = scores + bias
+        T, E = choice.shape
+        group_scores = choice.view(T, routing.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=routing.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(T, routing.n_group, E // routing.n_group).reshape(T, -1)
+        choice = choice.masked_fill(~score_mask.bool(), 0.0)
+        ids = torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, w * routing.scaling
+    logits = F.linear(x, W_r)  # Qwen3MoeSparseMoeBlock
+    probs = F.softmax(logits, dim=1, dtype=torch.float)
+    w, ids = torch.topk(probs, routing.top_k, dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+def graph_time_us(calls, replays: int) -> tuple[float, list[float]]:
+    """Capture all calls into one CUDA graph; median replay time divided by the number of calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls[:2]:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    del graph
+    return statistics.median(times), times
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), 1 GiB buffers."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1000.0)
+
+
+def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
+    H, E, routing = cfg["H"], cfg["E"], cfg["routing"]
+    dtype = torch.bfloat16
+    weight_bytes = 2 * E * H * 2
+    rot = max(2, min(128, (2 * L2_BYTES) // weight_bytes + 1))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sets = []
+    for _ in range(rot):
+        Wr = (torch.randn(E, H, device="cuda", generator=gen) / H**0.5).to(dtype)
+        Wp = (torch.randn(E, H, device="cuda", generator=gen) / H**0.5).to(dtype)
+        sets.append(
+            dict(
+                Wr=Wr, Wp=Wp, W_cat=torch.cat([Wr, Wp]),  # concatenated at load time
+                bp=torch.randn(E, device="cuda", generator=gen) * 0.1,
+                bias=torch.randn(E, device="cuda", generator=gen) * 0.1 if cfg["bias"] else None,
+            )
+        )
+    for s in sets:
+        s["b_cat"] = torch.cat([torch.zeros(E, device="cuda"), s["bp"]])
+    rows = []
+    for T in TOKENS:
+        xs = [torch.randn(T, H, device="cuda", generator=gen).to(dtype) for _ in range(rot)]
+
+        def fused(x, s):
+            logits, log_norms = ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"])
+            return ops.route_select(logits, routing, budget=BUDGET, cost=Cost.BASE, fill=Fill.BACKFILL,
+                                    log_norms=log_norms, correction_bias=s["bias"])
+
+        def pytorch(x, s):
+            return torch_select(x, s["W_cat"], s["b_cat"], routing, s["bias"], E, BUDGET)
+
+        def hf(x, s):
+            return hf_router(x, s["Wr"], routing, s["bias"])
+
+        row = dict(model=name, H=H, E=E, k=routing.top_k, T=T, budget=BUDGET, rotation=rot,
+                   weight_bytes=weight_bytes)
+        for path, fn in (("fused", fused), ("pytorch", pytorch), ("hf_router", hf)):
+            calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
+            median, times = graph_time_us(calls, replays)
+            row[f"{path}_us"] = median
+            row[f"{path}_us_min"] = min(times)
+        row["speedup_vs_pytorch"] = row["pytorch_us"] / row["fused_us"]
+        row["speedup_vs_hf_router"] = row["hf_router_us"] / row["fused_us"]
+        rows.append(row)
+        print(
+            f"{name:17s} T={T:4d}  fused {row['fused_us']:7.2f} us  pytorch {row['pytorch_us']:7.2f} us  "
+            f"hf router {row['hf_router_us']:7.2f} us  speed-up {row['speedup_vs_pytorch']:5.1f}x",
+            flush=True,
+        )
+    return rows
+
+
+def git_commit() -> str:
+    if os.environ.get("BASE_MOE_COMMIT"):
+        return os.environ["BASE_MOE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_select.json"))
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args()
+    assert base_moe.cuda_available(), "needs a GPU and base_moe built with its CUDA kernels"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    rows = []
+    for name in args.models.split(","):
+        rows += bench_model(name, MODELS[name], args.replays)
+    for row in rows:
+        row["fused_weight_bandwidth_TBps"] = row["weight_bytes"] / (row["fused_us"] * 1e-6) / 1e12
+        row["fused_fraction_of_copy_bandwidth"] = row["weight_bytes"] / (row["fused_us"] * 1e-6) / bandwidth
+
+    print()
+    print("| model | T | fused (us) | PyTorch BASE path (us) | HF router only (us) | speed-up vs PyTorch | "
+          "weights read | fused weight bandwidth |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['model']} | {r['T']} | {r['fused_us']:.2f} | {r['pytorch_us']:.2f} | {r['hf_router_us']:.2f} | "
+              f"{r['speedup_vs_pytorch']:.1f}x | {r['weight_bytes'] / 1e6:.2f} MB | "
+              f"{r['fused_weight_bandwidth_TBps']:.2f} TB/s ({100 * r['fused_fraction_of_copy_bandwidth']:.0f}%) |")
+    result = dict(
+        benchmark="bench_select",
+        machine=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        git_commit=git_commit(),
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        copy_bandwidth_TBps=bandwidth / 1e12,  # bytes read + written per second by a 1 GiB device copy
+        timing="CUDA-graph replay of ROT consecutive calls on rotated weight/hidden copies; median over replays / ROT",
+        budget=BUDGET,
+        cost="base",
+        fill="backfill",
+        rows=rows,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
