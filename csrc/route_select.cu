@@ -660,10 +660,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
+  // check_select_fill's budget and fill checks, before any guard or tensor is alive in this frame
+  TORCH_CHECK(budget >= 1, "budget must be >= 1, got ", budget);
+  TORCH_CHECK(fill >= 0 && fill <= 2, "fill must be 0 (backfill), 1 (drop) or 2 (drop_renorm), got ", fill);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t T = logits.size(0), E = logits.size(1);
   Tensor D = at::empty({num_groups, E}, logits.options());
-  check_select_fill(logits, D, budget, fill);
   Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
   Tensor weights = at::empty({T, top_k}, logits.options());
   Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));

@@ -231,11 +231,11 @@ std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tenso
                                                const OptTensor& router_bias, const OptTensor& predictor_weight,
                                                const OptTensor& predictor_bias) {
   check_router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
-  const c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t T = hidden.size(0), H = hidden.size(1), E = router_weight.size(0);
   const bool predict = predictor_weight.has_value();
   TORCH_CHECK(T < (int64_t{1} << 20) && H < (int64_t{1} << 24), "router_predict: hidden shape ", hidden.sizes(),
               " is too large for the CUDA kernel");
+  const c10::cuda::CUDAGuard guard(hidden.device());
   Tensor logits = at::empty({T, E}, hidden.options().dtype(at::kFloat));
   Tensor log_norms = at::empty({T, predict ? E : 0}, hidden.options().dtype(at::kFloat));
   if (T == 0) return {logits, log_norms};
