@@ -38,3 +38,11 @@ TORCH_LIBRARY_IMPL(base_moe, CPU, m) {
   m.impl("route_select", &base_moe::route_select_cpu);
   m.impl("experts", &base_moe::experts_cpu);
 }
+
+// The ops are not differentiable (inference-time selection and decode kernels): their outputs carry no
+// autograd history, whatever the inputs.
+TORCH_LIBRARY_IMPL(base_moe, Autograd, m) {
+  for (const char* op : {"router_predict", "route_cost", "select_fill", "route_select", "experts"}) {
+    m.impl(op, torch::CppFunction::makeFallthrough());
+  }
+}

@@ -9,6 +9,9 @@ std::tuple<Tensor, Tensor> router_predict_cpu(const Tensor& hidden, const Tensor
                                               const OptTensor& router_bias, const OptTensor& predictor_weight,
                                               const OptTensor& predictor_bias) {
   check_router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
+  // The op has no backward: the ATen calls below must not record an autograd graph (they would
+  // save index tensors that live only during this call).
+  at::AutoDispatchBelowAutograd no_autograd;
   const Tensor x = hidden.to(at::kFloat);
   Tensor logits = at::matmul(x, router_weight.to(at::kFloat).t());
   if (router_bias.has_value()) logits.add_(*router_bias);

@@ -316,3 +316,11 @@ def test_every_enum_value_is_accepted():
         out = ops.route_select(torch.randn(6, 8), routing, budget=3, num_groups=2, cost=cost, fill=fill,
                                log_norms=torch.randn(6, 8))
         assert out[0].shape == (6, 2)
+
+
+def test_ops_carry_no_autograd_history():
+    """The ops are not differentiable: outputs have no grad_fn even when inputs require grad."""
+    x, ids, w, gate_up, down = random_expert_problem(5, 64, 32, 4, 2, "cpu", torch.float32)
+    out = ops.experts(x.requires_grad_(), ids, w, gate_up.requires_grad_(), down)
+    logits, _ = ops.router_predict(x, torch.randn(8, 64, requires_grad=True))
+    assert out.grad_fn is None and logits.grad_fn is None
