@@ -191,8 +191,25 @@ def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
         def hf(x, s):
             return hf_router(x, s["Wr"], routing, s["bias"])
 
+        # the two launches of the fused path alone (route_select on precomputed logits)
+        stage1 = [ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"]) for x, s in zip(xs, sets)]
+
+        def gemv_only(x, s):
+            return ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"])
+
+        def select_only(x, s, i=None):
+            logits, log_norms = stage1[i]
+            return ops.route_select(logits, routing, budget=BUDGET, cost=Cost.BASE, fill=Fill.BACKFILL,
+                                    log_norms=log_norms, correction_bias=s["bias"])
+
         row = dict(model=name, H=H, E=E, k=routing.top_k, T=T, budget=BUDGET, rotation=rot,
                    weight_bytes=weight_bytes)
+        for path, fn in (("router_predict", gemv_only), ("route_select", None)):
+            if fn is None:
+                calls = [lambda x=x, s=s, i=i: select_only(x, s, i) for i, (x, s) in enumerate(zip(xs, sets))]
+            else:
+                calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
+            row[f"{path}_us"], _ = graph_time_us(calls, replays)
         for path, fn in (("fused", fused), ("pytorch", pytorch), ("hf_router", hf)):
             calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
             median, times = graph_time_us(calls, replays)
@@ -202,7 +219,8 @@ def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
         row["speedup_vs_hf_router"] = row["hf_router_us"] / row["fused_us"]
         rows.append(row)
         print(
-            f"{name:17s} T={T:4d}  fused {row['fused_us']:7.2f} us  pytorch {row['pytorch_us']:7.2f} us  "
+            f"{name:17s} T={T:4d}  fused {row['fused_us']:7.2f} us (router_predict {row['router_predict_us']:6.2f}, "
+            f"route_select {row['route_select_us']:6.2f})  pytorch {row['pytorch_us']:7.2f} us  "
             f"hf router {row['hf_router_us']:7.2f} us  speed-up {row['speedup_vs_pytorch']:5.1f}x",
             flush=True,
         )
@@ -238,11 +256,12 @@ def main():
         row["fused_fraction_of_copy_bandwidth"] = row["weight_bytes"] / (row["fused_us"] * 1e-6) / bandwidth
 
     print()
-    print("| model | T | fused (us) | PyTorch BASE path (us) | HF router only (us) | speed-up vs PyTorch | "
-          "weights read | fused weight bandwidth |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | T | fused (us) | router_predict alone | route_select alone | PyTorch BASE path (us) | "
+          "HF router only (us) | speed-up vs PyTorch | weights read | fused weight bandwidth |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['T']} | {r['fused_us']:.2f} | {r['pytorch_us']:.2f} | {r['hf_router_us']:.2f} | "
+        print(f"| {r['model']} | {r['T']} | {r['fused_us']:.2f} | {r['router_predict_us']:.2f} | "
+              f"{r['route_select_us']:.2f} | {r['pytorch_us']:.2f} | {r['hf_router_us']:.2f} | "
               f"{r['speedup_vs_pytorch']:.1f}x | {r['weight_bytes'] / 1e6:.2f} MB | "
               f"{r['fused_weight_bandwidth_TBps']:.2f} TB/s ({100 * r['fused_fraction_of_copy_bandwidth']:.0f}%) |")
     result = dict(
@@ -254,6 +273,7 @@ def main():
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
         copy_bandwidth_TBps=bandwidth / 1e12,  # bytes read + written per second by a 1 GiB device copy
         timing="CUDA-graph replay of ROT consecutive calls on rotated weight/hidden copies; median over replays / ROT",
+        programmatic_dependent_launch=os.environ.get("BASE_MOE_PDL", "0") == "1",
         budget=BUDGET,
         cost="base",
         fill="backfill",

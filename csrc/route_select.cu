@@ -14,47 +14,21 @@
 // Top-budget selection ranks every candidate expert against all others (D descending, index ascending) in
 // parallel; the fill rules run per token again; per-expert counts are summed over the cluster in rank order.
 // No float atomics, no host synchronisation, fixed output shapes.
-#include <ATen/ATen.h>
+// The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 
-#include "base_moe/checks.h"
 #include "base_moe/cuda_utils.cuh"
 #include "base_moe/routing.h"
+#include "base_moe/select_kernels.h"
 
 namespace base_moe {
 namespace {
 
 using cuda::kFullMask;
-
-struct SelectParams {
-  const float* logits;           // [G * B, E]
-  const float* log_norms;        // rows of E, row stride ln_stride (0: broadcast); BASE cost only
-  int64_t ln_stride;
-  const float* correction_bias;  // [E] or null (sigmoid only)
-  const float* batch_cost_in;    // [G, E] (select_fill)
-  int32_t* ids;                  // [G * B, k]: routed ids (route_cost), final ids (select_fill / route_select)
-  float* weights;                // [G * B, k]
-  int32_t* kept;                 // [G, W]
-  int32_t* counts;               // [G, E]
-  float* batch_cost_out;         // [G, E] (route_cost / route_select)
-  int B, E, k, W;
-  int scoring;                   // Scoring
-  bool renormalize;
-  int n_group, topk_group, group_size;
-  float scaling;
-  int cost;                      // Cost
-  int fill;                      // Fill
-  bool compute_cost;             // route_cost / route_select
-  bool select;                   // select_fill / route_select
-  float top1_offset;
-  int cluster;                   // CTAs per group
-  int experts_per_cta;           // EPC: experts each CTA of the cluster reduces
-};
 
 struct SharedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
@@ -310,11 +284,13 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   float* my_group_scratch = scratch + warp * 2 * p.n_group;
   float* my_slots = smem + L.slots + warp * 3 * kMaxTopK;
 
+  cuda::pdl_launch_dependents();
   for (int u = tid; u < E; u += kThreads) {
     flags[u] = 0;
     counts[u] = 0;
   }
   __syncthreads();
+  cuda::pdl_wait();  // the logits come from the previous kernel
 
   const int per_chunk = C * NW;
   const int chunks = (B + per_chunk - 1) / per_chunk;
@@ -525,9 +501,17 @@ bool device_has_clusters(int device) {
   return major[device] >= 9;
 }
 
+// BASE_MOE_PDL=1: programmatic dependent launch (see csrc/router_predict.cu).
+bool use_pdl() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("BASE_MOE_PDL");
+    return v != nullptr && v[0] == '1';
+  }();
+  return enabled;
+}
+
 template <int EPL, int NW>
-void launch_select(SelectParams p, int groups, int device, cudaStream_t stream) {
-  const bool clusters = device_has_clusters(device);
+void launch_select(SelectParams p, int groups, bool clusters, cudaStream_t stream) {
   const int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, 8) : 1;
   p.cluster = C;
   p.experts_per_cta = (p.E + C - 1) / C;
@@ -542,150 +526,42 @@ void launch_select(SelectParams p, int groups, int device, cudaStream_t stream) 
   config.blockDim = dim3(NW * 32);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = C;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attribute[2];
+  int n = 0;
+  if (clusters) {
+    attribute[n].id = cudaLaunchAttributeClusterDimension;
+    attribute[n].val.clusterDim.x = C;
+    attribute[n].val.clusterDim.y = 1;
+    attribute[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (clusters && use_pdl()) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   config.attrs = attribute;
-  config.numAttrs = clusters ? 1 : 0;
+  config.numAttrs = n;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
-}
-
-void launch(const SelectParams& p, int groups, int device) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int epl = (p.E + 31) / 32;
-  if (epl <= 1) {
-    launch_select<1, 32>(p, groups, device, stream);
-  } else if (epl <= 2) {
-    launch_select<2, 32>(p, groups, device, stream);
-  } else if (epl <= 4) {
-    launch_select<4, 32>(p, groups, device, stream);
-  } else if (epl <= 8) {
-    launch_select<8, 16>(p, groups, device, stream);
-  } else {
-    launch_select<16, 8>(p, groups, device, stream);
-  }
-}
-
-SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias, const RoutingParams& r,
-                         int64_t num_groups) {
-  TORCH_CHECK(logits.size(0) <= (int64_t{1} << 30), "logits has too many tokens for the CUDA kernel");
-  SelectParams p{};
-  p.logits = logits.data_ptr<float>();
-  p.correction_bias = correction_bias.has_value() ? correction_bias->data_ptr<float>() : nullptr;
-  p.B = static_cast<int>(logits.size(0) / num_groups);
-  p.E = static_cast<int>(r.num_experts);
-  p.k = static_cast<int>(r.top_k);
-  p.scoring = static_cast<int>(r.scoring);
-  p.renormalize = r.renormalize;
-  p.n_group = static_cast<int>(r.n_group);
-  p.topk_group = static_cast<int>(r.topk_group);
-  p.group_size = static_cast<int>(r.num_experts / r.n_group);
-  p.scaling = static_cast<float>(r.scaling);
-  p.cost = static_cast<int>(Cost::kRouterSum);
-  p.fill = static_cast<int>(Fill::kBackfill);
-  p.top1_offset = top1_offset(p.B, r);
-  return p;
-}
-
-void set_cost(SelectParams& p, const OptTensor& log_norms, int64_t cost) {
-  p.compute_cost = true;
-  p.cost = static_cast<int>(cost);
-  if (static_cast<Cost>(cost) == Cost::kBase) {
-    p.log_norms = log_norms->data_ptr<float>();
-    p.ln_stride = log_norms->size(0) > 1 ? log_norms->stride(0) : 0;
-  }
-}
-
-void set_selection(SelectParams& p, int64_t budget, int64_t fill, const Tensor& kept, const Tensor& counts) {
-  p.select = true;
-  p.W = static_cast<int>(kept.size(1));
-  p.fill = static_cast<int>(fill);
-  p.kept = kept.data_ptr<int32_t>();
-  p.counts = counts.data_ptr<int32_t>();
-  (void)budget;
-}
-
-std::tuple<Tensor, Tensor, Tensor> route_cost_cuda(const Tensor& logits, const OptTensor& log_norms,
-                                                   const OptTensor& correction_bias, int64_t num_groups,
-                                                   int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group,
-                                                   int64_t topk_group, double scaling, int64_t cost) {
-  const RoutingParams r =
-      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
-  check_route_cost(logits, log_norms, num_groups, cost);
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t T = logits.size(0), E = logits.size(1);
-  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-  Tensor weights = at::empty({T, top_k}, logits.options());
-  Tensor D = at::empty({num_groups, E}, logits.options());
-  SelectParams p = make_params(logits, correction_bias, r, num_groups);
-  set_cost(p, log_norms, cost);
-  p.ids = ids.data_ptr<int32_t>();
-  p.weights = weights.data_ptr<float>();
-  p.batch_cost_out = D.data_ptr<float>();
-  p.W = 0;
-  launch(p, static_cast<int>(num_groups), logits.get_device());
-  return {ids, weights, D};
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cuda(const Tensor& logits, const Tensor& batch_cost,
-                                                            const OptTensor& correction_bias, int64_t top_k,
-                                                            int64_t scoring, bool renormalize, int64_t n_group,
-                                                            int64_t topk_group, double scaling, int64_t budget,
-                                                            int64_t fill) {
-  const RoutingParams r =
-      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
-  check_select_fill(logits, batch_cost, budget, fill);
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t T = logits.size(0), E = logits.size(1), G = batch_cost.size(0);
-  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-  Tensor weights = at::empty({T, top_k}, logits.options());
-  Tensor kept = at::empty({G, std::min(budget, E)}, logits.options().dtype(at::kInt));
-  Tensor counts = at::empty({G, E}, logits.options().dtype(at::kInt));
-  SelectParams p = make_params(logits, correction_bias, r, G);
-  p.compute_cost = false;
-  p.batch_cost_in = batch_cost.data_ptr<float>();
-  p.ids = ids.data_ptr<int32_t>();
-  p.weights = weights.data_ptr<float>();
-  set_selection(p, budget, fill, kept, counts);
-  launch(p, static_cast<int>(G), logits.get_device());
-  return {ids, weights, kept, counts};
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
-    const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
-    int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
-    int64_t cost, int64_t budget, int64_t fill) {
-  const RoutingParams r =
-      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
-  check_route_cost(logits, log_norms, num_groups, cost);
-  // check_select_fill's budget and fill checks, before any guard or tensor is alive in this frame
-  TORCH_CHECK(budget >= 1, "budget must be >= 1, got ", budget);
-  TORCH_CHECK(fill >= 0 && fill <= 2, "fill must be 0 (backfill), 1 (drop) or 2 (drop_renorm), got ", fill);
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t T = logits.size(0), E = logits.size(1);
-  Tensor D = at::empty({num_groups, E}, logits.options());
-  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-  Tensor weights = at::empty({T, top_k}, logits.options());
-  Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
-  Tensor counts = at::empty({num_groups, E}, logits.options().dtype(at::kInt));
-  SelectParams p = make_params(logits, correction_bias, r, num_groups);
-  set_cost(p, log_norms, cost);
-  p.ids = ids.data_ptr<int32_t>();
-  p.weights = weights.data_ptr<float>();
-  p.batch_cost_out = D.data_ptr<float>();
-  set_selection(p, budget, fill, kept, counts);
-  launch(p, static_cast<int>(num_groups), logits.get_device());
-  return {ids, weights, kept, counts, D};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(base_moe, CUDA, m) {
-  m.impl("route_cost", &route_cost_cuda);
-  m.impl("select_fill", &select_fill_cuda);
-  m.impl("route_select", &route_select_cuda);
+void route_select_launch(SelectParams p, int groups, int device) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+  const bool clusters = device_has_clusters(device);
+  const int epl = (p.E + 31) / 32;
+  if (epl <= 1) {
+    launch_select<1, 32>(p, groups, clusters, stream);
+  } else if (epl <= 2) {
+    launch_select<2, 32>(p, groups, clusters, stream);
+  } else if (epl <= 4) {
+    launch_select<4, 32>(p, groups, clusters, stream);
+  } else if (epl <= 8) {
+    launch_select<8, 16>(p, groups, clusters, stream);
+  } else {
+    launch_select<16, 8>(p, groups, clusters, stream);
+  }
 }
 
 }  // namespace base_moe

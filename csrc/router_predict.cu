@@ -9,32 +9,18 @@
 // cluster split H and reduce their partial tiles through distributed shared memory in rank order, so the result
 // is deterministic and the grid has enough CTAs (~130-260) to pull the weights from HBM at decode sizes.
 // fp32 inputs (and unaligned or H % 8 != 0 shapes) take a plain fp32 FMA kernel.
-#include <ATen/ATen.h>
+// The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 
-#include "base_moe/checks.h"
 #include "base_moe/cuda_utils.cuh"
+#include "base_moe/select_kernels.h"
 
 namespace base_moe {
 namespace {
-
-struct GemvParams {
-  const void* hidden;            // [T, H]
-  const void* router_weight;     // [E, H]
-  const void* predictor_weight;  // [E, H] or null
-  const float* router_bias;      // [E] or null
-  const float* predictor_bias;   // [E] or null
-  float* logits;                 // [T, E]
-  float* log_norms;              // [T, E] (unused without predictor)
-  int T, H, E, R;                // R = E or 2E
-  int k_per_cta;                 // slice of H per CTA of a cluster (multiple of 32)
-  int cluster;                   // CTAs per cluster (split of H)
-};
 
 template <typename T>
 __device__ __forceinline__ const T* weight_row(const GemvParams& p, int row) {
@@ -88,6 +74,19 @@ __global__ void __launch_bounds__(WM* WN* WK * 32)
     b_ok[nt] = row < p.R;
     b_ptr[nt] = weight_row<T>(p, b_ok[nt] ? row : 0);
   }
+
+  // The weights do not depend on the previous kernel: start pulling this warp's slice into L2, then wait for the
+  // previous kernel (programmatic dependent launch) before reading hidden states.
+  cuda::pdl_launch_dependents();
+  for (int s = wk; s < steps; s += WK) {
+    const int k = k_begin + s * 32 + t4 * 8;
+    if (k >= k_end) break;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (b_ok[nt]) cuda::prefetch_l2(b_ptr[nt] + k);
+    }
+  }
+  cuda::pdl_wait();
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -166,6 +165,8 @@ __global__ void __launch_bounds__(256) router_predict_simple_kernel(const GemvPa
   constexpr int kRowsPerCta = 8, kTokensPerCta = 16;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row = blockIdx.x * kRowsPerCta + warp;
+  cuda::pdl_launch_dependents();
+  cuda::pdl_wait();
   if (row >= p.R) return;
   const T* w = weight_row<T>(p, row);
   const int t_end = min(p.T, static_cast<int>(blockIdx.y + 1) * kTokensPerCta);
@@ -185,12 +186,22 @@ bool device_has_clusters(int device) {
   return major[device] >= 9;
 }
 
+// BASE_MOE_PDL=1: launch with programmatic stream serialisation (overlaps a kernel's start with the previous
+// kernel's tail; CUDA graphs keep it as a programmatic edge).
+bool use_pdl() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("BASE_MOE_PDL");
+    return v != nullptr && v[0] == '1';
+  }();
+  return enabled;
+}
+
 template <typename T, int MT, int NT, int WM, int WN, int WK, int U>
 void launch_mma(GemvParams p, bool clusters, cudaStream_t stream) {
   constexpr int kTM = 16 * MT * WM, kTN = 8 * NT * WN;
   const int tiles = ((p.T + kTM - 1) / kTM) * ((p.R + kTN - 1) / kTN);
-  // Enough CTAs to have the whole weight read in flight at once (~1-2 per SM), at most 8 per cluster.
-  int cluster = clusters ? std::clamp((160 + tiles - 1) / tiles, 1, 8) : 1;
+  // Enough CTAs to have the whole weight read in flight at once (~2 per SM), at most 8 per cluster.
+  int cluster = clusters ? std::clamp((264 + tiles - 1) / tiles, 1, 8) : 1;
   cluster = std::max(1, std::min(cluster, p.H / 256));
   p.cluster = cluster;
   p.k_per_cta = (((p.H + cluster - 1) / cluster) + 31) / 32 * 32;
@@ -200,18 +211,27 @@ void launch_mma(GemvParams p, bool clusters, cudaStream_t stream) {
   config.blockDim = dim3(WM * WN * WK * 32);
   config.dynamicSmemBytes = 0;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cluster;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attribute[2];
+  int n = 0;
+  if (clusters) {
+    attribute[n].id = cudaLaunchAttributeClusterDimension;
+    attribute[n].val.clusterDim.x = cluster;
+    attribute[n].val.clusterDim.y = 1;
+    attribute[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (clusters && use_pdl()) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   config.attrs = attribute;
-  config.numAttrs = clusters ? 1 : 0;
+  config.numAttrs = n;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, router_predict_mma_kernel<T, MT, NT, WM, WN, WK, U>, p));
 }
 
 template <typename T>
-void launch_router_predict(const GemvParams& p, bool clusters, cudaStream_t stream) {
+void launch_tiles(const GemvParams& p, bool clusters, cudaStream_t stream) {
   if (p.T <= 16) {
     launch_mma<T, 1, 2, 1, 1, 4, 4>(p, clusters, stream);
   } else if (p.T <= 32) {
@@ -219,69 +239,32 @@ void launch_router_predict(const GemvParams& p, bool clusters, cudaStream_t stre
   } else if (p.T <= 64) {
     launch_mma<T, 4, 2, 1, 1, 4, 2>(p, clusters, stream);
   } else {
-    launch_mma<T, 4, 4, 1, 2, 2, 1>(p, clusters, stream);
+    launch_mma<T, 4, 4, 1, 1, 4, 2>(p, clusters, stream);
   }
 }
 
-bool aligned16(const void* ptr) {
-  return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
+}  // namespace
 
-std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tensor& router_weight,
-                                               const OptTensor& router_bias, const OptTensor& predictor_weight,
-                                               const OptTensor& predictor_bias) {
-  check_router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
-  const int64_t T = hidden.size(0), H = hidden.size(1), E = router_weight.size(0);
-  const bool predict = predictor_weight.has_value();
-  TORCH_CHECK(T < (int64_t{1} << 20) && H < (int64_t{1} << 24), "router_predict: hidden shape ", hidden.sizes(),
-              " is too large for the CUDA kernel");
-  const c10::cuda::CUDAGuard guard(hidden.device());
-  Tensor logits = at::empty({T, E}, hidden.options().dtype(at::kFloat));
-  Tensor log_norms = at::empty({T, predict ? E : 0}, hidden.options().dtype(at::kFloat));
-  if (T == 0) return {logits, log_norms};
-
-  GemvParams p{};
-  p.hidden = hidden.data_ptr();
-  p.router_weight = router_weight.data_ptr();
-  p.predictor_weight = predict ? predictor_weight->data_ptr() : nullptr;
-  p.router_bias = router_bias.has_value() ? router_bias->data_ptr<float>() : nullptr;
-  p.predictor_bias = predict ? predictor_bias->data_ptr<float>() : nullptr;
-  p.logits = logits.data_ptr<float>();
-  p.log_norms = log_norms.data_ptr<float>();
-  p.T = static_cast<int>(T);
-  p.H = static_cast<int>(H);
-  p.E = static_cast<int>(E);
-  p.R = static_cast<int>(predict ? 2 * E : E);
+void router_predict_launch(GemvParams p, GemvDtype dtype, bool vectorised, int device) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+  const bool clusters = device_has_clusters(device);
   p.k_per_cta = p.H;
   p.cluster = 1;
-
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool vectorised = H % 8 == 0 && aligned16(p.hidden) && aligned16(p.router_weight) &&
-                          aligned16(p.predictor_weight);
-  const bool clusters = device_has_clusters(hidden.get_device());
-  const auto dtype = hidden.scalar_type();
-  if (vectorised && dtype == at::kBFloat16) {
-    launch_router_predict<__nv_bfloat16>(p, clusters, stream);
-  } else if (vectorised && dtype == at::kHalf) {
-    launch_router_predict<__half>(p, clusters, stream);
+  if (vectorised && dtype == GemvDtype::kBFloat16) {
+    launch_tiles<__nv_bfloat16>(p, clusters, stream);
+  } else if (vectorised && dtype == GemvDtype::kHalf) {
+    launch_tiles<__half>(p, clusters, stream);
   } else {
     const dim3 grid((p.R + 7) / 8, (p.T + 15) / 16);
-    if (dtype == at::kFloat) {
+    if (dtype == GemvDtype::kFloat) {
       router_predict_simple_kernel<float><<<grid, 256, 0, stream>>>(p);
-    } else if (dtype == at::kHalf) {
+    } else if (dtype == GemvDtype::kHalf) {
       router_predict_simple_kernel<__half><<<grid, 256, 0, stream>>>(p);
     } else {
       router_predict_simple_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(p);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  return {logits, log_norms};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(base_moe, CUDA, m) {
-  m.impl("router_predict", &router_predict_cuda);
 }
 
 }  // namespace base_moe

@@ -140,5 +140,24 @@ __device__ __forceinline__ T* cluster_map(T* ptr, unsigned rank) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialisation may start
+// while the previous kernel finishes; it must call pdl_wait() before touching memory the previous kernel writes
+// or reads. Both are no-ops for a normal launch.
+__device__ __forceinline__ void pdl_wait() {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
+
+// Hint: pull the line holding `ptr` into L2.
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
+}
+
 }  // namespace cuda
 }  // namespace base_moe

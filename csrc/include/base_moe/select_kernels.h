@@ -1,0 +1,54 @@
+// Kernel parameters and launchers of the selection stages (csrc/router_predict.cu, csrc/route_select.cu).
+// The op wrappers (argument checks, outputs, registration) live in host-compiled csrc/select_cuda.cpp: an
+// exception thrown through nvcc-compiled host frames crashed the process on the H200 machine.
+#pragma once
+
+#include <cstdint>
+
+namespace base_moe {
+
+struct GemvParams {
+  const void* hidden;            // [T, H]
+  const void* router_weight;     // [E, H]
+  const void* predictor_weight;  // [E, H] or null
+  const float* router_bias;      // [E] or null
+  const float* predictor_bias;   // [E] or null
+  float* logits;                 // [T, E]
+  float* log_norms;              // [T, E] (unused without predictor)
+  int T, H, E, R;                // R = E or 2E
+  int k_per_cta;                 // slice of H per CTA of a cluster (multiple of 32); set by the launcher
+  int cluster;                   // CTAs per cluster (split of H); set by the launcher
+};
+
+struct SelectParams {
+  const float* logits;           // [G * B, E]
+  const float* log_norms;        // rows of E, row stride ln_stride (0: broadcast); BASE cost only
+  int64_t ln_stride;
+  const float* correction_bias;  // [E] or null (sigmoid only)
+  const float* batch_cost_in;    // [G, E] (select_fill)
+  int32_t* ids;                  // [G * B, k]: routed ids (route_cost), final ids (select_fill / route_select)
+  float* weights;                // [G * B, k]
+  int32_t* kept;                 // [G, W]
+  int32_t* counts;               // [G, E]
+  float* batch_cost_out;         // [G, E] (route_cost / route_select)
+  int B, E, k, W;
+  int scoring;                   // Scoring
+  bool renormalize;
+  int n_group, topk_group, group_size;
+  float scaling;
+  int cost;                      // Cost
+  int fill;                      // Fill
+  bool compute_cost;             // route_cost / route_select
+  bool select;                   // select_fill / route_select
+  float top1_offset;
+  int cluster;                   // CTAs per group; set by the launcher
+  int experts_per_cta;           // experts each CTA of the cluster reduces; set by the launcher
+};
+
+enum class GemvDtype : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
+
+// Launch on the current CUDA stream of `device` (the caller holds a device guard).
+void router_predict_launch(GemvParams p, GemvDtype dtype, bool vectorised, int device);
+void route_select_launch(SelectParams p, int groups, int device);
+
+}  // namespace base_moe

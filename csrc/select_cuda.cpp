@@ -1,0 +1,182 @@
+// CUDA registration of the selection ops (router_predict, route_cost, select_fill, route_select): argument checks,
+// outputs and the calls into the kernels of csrc/router_predict.cu and csrc/route_select.cu. Host-compiled, so
+// argument errors surface as Python exceptions (a throw through nvcc-compiled host frames crashed the process).
+// Empty in CPU-only builds.
+#ifdef BASE_MOE_WITH_CUDA
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "base_moe/checks.h"
+#include "base_moe/routing.h"
+#include "base_moe/select_kernels.h"
+
+namespace base_moe {
+namespace {
+
+bool aligned16(const void* ptr) {
+  return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tensor& router_weight,
+                                               const OptTensor& router_bias, const OptTensor& predictor_weight,
+                                               const OptTensor& predictor_bias) {
+  check_router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
+  const int64_t T = hidden.size(0), H = hidden.size(1), E = router_weight.size(0);
+  const bool predict = predictor_weight.has_value();
+  TORCH_CHECK(T < (int64_t{1} << 20) && H < (int64_t{1} << 24), "router_predict on CUDA: hidden shape ",
+              hidden.sizes(), " is too large");
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  Tensor logits = at::empty({T, E}, hidden.options().dtype(at::kFloat));
+  Tensor log_norms = at::empty({T, predict ? E : 0}, hidden.options().dtype(at::kFloat));
+  if (T == 0) return {logits, log_norms};
+
+  GemvParams p{};
+  p.hidden = hidden.data_ptr();
+  p.router_weight = router_weight.data_ptr();
+  p.predictor_weight = predict ? predictor_weight->data_ptr() : nullptr;
+  p.router_bias = router_bias.has_value() ? router_bias->data_ptr<float>() : nullptr;
+  p.predictor_bias = predict ? predictor_bias->data_ptr<float>() : nullptr;
+  p.logits = logits.data_ptr<float>();
+  p.log_norms = log_norms.data_ptr<float>();
+  p.T = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.E = static_cast<int>(E);
+  p.R = static_cast<int>(predict ? 2 * E : E);
+  const auto dtype = hidden.scalar_type();
+  const GemvDtype kind = dtype == at::kFloat ? GemvDtype::kFloat
+                         : dtype == at::kHalf ? GemvDtype::kHalf
+                                              : GemvDtype::kBFloat16;
+  const bool vectorised = H % 8 == 0 && aligned16(p.hidden) && aligned16(p.router_weight) &&
+                          aligned16(p.predictor_weight);
+  router_predict_launch(p, kind, vectorised, hidden.get_device());
+  return {logits, log_norms};
+}
+
+SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias, const RoutingParams& r,
+                         int64_t num_groups) {
+  SelectParams p{};
+  p.logits = logits.data_ptr<float>();
+  p.correction_bias = correction_bias.has_value() ? correction_bias->data_ptr<float>() : nullptr;
+  p.B = static_cast<int>(logits.size(0) / num_groups);
+  p.E = static_cast<int>(r.num_experts);
+  p.k = static_cast<int>(r.top_k);
+  p.scoring = static_cast<int>(r.scoring);
+  p.renormalize = r.renormalize;
+  p.n_group = static_cast<int>(r.n_group);
+  p.topk_group = static_cast<int>(r.topk_group);
+  p.group_size = static_cast<int>(r.num_experts / r.n_group);
+  p.scaling = static_cast<float>(r.scaling);
+  p.cost = static_cast<int>(Cost::kRouterSum);
+  p.fill = static_cast<int>(Fill::kBackfill);
+  p.top1_offset = top1_offset(p.B, r);
+  return p;
+}
+
+void set_cost(SelectParams& p, const OptTensor& log_norms, int64_t cost) {
+  p.compute_cost = true;
+  p.cost = static_cast<int>(cost);
+  if (static_cast<Cost>(cost) == Cost::kBase) {
+    p.log_norms = log_norms->data_ptr<float>();
+    p.ln_stride = log_norms->size(0) > 1 ? log_norms->stride(0) : 0;
+  }
+}
+
+void set_selection(SelectParams& p, int64_t fill, const Tensor& kept, const Tensor& counts) {
+  p.select = true;
+  p.W = static_cast<int>(kept.size(1));
+  p.fill = static_cast<int>(fill);
+  p.kept = kept.data_ptr<int32_t>();
+  p.counts = counts.data_ptr<int32_t>();
+}
+
+void check_token_count(const Tensor& logits) {
+  TORCH_CHECK(logits.size(0) < (int64_t{1} << 30), "logits has too many tokens for the CUDA kernels: ",
+              logits.size(0));
+}
+
+std::tuple<Tensor, Tensor, Tensor> route_cost_cuda(const Tensor& logits, const OptTensor& log_norms,
+                                                   const OptTensor& correction_bias, int64_t num_groups,
+                                                   int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group,
+                                                   int64_t topk_group, double scaling, int64_t cost) {
+  const RoutingParams r =
+      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
+  check_route_cost(logits, log_norms, num_groups, cost);
+  check_token_count(logits);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t T = logits.size(0), E = logits.size(1);
+  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  Tensor weights = at::empty({T, top_k}, logits.options());
+  Tensor D = at::empty({num_groups, E}, logits.options());
+  SelectParams p = make_params(logits, correction_bias, r, num_groups);
+  set_cost(p, log_norms, cost);
+  p.ids = ids.data_ptr<int32_t>();
+  p.weights = weights.data_ptr<float>();
+  p.batch_cost_out = D.data_ptr<float>();
+  route_select_launch(p, static_cast<int>(num_groups), logits.get_device());
+  return {ids, weights, D};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cuda(const Tensor& logits, const Tensor& batch_cost,
+                                                            const OptTensor& correction_bias, int64_t top_k,
+                                                            int64_t scoring, bool renormalize, int64_t n_group,
+                                                            int64_t topk_group, double scaling, int64_t budget,
+                                                            int64_t fill) {
+  const RoutingParams r =
+      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
+  check_select_fill(logits, batch_cost, budget, fill);
+  check_token_count(logits);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t T = logits.size(0), E = logits.size(1), G = batch_cost.size(0);
+  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  Tensor weights = at::empty({T, top_k}, logits.options());
+  Tensor kept = at::empty({G, std::min(budget, E)}, logits.options().dtype(at::kInt));
+  Tensor counts = at::empty({G, E}, logits.options().dtype(at::kInt));
+  SelectParams p = make_params(logits, correction_bias, r, G);
+  p.compute_cost = false;
+  p.batch_cost_in = batch_cost.data_ptr<float>();
+  p.ids = ids.data_ptr<int32_t>();
+  p.weights = weights.data_ptr<float>();
+  set_selection(p, fill, kept, counts);
+  route_select_launch(p, static_cast<int>(G), logits.get_device());
+  return {ids, weights, kept, counts};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
+    const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
+    int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
+    int64_t cost, int64_t budget, int64_t fill) {
+  const RoutingParams r =
+      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
+  check_route_cost(logits, log_norms, num_groups, cost);
+  check_token_count(logits);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  Tensor D = at::empty({num_groups, E}, logits.options());
+  check_select_fill(logits, D, budget, fill);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  Tensor weights = at::empty({T, top_k}, logits.options());
+  Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
+  Tensor counts = at::empty({num_groups, E}, logits.options().dtype(at::kInt));
+  SelectParams p = make_params(logits, correction_bias, r, num_groups);
+  set_cost(p, log_norms, cost);
+  p.ids = ids.data_ptr<int32_t>();
+  p.weights = weights.data_ptr<float>();
+  p.batch_cost_out = D.data_ptr<float>();
+  set_selection(p, fill, kept, counts);
+  route_select_launch(p, static_cast<int>(num_groups), logits.get_device());
+  return {ids, weights, kept, counts, D};
+}
+
+}  // namespace
+}  // namespace base_moe
+
+TORCH_LIBRARY_IMPL(base_moe, CUDA, m) {
+  m.impl("router_predict", &base_moe::router_predict_cuda);
+  m.impl("route_cost", &base_moe::route_cost_cuda);
+  m.impl("select_fill", &base_moe::select_fill_cuda);
+  m.impl("route_select", &base_moe::route_select_cuda);
+}
+#endif  // BASE_MOE_WITH_CUDA
