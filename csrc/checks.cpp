@@ -116,6 +116,10 @@ void check_select_fill(const Tensor& logits, const Tensor& batch_cost, int64_t b
   TORCH_CHECK(batch_cost.is_contiguous(), "batch_cost must be contiguous");
   check_same_device(batch_cost, logits, "batch_cost", "logits");
   check_num_groups(batch_cost.size(0), logits.size(0));
+  check_budget_fill(budget, fill);
+}
+
+void check_budget_fill(int64_t budget, int64_t fill) {
   TORCH_CHECK(budget >= 1, "budget must be >= 1, got ", budget);
   TORCH_CHECK(fill >= 0 && fill <= 2, "fill must be 0 (backfill), 1 (drop) or 2 (drop_renorm), got ", fill);
 }

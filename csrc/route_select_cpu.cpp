@@ -264,6 +264,27 @@ Tensor count_experts(const Tensor& ids, int64_t num_groups, int64_t E) {
   return counts;
 }
 
+// The model's own routing of every token: ids and weights [T, k].
+std::tuple<Tensor, Tensor> route_tokens(const Tensor& logits, const OptTensor& correction_bias,
+                                        const RoutingParams& r) {
+  Tensor ids = at::empty({logits.size(0), r.top_k}, logits.options().dtype(at::kInt));
+  Tensor weights = at::empty({logits.size(0), r.top_k}, logits.options());
+  route_all(logits, correction_bias, r, ids, weights);
+  return {ids, weights};
+}
+
+// Stage 3 given the model's routing and the batch cost: (ids, weights, kept, counts).
+std::tuple<Tensor, Tensor, Tensor, Tensor> keep_and_fill(const Tensor& logits, const OptTensor& correction_bias,
+                                                         const RoutingParams& r, const Tensor& routed,
+                                                         const Tensor& routed_w, const Tensor& D, int64_t budget,
+                                                         int64_t fill) {
+  Tensor kept = keep_experts(routed, D, budget, r);
+  Tensor ids = at::empty_like(routed);
+  Tensor weights = at::empty_like(routed_w);
+  fill_tokens(logits, correction_bias, r, routed, routed_w, kept, static_cast<Fill>(fill), ids, weights);
+  return {ids, weights, kept, count_experts(ids, D.size(0), r.num_experts)};
+}
+
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> route_cost_cpu(const Tensor& logits, const OptTensor& log_norms,
@@ -275,9 +296,7 @@ std::tuple<Tensor, Tensor, Tensor> route_cost_cpu(const Tensor& logits, const Op
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
   check_finite_logits(logits);
-  Tensor ids = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kInt));
-  Tensor weights = at::empty({logits.size(0), top_k}, logits.options());
-  route_all(logits, correction_bias, r, ids, weights);
+  auto [ids, weights] = route_tokens(logits, correction_bias, r);
   Tensor D = batch_cost(ids, weights, log_norms, num_groups, r, static_cast<Cost>(cost));
   return {ids, weights, D};
 }
@@ -291,30 +310,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cpu(const Tensor& logits,
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_select_fill(logits, batch_cost, budget, fill);
   check_finite_logits(logits);
-  Tensor routed = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kInt));
-  Tensor routed_w = at::empty({logits.size(0), top_k}, logits.options());
-  route_all(logits, correction_bias, r, routed, routed_w);
-  Tensor kept = keep_experts(routed, batch_cost, budget, r);
-  Tensor ids = at::empty_like(routed);
-  Tensor weights = at::empty_like(routed_w);
-  fill_tokens(logits, correction_bias, r, routed, routed_w, kept, static_cast<Fill>(fill), ids, weights);
-  return {ids, weights, kept, count_experts(ids, batch_cost.size(0), r.num_experts)};
+  auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
+  return keep_and_fill(logits, correction_bias, r, routed, routed_w, batch_cost, budget, fill);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cpu(
     const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
     int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
     int64_t cost, int64_t budget, int64_t fill) {
-  auto [routed, routed_w, D] = route_cost_cpu(logits, log_norms, correction_bias, num_groups, top_k, scoring,
-                                              renormalize, n_group, topk_group, scaling, cost);
-  check_select_fill(logits, D, budget, fill);
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
-  Tensor kept = keep_experts(routed, D, budget, r);
-  Tensor ids = at::empty_like(routed);
-  Tensor weights = at::empty_like(routed_w);
-  fill_tokens(logits, correction_bias, r, routed, routed_w, kept, static_cast<Fill>(fill), ids, weights);
-  return {ids, weights, kept, count_experts(ids, num_groups, r.num_experts), D};
+  check_route_cost(logits, log_norms, num_groups, cost);
+  check_budget_fill(budget, fill);
+  check_finite_logits(logits);
+  auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
+  Tensor D = batch_cost(routed, routed_w, log_norms, num_groups, r, static_cast<Cost>(cost));
+  auto [ids, weights, kept, counts] = keep_and_fill(logits, correction_bias, r, routed, routed_w, D, budget, fill);
+  return {ids, weights, kept, counts, D};
 }
 
 }  // namespace base_moe

@@ -24,6 +24,9 @@ void check_route_cost(const Tensor& logits, const OptTensor& log_norms, int64_t 
 
 void check_select_fill(const Tensor& logits, const Tensor& batch_cost, int64_t budget, int64_t fill);
 
+// The budget and fill arguments alone (route_select, which computes its batch cost itself).
+void check_budget_fill(int64_t budget, int64_t fill);
+
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj);
 
