@@ -356,32 +356,55 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.base_moe.route_select.default, (logits, None, None, G, *softmax, 3, 100, 1))
 
 
+_BAD_INPUTS = {
+    # name: (expected message, statement run with ops, Routing, Scoring, Cost, torch, E=64, H=128, k=4 in scope)
+    "router_weight_device": ("same device", "ops.router_predict(hidden, Wr.cpu())"),
+    "router_weight_dtype": ("dtype", "ops.router_predict(hidden, Wr.half())"),
+    "predictor_without_bias": ("predictor_bias", "ops.router_predict(hidden, Wr, None, Wr, None)"),
+    "log_norms_device": ("same device", "ops.route_select(logits, softmax, budget=4, log_norms=torch.randn(4, E))"),
+    "logits_dtype": ("float32", "ops.route_select(logits.half(), softmax, budget=4, cost=Cost.FREQUENCY)"),
+    "budget_zero": ("budget", "ops.route_select(logits, softmax, budget=0, cost=Cost.FREQUENCY)"),
+    "select_fill_budget_zero": ("budget", "ops.select_fill(logits, torch.rand(1, E, device=dev), softmax, budget=0)"),
+    "groups_not_dividing": ("multiple of num_groups", "ops.route_cost(logits, softmax, num_groups=3, cost=Cost.FREQUENCY)"),
+    "batch_cost_device": ("same device", "ops.select_fill(logits, torch.rand(1, E), softmax, budget=4)"),
+    "correction_bias_device": (
+        "same device",
+        "ops.route_cost(logits, Routing(k, Scoring.SIGMOID), cost=Cost.FREQUENCY, correction_bias=torch.zeros(E))",
+    ),
+}
+
+_BAD_INPUT_SCRIPT = """
+import sys, torch, base_moe
+from base_moe import Cost, Routing, Scoring, ops
+dev, expected, statement = sys.argv[1], sys.argv[2], sys.argv[3]
+E, H, k = 64, 128, 4
+hidden = torch.randn(4, H, device=dev, dtype=torch.bfloat16)
+Wr = torch.randn(E, H, device=dev, dtype=torch.bfloat16)
+logits = torch.randn(4, E, device=dev)
+softmax = Routing(k, Scoring.SOFTMAX, renormalize=True)
+try:
+    exec(statement)
+except RuntimeError as error:
+    sys.exit(0 if expected in str(error) else 3)
+sys.exit(2)
+"""
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="device mixes")
-def test_bad_inputs_raise():
-    E, H, k = 64, 128, 4
-    hidden = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
-    Wr = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="same device"):
-        ops.router_predict(hidden, Wr.cpu())
-    with pytest.raises(RuntimeError, match="dtype"):
-        ops.router_predict(hidden, Wr.half())
-    with pytest.raises(RuntimeError, match="predictor_bias"):
-        ops.router_predict(hidden, Wr, None, Wr, None)
-    logits = torch.randn(4, E, device="cuda")
-    routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
-    with pytest.raises(RuntimeError, match="same device"):
-        ops.route_select(logits, routing, budget=4, log_norms=torch.randn(4, E))
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.route_select(logits.half(), routing, budget=4, cost=Cost.FREQUENCY)
-    with pytest.raises(RuntimeError, match="budget"):
-        ops.route_select(logits, routing, budget=0, cost=Cost.FREQUENCY)
-    with pytest.raises(RuntimeError, match="multiple of num_groups"):
-        ops.route_cost(logits, routing, num_groups=3, cost=Cost.FREQUENCY)
-    with pytest.raises(RuntimeError, match="same device"):
-        ops.select_fill(logits, torch.rand(1, E), routing, budget=4)
-    with pytest.raises(RuntimeError, match="same device"):
-        sig = Routing(k, Scoring.SIGMOID)
-        ops.route_cost(logits, sig, cost=Cost.FREQUENCY, correction_bias=torch.zeros(E))
+@pytest.mark.parametrize("name", sorted(_BAD_INPUTS))
+def test_bad_inputs_raise(name):
+    """Each bad call raises a RuntimeError naming the problem. Run in a subprocess: one of them (budget=0 on CUDA)
+    crashed the interpreter on the H200 machine instead of raising, and a crash must not take the suite down."""
+    import subprocess
+
+    expected, statement = _BAD_INPUTS[name]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", _BAD_INPUT_SCRIPT, DEVICE, expected, statement], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (
+        f"{statement}: exit code {done.returncode} (2: no error raised, 3: wrong message, negative: crashed by "
+        f"signal)\n{done.stderr[-2000:]}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
