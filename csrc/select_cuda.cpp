@@ -151,11 +151,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
+  check_budget_fill(budget, fill);
   check_token_count(logits);
   const int64_t T = logits.size(0), E = logits.size(1);
-  Tensor D = at::empty({num_groups, E}, logits.options());
-  check_select_fill(logits, D, budget, fill);
   const c10::cuda::CUDAGuard guard(logits.device());
+  Tensor D = at::empty({num_groups, E}, logits.options());
   Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
   Tensor weights = at::empty({T, top_k}, logits.options());
   Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
