@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: record the environment, build the extension with its CUDA kernels, check that
+# argument errors raise (CPU and CUDA), run every CUDA test, and calibrate the testbed on the GPU.
+# Logs go to $OUT (the device tool brings them back). Usage: bash scripts/device_check.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+OUT="${OUT:-/tmp/base_moe_out}"; mkdir -p "$OUT"
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  c++ --version | head -1; git rev-parse HEAD; } 2>&1 | tee "$OUT/env.txt"
+start=$(date +%s)
+MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+cat > /tmp/bad_args.py <<'PY'
+import torch, base_moe
+from base_moe import ops, Routing, Cost
+for dev in ("cpu", "cuda"):
+    for budget in (0, 4):
+        try:
+            ops.route_select(torch.randn(8, 16, device=dev), Routing(2), budget=budget, num_groups=3 if budget else 1,
+                             cost=Cost.FREQUENCY)
+        except RuntimeError as e:
+            print(dev, "raised:", str(e).splitlines()[0])
+PY
+python3 -X faulthandler /tmp/bad_args.py; rc=$?; echo "bad_args rc=$rc"
+if [ $rc -ne 0 ]; then
+  timeout 120 cuda-gdb -batch -ex run -ex bt --args python3 /tmp/bad_args.py > "$OUT/gdb.txt" 2>&1
+  grep -E "^#|signal" "$OUT/gdb.txt" | head -30
+fi
+timeout 330 python3 -m pytest -m cuda tests -q -p no:cacheprovider -k "not bad_arguments and not bad_inputs and not shape_errors" \
+  > "$OUT/pytest_cuda.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_cuda.log" | tail -25
+timeout 60 python3 -m pytest -m cuda tests -q -p no:cacheprovider -k "bad_arguments or bad_inputs or shape_errors" \
+  > "$OUT/pytest_errors.log" 2>&1; echo "error tests rc=$?"; tail -3 "$OUT/pytest_errors.log"
+timeout 90 python3 -m base_moe calibrate --model testbed --text testbed/calib.txt --bytes --tokens 65536 --device cuda \
+  --out "$OUT/testbed_gpu.safetensors" > "$OUT/calibrate_gpu.log" 2>&1; echo "calibrate rc=$?"; tail -15 "$OUT/calibrate_gpu.log"
+echo "total: $(( $(date +%s) - start )) s"
