@@ -283,6 +283,15 @@ class _BaseMoEBlock:
         return state.output(torch.cat([dense, y], dim=1), None)
 
 
+def _experts_kernel_fits(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
+    """The shapes and dtypes ``ops.experts`` takes on ``x``'s device (the CUDA kernel: bf16/fp16, hidden and
+    intermediate sizes multiples of 64, at most 512 experts); other blocks run the model's own experts."""
+    if x.device.type != "cuda":
+        return True
+    E, two_i, H = gate_up_proj.shape
+    return x.dtype in (torch.bfloat16, torch.float16) and H % 64 == 0 and (two_i // 2) % 64 == 0 and E <= 512
+
+
 class _BlockState:
     """One patched block's settings, predictor tensors and last selection (a plain attribute of the block, so
     nothing of it reaches ``state_dict``)."""
@@ -372,6 +381,7 @@ class _BlockState:
             and ex.gate_up_proj.dtype == x.dtype
             and ex.gate_up_proj.is_contiguous()
             and ex.down_proj.is_contiguous()
+            and _experts_kernel_fits(x, ex.gate_up_proj)
         )
         if use_ops:
             return ops.experts(x, sel.ids.contiguous(), sel.weights.contiguous(), ex.gate_up_proj, ex.down_proj)

@@ -12,29 +12,29 @@ bool is_float_dtype(at::ScalarType t) {
 }
 
 void check_same_device(const Tensor& t, const Tensor& primary, const char* name, const char* primary_name) {
-  TORCH_CHECK(t.device() == primary.device(), name, " must be on the same device as ", primary_name, " (",
+  BASE_MOE_CHECK(t.device() == primary.device(), name, " must be on the same device as ", primary_name, " (",
               primary.device(), "), got ", t.device());
 }
 
 void check_fp32_vector(const OptTensor& t, int64_t size, const Tensor& primary, const char* name) {
   if (!t.has_value()) return;
-  TORCH_CHECK(t->dim() == 1 && t->size(0) == size, name, " must have shape [", size, "], got ", t->sizes());
-  TORCH_CHECK(t->scalar_type() == at::kFloat, name, " must be float32, got ", t->scalar_type());
-  TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
+  BASE_MOE_CHECK(t->dim() == 1 && t->size(0) == size, name, " must have shape [", size, "], got ", t->sizes());
+  BASE_MOE_CHECK(t->scalar_type() == at::kFloat, name, " must be float32, got ", t->scalar_type());
+  BASE_MOE_CHECK(t->is_contiguous(), name, " must be contiguous");
   check_same_device(*t, primary, name, "the first argument");
 }
 
 void check_logits(const Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2, "logits must be 2-D [tokens, experts], got shape ", logits.sizes());
-  TORCH_CHECK(logits.scalar_type() == at::kFloat, "logits must be float32, got ", logits.scalar_type());
-  TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous");
-  TORCH_CHECK(logits.size(1) >= 1 && logits.size(1) <= kMaxExperts, "logits must have 1 to ", kMaxExperts,
+  BASE_MOE_CHECK(logits.dim() == 2, "logits must be 2-D [tokens, experts], got shape ", logits.sizes());
+  BASE_MOE_CHECK(logits.scalar_type() == at::kFloat, "logits must be float32, got ", logits.scalar_type());
+  BASE_MOE_CHECK(logits.is_contiguous(), "logits must be contiguous");
+  BASE_MOE_CHECK(logits.size(1) >= 1 && logits.size(1) <= kMaxExperts, "logits must have 1 to ", kMaxExperts,
               " experts, got ", logits.size(1));
 }
 
 void check_num_groups(int64_t num_groups, int64_t tokens) {
-  TORCH_CHECK(num_groups >= 1, "num_groups must be >= 1, got ", num_groups);
-  TORCH_CHECK(tokens % num_groups == 0, "the number of tokens (", tokens, ") must be a multiple of num_groups (",
+  BASE_MOE_CHECK(num_groups >= 1, "num_groups must be >= 1, got ", num_groups);
+  BASE_MOE_CHECK(tokens % num_groups == 0, "the number of tokens (", tokens, ") must be a multiple of num_groups (",
               num_groups, ")");
 }
 
@@ -42,28 +42,28 @@ void check_num_groups(int64_t num_groups, int64_t tokens) {
 
 void check_router_predict(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
                           const OptTensor& predictor_weight, const OptTensor& predictor_bias) {
-  TORCH_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
-  TORCH_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
+  BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
+  BASE_MOE_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
               hidden.scalar_type());
-  TORCH_CHECK(hidden.is_contiguous(), "hidden must be contiguous");
+  BASE_MOE_CHECK(hidden.is_contiguous(), "hidden must be contiguous");
   const int64_t H = hidden.size(1);
-  TORCH_CHECK(router_weight.dim() == 2 && router_weight.size(1) == H,
+  BASE_MOE_CHECK(router_weight.dim() == 2 && router_weight.size(1) == H,
               "router_weight must have shape [experts, ", H, "] to match hidden, got ", router_weight.sizes());
-  TORCH_CHECK(router_weight.scalar_type() == hidden.scalar_type(), "router_weight must have hidden's dtype (",
+  BASE_MOE_CHECK(router_weight.scalar_type() == hidden.scalar_type(), "router_weight must have hidden's dtype (",
               hidden.scalar_type(), "), got ", router_weight.scalar_type());
-  TORCH_CHECK(router_weight.is_contiguous(), "router_weight must be contiguous");
+  BASE_MOE_CHECK(router_weight.is_contiguous(), "router_weight must be contiguous");
   check_same_device(router_weight, hidden, "router_weight", "hidden");
   const int64_t E = router_weight.size(0);
-  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "router_weight must have 1 to ", kMaxExperts, " experts, got ", E);
+  BASE_MOE_CHECK(E >= 1 && E <= kMaxExperts, "router_weight must have 1 to ", kMaxExperts, " experts, got ", E);
   check_fp32_vector(router_bias, E, hidden, "router_bias");
-  TORCH_CHECK(predictor_weight.has_value() == predictor_bias.has_value(),
+  BASE_MOE_CHECK(predictor_weight.has_value() == predictor_bias.has_value(),
               "predictor_weight and predictor_bias must be given together");
   if (!predictor_weight.has_value()) return;
-  TORCH_CHECK(predictor_weight->sizes() == router_weight.sizes(), "predictor_weight must have router_weight's shape ",
+  BASE_MOE_CHECK(predictor_weight->sizes() == router_weight.sizes(), "predictor_weight must have router_weight's shape ",
               router_weight.sizes(), ", got ", predictor_weight->sizes());
-  TORCH_CHECK(predictor_weight->scalar_type() == hidden.scalar_type(), "predictor_weight must have hidden's dtype (",
+  BASE_MOE_CHECK(predictor_weight->scalar_type() == hidden.scalar_type(), "predictor_weight must have hidden's dtype (",
               hidden.scalar_type(), "), got ", predictor_weight->scalar_type());
-  TORCH_CHECK(predictor_weight->is_contiguous(), "predictor_weight must be contiguous");
+  BASE_MOE_CHECK(predictor_weight->is_contiguous(), "predictor_weight must be contiguous");
   check_same_device(*predictor_weight, hidden, "predictor_weight", "hidden");
   check_fp32_vector(predictor_bias, E, hidden, "predictor_bias");
 }
@@ -73,84 +73,84 @@ RoutingParams check_routing(const Tensor& logits, const OptTensor& correction_bi
                             double scaling) {
   check_logits(logits);
   const int64_t E = logits.size(1);
-  TORCH_CHECK(top_k >= 1 && top_k <= kMaxTopK, "top_k must be in [1, ", kMaxTopK, "], got ", top_k);
-  TORCH_CHECK(top_k <= E, "top_k (", top_k, ") must not exceed the number of experts (", E, ")");
-  TORCH_CHECK(scoring >= 0 && scoring <= 2, "scoring must be 0 (softmax), 1 (softmax after top-k) or 2 (sigmoid), got ",
+  BASE_MOE_CHECK(top_k >= 1 && top_k <= kMaxTopK, "top_k must be in [1, ", kMaxTopK, "], got ", top_k);
+  BASE_MOE_CHECK(top_k <= E, "top_k (", top_k, ") must not exceed the number of experts (", E, ")");
+  BASE_MOE_CHECK(scoring >= 0 && scoring <= 2, "scoring must be 0 (softmax), 1 (softmax after top-k) or 2 (sigmoid), got ",
               scoring);
   const auto kind = static_cast<Scoring>(scoring);
-  TORCH_CHECK(!correction_bias.has_value() || kind == Scoring::kSigmoid,
+  BASE_MOE_CHECK(!correction_bias.has_value() || kind == Scoring::kSigmoid,
               "correction_bias is only used with sigmoid scoring (scoring=2)");
   check_fp32_vector(correction_bias, E, logits, "correction_bias");
-  TORCH_CHECK(n_group >= 1, "n_group must be >= 1, got ", n_group);
+  BASE_MOE_CHECK(n_group >= 1, "n_group must be >= 1, got ", n_group);
   if (n_group > 1) {
-    TORCH_CHECK(kind == Scoring::kSigmoid, "group-limited routing (n_group > 1) needs sigmoid scoring (scoring=2)");
-    TORCH_CHECK(E % n_group == 0, "the number of experts (", E, ") must be a multiple of n_group (", n_group, ")");
-    TORCH_CHECK(E / n_group >= 2, "each expert group needs at least 2 experts, got ", E / n_group);
-    TORCH_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group must be in [1, n_group=", n_group, "], got ",
+    BASE_MOE_CHECK(kind == Scoring::kSigmoid, "group-limited routing (n_group > 1) needs sigmoid scoring (scoring=2)");
+    BASE_MOE_CHECK(E % n_group == 0, "the number of experts (", E, ") must be a multiple of n_group (", n_group, ")");
+    BASE_MOE_CHECK(E / n_group >= 2, "each expert group needs at least 2 experts, got ", E / n_group);
+    BASE_MOE_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group must be in [1, n_group=", n_group, "], got ",
                 topk_group);
-    TORCH_CHECK(topk_group * (E / n_group) >= top_k, "topk_group (", topk_group, ") groups of ", E / n_group,
+    BASE_MOE_CHECK(topk_group * (E / n_group) >= top_k, "topk_group (", topk_group, ") groups of ", E / n_group,
                 " experts cannot hold top_k=", top_k, " experts");
   }
-  TORCH_CHECK(std::isfinite(scaling) && scaling > 0.0, "scaling must be finite and positive, got ", scaling);
+  BASE_MOE_CHECK(std::isfinite(scaling) && scaling > 0.0, "scaling must be finite and positive, got ", scaling);
   return RoutingParams{E, top_k, kind, renormalize, n_group, n_group > 1 ? topk_group : 1, scaling};
 }
 
 void check_route_cost(const Tensor& logits, const OptTensor& log_norms, int64_t num_groups, int64_t cost) {
   check_num_groups(num_groups, logits.size(0));
-  TORCH_CHECK(cost >= 0 && cost <= 4,
+  BASE_MOE_CHECK(cost >= 0 && cost <= 4,
               "cost must be 0 (base), 1 (router_sum), 2 (router_sq), 3 (frequency) or 4 (top1_union), got ", cost);
   if (static_cast<Cost>(cost) != Cost::kBase) return;
-  TORCH_CHECK(log_norms.has_value() && log_norms->numel() > 0,
+  BASE_MOE_CHECK(log_norms.has_value() && log_norms->numel() > 0,
               "cost=0 (base) needs log_norms [tokens, experts]: pass a predictor to router_predict");
-  TORCH_CHECK(log_norms->dim() == 2 && log_norms->sizes() == logits.sizes(), "log_norms must have logits' shape ",
+  BASE_MOE_CHECK(log_norms->dim() == 2 && log_norms->sizes() == logits.sizes(), "log_norms must have logits' shape ",
               logits.sizes(), ", got ", log_norms->sizes());
-  TORCH_CHECK(log_norms->scalar_type() == at::kFloat, "log_norms must be float32, got ", log_norms->scalar_type());
-  TORCH_CHECK(log_norms->stride(1) == 1, "log_norms must be contiguous along experts (rows may be broadcast)");
+  BASE_MOE_CHECK(log_norms->scalar_type() == at::kFloat, "log_norms must be float32, got ", log_norms->scalar_type());
+  BASE_MOE_CHECK(log_norms->stride(1) == 1, "log_norms must be contiguous along experts (rows may be broadcast)");
   check_same_device(*log_norms, logits, "log_norms", "logits");
 }
 
 void check_select_fill(const Tensor& logits, const Tensor& batch_cost, int64_t budget, int64_t fill) {
-  TORCH_CHECK(batch_cost.dim() == 2 && batch_cost.size(1) == logits.size(1),
+  BASE_MOE_CHECK(batch_cost.dim() == 2 && batch_cost.size(1) == logits.size(1),
               "batch_cost must have shape [groups, ", logits.size(1), "], got ", batch_cost.sizes());
-  TORCH_CHECK(batch_cost.scalar_type() == at::kFloat, "batch_cost must be float32, got ", batch_cost.scalar_type());
-  TORCH_CHECK(batch_cost.is_contiguous(), "batch_cost must be contiguous");
+  BASE_MOE_CHECK(batch_cost.scalar_type() == at::kFloat, "batch_cost must be float32, got ", batch_cost.scalar_type());
+  BASE_MOE_CHECK(batch_cost.is_contiguous(), "batch_cost must be contiguous");
   check_same_device(batch_cost, logits, "batch_cost", "logits");
   check_num_groups(batch_cost.size(0), logits.size(0));
   check_budget_fill(budget, fill);
 }
 
 void check_budget_fill(int64_t budget, int64_t fill) {
-  TORCH_CHECK(budget >= 1, "budget must be >= 1, got ", budget);
-  TORCH_CHECK(fill >= 0 && fill <= 2, "fill must be 0 (backfill), 1 (drop) or 2 (drop_renorm), got ", fill);
+  BASE_MOE_CHECK(budget >= 1, "budget must be >= 1, got ", budget);
+  BASE_MOE_CHECK(fill >= 0 && fill <= 2, "fill must be 0 (backfill), 1 (drop) or 2 (drop_renorm), got ", fill);
 }
 
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj) {
-  TORCH_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
-  TORCH_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
+  BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
+  BASE_MOE_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
               hidden.scalar_type());
-  TORCH_CHECK(hidden.is_contiguous(), "hidden must be contiguous");
+  BASE_MOE_CHECK(hidden.is_contiguous(), "hidden must be contiguous");
   const int64_t T = hidden.size(0), H = hidden.size(1);
-  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == T, "expert_ids must have shape [", T,
+  BASE_MOE_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == T, "expert_ids must have shape [", T,
               ", top_k], got ", expert_ids.sizes());
-  TORCH_CHECK(expert_ids.scalar_type() == at::kInt, "expert_ids must be int32, got ", expert_ids.scalar_type());
-  TORCH_CHECK(expert_ids.size(1) >= 1 && expert_ids.size(1) <= kMaxTopK, "expert_ids must have 1 to ", kMaxTopK,
+  BASE_MOE_CHECK(expert_ids.scalar_type() == at::kInt, "expert_ids must be int32, got ", expert_ids.scalar_type());
+  BASE_MOE_CHECK(expert_ids.size(1) >= 1 && expert_ids.size(1) <= kMaxTopK, "expert_ids must have 1 to ", kMaxTopK,
               " slots per token, got ", expert_ids.size(1));
-  TORCH_CHECK(expert_weights.sizes() == expert_ids.sizes(), "expert_weights must have expert_ids' shape ",
+  BASE_MOE_CHECK(expert_weights.sizes() == expert_ids.sizes(), "expert_weights must have expert_ids' shape ",
               expert_ids.sizes(), ", got ", expert_weights.sizes());
-  TORCH_CHECK(expert_weights.scalar_type() == at::kFloat, "expert_weights must be float32, got ",
+  BASE_MOE_CHECK(expert_weights.scalar_type() == at::kFloat, "expert_weights must be float32, got ",
               expert_weights.scalar_type());
-  TORCH_CHECK(expert_ids.is_contiguous() && expert_weights.is_contiguous(),
+  BASE_MOE_CHECK(expert_ids.is_contiguous() && expert_weights.is_contiguous(),
               "expert_ids and expert_weights must be contiguous");
-  TORCH_CHECK(gate_up_proj.dim() == 3 && gate_up_proj.size(2) == H && gate_up_proj.size(1) % 2 == 0,
+  BASE_MOE_CHECK(gate_up_proj.dim() == 3 && gate_up_proj.size(2) == H && gate_up_proj.size(1) % 2 == 0,
               "gate_up_proj must have shape [experts, 2 * intermediate, ", H, "], got ", gate_up_proj.sizes());
   const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
-  TORCH_CHECK(down_proj.dim() == 3 && down_proj.size(0) == E && down_proj.size(1) == H && down_proj.size(2) == I,
+  BASE_MOE_CHECK(down_proj.dim() == 3 && down_proj.size(0) == E && down_proj.size(1) == H && down_proj.size(2) == I,
               "down_proj must have shape [", E, ", ", H, ", ", I, "] to match gate_up_proj, got ", down_proj.sizes());
-  TORCH_CHECK(gate_up_proj.scalar_type() == hidden.scalar_type() && down_proj.scalar_type() == hidden.scalar_type(),
+  BASE_MOE_CHECK(gate_up_proj.scalar_type() == hidden.scalar_type() && down_proj.scalar_type() == hidden.scalar_type(),
               "gate_up_proj and down_proj must have hidden's dtype (", hidden.scalar_type(), "), got ",
               gate_up_proj.scalar_type(), " and ", down_proj.scalar_type());
-  TORCH_CHECK(gate_up_proj.is_contiguous() && down_proj.is_contiguous(), "gate_up_proj and down_proj must be contiguous");
+  BASE_MOE_CHECK(gate_up_proj.is_contiguous() && down_proj.is_contiguous(), "gate_up_proj and down_proj must be contiguous");
   check_same_device(expert_ids, hidden, "expert_ids", "hidden");
   check_same_device(expert_weights, hidden, "expert_weights", "hidden");
   check_same_device(gate_up_proj, hidden, "gate_up_proj", "hidden");

@@ -24,7 +24,7 @@ Tensor experts_cpu(const Tensor& hidden, const Tensor& expert_ids, const Tensor&
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t j = 0; j < k; ++j) {
       const int32_t u = ids[t * k + j];
-      TORCH_CHECK(u >= 0 && u <= E, "expert_ids must be in [0, ", E, "] (", E, " = empty slot), got ", u);
+      BASE_MOE_CHECK(u >= 0 && u <= E, "expert_ids must be in [0, ", E, "] (", E, " = empty slot), got ", u);
       if (u == E) continue;
       tokens[u].push_back(t);
       slots[u].push_back(t * k + j);

@@ -103,7 +103,7 @@ void routing_weights(const float* logits, const int32_t* ids, const RoutingParam
 }
 
 void check_finite_logits(const Tensor& logits) {
-  TORCH_CHECK(at::isfinite(logits).all().item<bool>(), "logits must be finite (found NaN or infinity)");
+  BASE_MOE_CHECK(at::isfinite(logits).all().item<bool>(), "logits must be finite (found NaN or infinity)");
 }
 
 // Per-token scratch space for the routing of one token.

@@ -26,7 +26,7 @@ std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tenso
   check_router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
   const int64_t T = hidden.size(0), H = hidden.size(1), E = router_weight.size(0);
   const bool predict = predictor_weight.has_value();
-  TORCH_CHECK(T < (int64_t{1} << 20) && H < (int64_t{1} << 24), "router_predict on CUDA: hidden shape ",
+  BASE_MOE_CHECK(T < (int64_t{1} << 20) && H < (int64_t{1} << 24), "router_predict on CUDA: hidden shape ",
               hidden.sizes(), " is too large");
   const c10::cuda::CUDAGuard guard(hidden.device());
   Tensor logits = at::empty({T, E}, hidden.options().dtype(at::kFloat));
@@ -93,7 +93,7 @@ void set_selection(SelectParams& p, int64_t fill, const Tensor& kept, const Tens
 }
 
 void check_token_count(const Tensor& logits) {
-  TORCH_CHECK(logits.size(0) < (int64_t{1} << 30), "logits has too many tokens for the CUDA kernels: ",
+  BASE_MOE_CHECK(logits.size(0) < (int64_t{1} << 30), "logits has too many tokens for the CUDA kernels: ",
               logits.size(0));
 }
 

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include "base_moe/check.h"
 #include "base_moe/routing.h"
 
 namespace base_moe {
