@@ -21,15 +21,12 @@ The share of a step spent in MoE layers is 1 - (time of the same step with MoE b
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from common import run_metadata, write_json
 
 import base_moe
 
@@ -168,14 +165,6 @@ def configure_variant(model, name: str, predictors) -> None:
         base_moe.configure(model, budget=int(name.removeprefix("base_M")), policy="base")
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=48)
@@ -217,18 +206,14 @@ def main() -> None:
         r["speedup_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
         print(f"| {r['batch']} | {r['variant']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
               f"{r['moe_share']:.0%} | {r['speedup_vs_dense']:.2f}x | {r['speedup_vs_hf']:.2f}x |")
-    result = dict(
-        benchmark="bench_e2e", machine=torch.cuda.get_device_name(), torch=torch.__version__,
-        cuda=torch.version.cuda, python=platform.python_version(), git_commit=git_commit(),
-        command=" ".join([sys.executable, *sys.argv]), date=time.strftime("%Y-%m-%d"),
+    result = run_metadata(
+        benchmark="bench_e2e",
         config=dict(layers=args.layers, hidden=2048, experts=128, top_k=8, intermediate=768, dtype="bfloat16",
                     prompt=args.prompt, decode=args.decode, repeats=args.repeats, weights="random"),
         rows=rows,
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}; total {time.time() - t0:.0f} s")
+    write_json(args.json, result)
+    print(f"total {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

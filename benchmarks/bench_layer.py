@@ -14,14 +14,10 @@ copy measured in the same run gives the bandwidth ceiling (2 x bytes / time).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
-import sys
-import time
 
 import torch
+from common import copy_bandwidth, graph_time_us, median, run_metadata, write_json
 
 import base_moe.ops  # noqa: F401
 
@@ -40,48 +36,7 @@ CALLS_PER_COPY = 4
 
 def time_graph(calls, reps=25):
     """Median microseconds per call: one graph runs CALLS_PER_COPY rounds over `calls` (one per weight copy)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_COPY):
-            for f in calls:
-                f()
-    for _ in range(3):
-        graph.replay()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        start[i].record()
-        graph.replay()
-        end[i].record()
-    torch.cuda.synchronize()
-    ms = sorted(s.elapsed_time(e) for s, e in zip(start, end))
-    del graph
-    return 1000.0 * ms[len(ms) // 2] / (CALLS_PER_COPY * len(calls))
-
-
-def copy_bandwidth(nbytes=2 << 30):
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(15):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    t = sorted(times)[len(times) // 2] / 1000.0
-    del src, dst
-    return 2 * nbytes / t
+    return median(graph_time_us(calls, reps, rounds=CALLS_PER_COPY))
 
 
 def random_routing(T, E, k, budget, renormalize, gen):
@@ -97,37 +52,6 @@ def random_routing(T, E, k, budget, renormalize, gen):
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True)
     return ids.to(torch.int32).contiguous(), w.float().contiguous()
-
-
-def has_cuda_kernel(op):
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"base_moe::{op}", "CUDA")
-    except Exception:
-        return False
-
-
-def torch_selection(x, wr, wp, bp, k, budget, renormalize):
-    """Plain-PyTorch BASE selection (graph-capturable; fallback when the selection kernels are missing)."""
-    E = wr.shape[0]
-    logits = (x @ wr.T).float()
-    g = (x @ wp.T).float() + bp
-    p = torch.softmax(logits, dim=-1)
-    w, ids = torch.topk(p, k, dim=-1)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    cost = w * w * torch.exp(2.0 * torch.gather(g, 1, ids))
-    D = torch.zeros(E, device=x.device).scatter_add_(0, ids.flatten(), cost.flatten())
-    routed = torch.zeros(E, dtype=torch.bool, device=x.device).scatter_(0, ids.flatten(), True)
-    kept = torch.topk(torch.where(routed, D, -1.0), min(budget, E)).indices
-    in_kept = torch.zeros(E, dtype=torch.bool, device=x.device).scatter_(0, kept, True) & routed
-    masked = torch.where(in_kept, logits, float("-inf"))
-    w2, ids2 = torch.topk(torch.where(in_kept, p, -1.0), k, dim=-1)
-    valid = w2 >= 0
-    w2 = torch.where(valid, w2, 0.0)
-    if renormalize:
-        w2 = w2 / w2.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-    del masked
-    return torch.where(valid, ids2, E).to(torch.int32), w2
 
 
 def hf_experts_modules(cfg, copies):
@@ -157,13 +81,9 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    dev = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()
-    have_sel = has_cuda_kernel("router_predict") and has_cuda_kernel("route_select")
-    selection = "base_moe CUDA router_predict + route_select" if have_sel else \
-        "FALLBACK plain-PyTorch selection (router_predict/route_select CUDA kernels missing)"
-    print(f"device {dev.name}, {dev.multi_processor_count} SMs; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(f"BASE layer selection: {selection}")
+    selection = "base_moe CUDA router_predict + route_select"
+    print(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     print("budget rows: expert op and HF use random routing restricted to M random experts; "
           "the BASE layer selects with its own kernels (budget M)")
     rows, variants = [], []
@@ -194,22 +114,16 @@ def main():
                                    for gu, dp in copies])
                 budget = E if M is None else M
 
+                def select():
+                    logits, g = torch.ops.base_moe.router_predict(x, wr, None, wp, bp)
+                    return torch.ops.base_moe.route_select(
+                        logits, g, None, 1, k, 0, cfg["renormalize"], 1, 1, 1.0, 0, budget, 0)[:2]
+
                 def layer(gu, dp):
-                    if have_sel:
-                        logits, g = torch.ops.base_moe.router_predict(x, wr, None, wp, bp)
-                        sid, sw, *_ = torch.ops.base_moe.route_select(
-                            logits, g, None, 1, k, 0, cfg["renormalize"], 1, 1, 1.0, 0, budget, 0)
-                    else:
-                        sid, sw = torch_selection(x, wr, wp, bp, k, budget, cfg["renormalize"])
-                    return torch.ops.base_moe.experts(x, sid, sw, gu, dp)
+                    return torch.ops.base_moe.experts(x, *select(), gu, dp)
 
                 base_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp) for gu, dp in copies])
-                if have_sel:
-                    logits, g = torch.ops.base_moe.router_predict(x, wr, None, wp, bp)
-                    sid = torch.ops.base_moe.route_select(logits, g, None, 1, k, 0, cfg["renormalize"], 1, 1, 1.0,
-                                                          0, budget, 0)[0]
-                else:
-                    sid = torch_selection(x, wr, wp, bp, k, budget, cfg["renormalize"])[0]
+                sid = select()[0]
                 base_active = int(torch.unique(sid[sid < E]).numel())
                 hf_us = None
                 if hf is not None:
@@ -259,28 +173,12 @@ def main():
         print(f"{r['model']:15s} {r['batch']:5d} {str(r['budget']):6s} {r['active']:6d} {r['ours_us']:8.1f} "
               f"{100 * r['ours_frac_copy']:5.0f}% {r['base_layer_us']:13.1f} "
               f"{(r['hf_grouped_mm_us'] or float('nan')):17.1f} {r['vllm_us'] or float('nan'):8.1f}")
-    try:
-        import transformers
-        tf_version = transformers.__version__
-    except Exception:
-        tf_version = None
-    commit = os.environ.get("BENCH_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-        except Exception:
-            commit = None
-    result = dict(machine=dict(gpu=dev.name, sms=dev.multi_processor_count, host=platform.node()),
-                  torch=torch.__version__, cuda=torch.version.cuda, transformers=tf_version, commit=commit,
-                  command=" ".join([sys.executable] + sys.argv), time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                  copy_bandwidth_TBps=copy_bw / 1e12, selection=selection,
-                  budget_method="expert op and HF: random softmax routing restricted to M random experts; "
-                                "BASE layer: its own selection with budget M on random router/predictor weights",
-                  rows=rows, variants=variants)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    result = run_metadata(copy_bandwidth_TBps=copy_bw / 1e12, selection=selection,
+                          budget_method="expert op and HF: random softmax routing restricted to M random experts; "
+                                        "BASE layer: its own selection with budget M on random router/predictor "
+                                        "weights",
+                          rows=rows, variants=variants)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

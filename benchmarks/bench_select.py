@@ -15,14 +15,11 @@ than the 60 MB L2), is replayed many times, and the per-call time is the median 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
 
 import torch
 import torch.nn.functional as F
+from common import copy_bandwidth, graph_time_us, median, run_metadata, write_json
 
 import base_moe
 from base_moe import Cost, Fill, Routing, Scoring, ops
@@ -116,47 +113,6 @@ def hf_router(x, W_r, routing: Routing, bias):
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def graph_time_us(calls, replays: int) -> tuple[float, list[float]]:
-    """Capture all calls into one CUDA graph; median replay time divided by the number of calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
-    del graph
-    return statistics.median(times), times
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), 1 GiB buffers."""
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1000.0)
-
-
 def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
     H, E, routing = cfg["H"], cfg["E"], cfg["routing"]
     dtype = torch.bfloat16
@@ -209,11 +165,11 @@ def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
                 calls = [lambda x=x, s=s, i=i: select_only(x, s, i) for i, (x, s) in enumerate(zip(xs, sets))]
             else:
                 calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
-            row[f"{path}_us"], _ = graph_time_us(calls, replays)
+            row[f"{path}_us"] = median(graph_time_us(calls, replays))
         for path, fn in (("fused", fused), ("pytorch", pytorch), ("hf_router", hf)):
             calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
-            median, times = graph_time_us(calls, replays)
-            row[f"{path}_us"] = median
+            times = graph_time_us(calls, replays)
+            row[f"{path}_us"] = median(times)
             row[f"{path}_us_min"] = min(times)
         row["speedup_vs_pytorch"] = row["pytorch_us"] / row["fused_us"]
         row["speedup_vs_hf_router"] = row["hf_router_us"] / row["fused_us"]
@@ -225,16 +181,6 @@ def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
             flush=True,
         )
     return rows
-
-
-def git_commit() -> str:
-    if os.environ.get("BASE_MOE_COMMIT"):
-        return os.environ["BASE_MOE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main():
@@ -264,13 +210,8 @@ def main():
               f"{r['route_select_us']:.2f} | {r['pytorch_us']:.2f} | {r['hf_router_us']:.2f} | "
               f"{r['speedup_vs_pytorch']:.1f}x | {r['weight_bytes'] / 1e6:.2f} MB | "
               f"{r['fused_weight_bandwidth_TBps']:.2f} TB/s ({100 * r['fused_fraction_of_copy_bandwidth']:.0f}%) |")
-    result = dict(
+    result = run_metadata(
         benchmark="bench_select",
-        machine=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        git_commit=git_commit(),
-        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
         copy_bandwidth_TBps=bandwidth / 1e12,  # bytes read + written per second by a 1 GiB device copy
         timing="CUDA-graph replay of ROT consecutive calls on rotated weight/hidden copies; median over replays / ROT",
         programmatic_dependent_launch=os.environ.get("BASE_MOE_PDL", "0") == "1",
@@ -279,10 +220,7 @@ def main():
         fill="backfill",
         rows=rows,
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""Measurement helpers shared by the benchmarks: CUDA-graph timing, the copy-bandwidth reference, and the
+run metadata every results JSON carries (machine, versions, commit, command, date)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def graph_time_us(calls, replays: int = 25, rounds: int = 1) -> list[float]:
+    """Capture ``rounds`` passes over ``calls`` in one CUDA graph (after a warm-up outside capture) and replay
+    it ``replays`` times; returns the microseconds per call of each replay. Rotate inputs across ``calls`` so
+    the L2 cache does not hold them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    for _ in range(3):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    del graph
+    return [start.elapsed_time(end) * 1e3 / (rounds * len(calls)) for start, end in events]
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 15) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (median of ``repeats`` copies of random
+    bytes)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / median(times)
+
+
+def git_commit() -> str:
+    """The commit measured: $BASE_MOE_COMMIT (the device machine gets a copy of the tree without .git), else git."""
+    if os.environ.get("BASE_MOE_COMMIT"):
+        return os.environ["BASE_MOE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_metadata(**extra) -> dict:
+    """Machine, versions, commit, command line and date of this run, plus ``extra``."""
+    try:
+        import transformers
+
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = None
+    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    return dict(
+        machine=props.name if props else platform.processor(),
+        multiprocessors=props.multi_processor_count if props else None,
+        host=platform.node(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        transformers=transformers_version,
+        python=platform.python_version(),
+        git_commit=git_commit(),
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        **extra,
+    )
+
+
+def write_json(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
