@@ -34,6 +34,7 @@
 
 #include "base_moe/checks.h"
 #include "base_moe/experts_mma.cuh"
+#include "base_moe/launch.cuh"
 #include "base_moe/routing.h"
 
 namespace base_moe {
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
   const int g = lane >> 2, q = lane & 3;
   const int E = p.num_experts;
 
-  pdl_launch_dependents();  // the next kernel may be scheduled once all our CTAs are
+  cuda::pdl_launch_dependents();  // the next kernel may be scheduled once all our CTAs are
 
   // ---- routing: count the ids, find the a-th active expert ---------------------------------------------
   for (int e = tid; e < E; e += NT) s_cnt[e] = 0;
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
     }
     __syncthreads();
 
-    if (!GATED) pdl_wait();  // act comes from the gate_up kernel
+    if (!GATED) cuda::pdl_wait();  // act comes from the gate_up kernel
 
     // this thread's B chunks (token rows)
     const T* b_src[B_PER_THREAD];
@@ -250,8 +251,8 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
             for (int j = 0; j < NTW; ++j) {
               const int nt = warp + j * WARPS;
               if (nt * 8 < nv) {
-                mma16816<T>(acc[rt][j], lo.x, hi.x, lo.y, hi.y, bf[j].x, bf[j].y);
-                mma16816<T>(acc[rt][j], lo.z, hi.z, lo.w, hi.w, bf[j].z, bf[j].w);
+                cuda::mma_16816<T>(acc[rt][j], lo.x, hi.x, lo.y, hi.y, bf[j].x, bf[j].y);
+                cuda::mma_16816<T>(acc[rt][j], lo.z, hi.z, lo.w, hi.w, bf[j].z, bf[j].w);
               }
             }
           }
@@ -305,7 +306,7 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
   if (idx >= static_cast<int64_t>(tokens) * h8) return;
   const int t = static_cast<int>(idx / h8), h = static_cast<int>(idx % h8) * 8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  pdl_wait();
+  cuda::pdl_wait();
   for (int j = 0; j < top_k; ++j) {
     const int u = ids[t * top_k + j];
     if (static_cast<unsigned>(u) >= static_cast<unsigned>(num_experts)) continue;
@@ -321,21 +322,6 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 }
 
 // ---- host side ------------------------------------------------------------------------------------------
-template <typename Kernel, typename... Args>
-void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
 void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
   constexpr int NP = WARPS * NTW * 8;
@@ -346,7 +332,7 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
     return true;
   }();
   (void)configured;
-  launch(kernel, dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, pdl, p);
+  cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
 // Tile configurations, picked by the number of tokens T (a shape, so the choice is graph-safe):
@@ -368,8 +354,7 @@ Config pick_config(int64_t tokens) {
 }
 
 bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch off (benchmarks)
-  const char* v = std::getenv("BASE_MOE_EXPERTS_PDL");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true);
 }
 
 template <typename T>
@@ -441,12 +426,12 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   const dim3 sum_grid(static_cast<unsigned>((n8 + 255) / 256));
   if (hidden.scalar_type() == at::kBFloat16) {
     run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, cfg, stream);
-    launch(slot_sum_kernel<__nv_bfloat16>, sum_grid, dim3(256), 0, stream, use_pdl(), p1.ids,
+    cuda::launch({sum_grid, dim3(256), 0, stream, 0, use_pdl()}, slot_sum_kernel<__nv_bfloat16>, p1.ids,
            static_cast<const float*>(p2.out), static_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<int>(T),
            static_cast<int>(k), static_cast<int>(E), static_cast<int>(H));
   } else {
     run_experts<__half>(p1, p2, I, H, grid_experts, cfg, stream);
-    launch(slot_sum_kernel<__half>, sum_grid, dim3(256), 0, stream, use_pdl(), p1.ids,
+    cuda::launch({sum_grid, dim3(256), 0, stream, 0, use_pdl()}, slot_sum_kernel<__half>, p1.ids,
            static_cast<const float*>(p2.out), static_cast<__half*>(y.data_ptr()), static_cast<int>(T),
            static_cast<int>(k), static_cast<int>(E), static_cast<int>(H));
   }

@@ -22,6 +22,7 @@
 #include <cstdlib>
 
 #include "base_moe/cuda_utils.cuh"
+#include "base_moe/launch.cuh"
 #include "base_moe/routing.h"
 #include "base_moe/select_kernels.h"
 
@@ -494,19 +495,9 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   cuda::cluster_sync();  // keep shared memory alive until the other CTAs have read it
 }
 
-bool device_has_clusters(int device) {
-  static int major[64] = {0};
-  if (device < 0 || device >= 64) return false;
-  if (major[device] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
-  return major[device] >= 9;
-}
-
 // BASE_MOE_PDL=1: programmatic dependent launch (see csrc/router_predict.cu).
 bool use_pdl() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("BASE_MOE_PDL");
-    return v != nullptr && v[0] == '1';
-  }();
+  static const bool enabled = cuda::env_flag("BASE_MOE_PDL", false);
   return enabled;
 }
 
@@ -521,35 +512,14 @@ void launch_select(SelectParams p, int groups, bool clusters, cudaStream_t strea
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(groups * C);
-  config.blockDim = dim3(NW * 32);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  int n = 0;
-  if (clusters) {
-    attribute[n].id = cudaLaunchAttributeClusterDimension;
-    attribute[n].val.clusterDim.x = C;
-    attribute[n].val.clusterDim.y = 1;
-    attribute[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  if (clusters && use_pdl()) {
-    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  config.attrs = attribute;
-  config.numAttrs = n;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  cuda::launch({dim3(groups * C), dim3(NW * 32), smem, stream, clusters ? C : 0, clusters && use_pdl()}, kernel, p);
 }
 
 }  // namespace
 
 void route_select_launch(SelectParams p, int groups, int device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
-  const bool clusters = device_has_clusters(device);
+  const bool clusters = cuda::device_has_clusters(device);
   const int epl = (p.E + 31) / 32;
   if (epl <= 1) {
     launch_select<1, 32>(p, groups, clusters, stream);

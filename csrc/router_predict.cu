@@ -17,6 +17,7 @@
 #include <cstdlib>
 
 #include "base_moe/cuda_utils.cuh"
+#include "base_moe/launch.cuh"
 #include "base_moe/select_kernels.h"
 
 namespace base_moe {
@@ -179,20 +180,10 @@ __global__ void __launch_bounds__(256) router_predict_simple_kernel(const GemvPa
   }
 }
 
-bool device_has_clusters(int device) {
-  static int major[64] = {0};
-  if (device < 0 || device >= 64) return false;
-  if (major[device] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
-  return major[device] >= 9;
-}
-
 // BASE_MOE_PDL=1: launch with programmatic stream serialisation (overlaps a kernel's start with the previous
 // kernel's tail; CUDA graphs keep it as a programmatic edge).
 bool use_pdl() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("BASE_MOE_PDL");
-    return v != nullptr && v[0] == '1';
-  }();
+  static const bool enabled = cuda::env_flag("BASE_MOE_PDL", false);
   return enabled;
 }
 
@@ -206,28 +197,9 @@ void launch_mma(GemvParams p, bool clusters, cudaStream_t stream) {
   p.cluster = cluster;
   p.k_per_cta = (((p.H + cluster - 1) / cluster) + 31) / 32 * 32;
 
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cluster, (p.R + kTN - 1) / kTN, (p.T + kTM - 1) / kTM);
-  config.blockDim = dim3(WM * WN * WK * 32);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  int n = 0;
-  if (clusters) {
-    attribute[n].id = cudaLaunchAttributeClusterDimension;
-    attribute[n].val.clusterDim.x = cluster;
-    attribute[n].val.clusterDim.y = 1;
-    attribute[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  if (clusters && use_pdl()) {
-    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  config.attrs = attribute;
-  config.numAttrs = n;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, router_predict_mma_kernel<T, MT, NT, WM, WN, WK, U>, p));
+  const dim3 grid(cluster, (p.R + kTN - 1) / kTN, (p.T + kTM - 1) / kTM);
+  cuda::launch({grid, dim3(WM * WN * WK * 32), 0, stream, clusters ? cluster : 0, clusters && use_pdl()},
+               router_predict_mma_kernel<T, MT, NT, WM, WN, WK, U>, p);
 }
 
 template <typename T>
@@ -247,7 +219,7 @@ void launch_tiles(const GemvParams& p, bool clusters, cudaStream_t stream) {
 
 void router_predict_launch(GemvParams p, GemvDtype dtype, bool vectorised, int device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
-  const bool clusters = device_has_clusters(device);
+  const bool clusters = cuda::device_has_clusters(device);
   p.k_per_cta = p.H;
   p.cluster = 1;
   if (vectorised && dtype == GemvDtype::kBFloat16) {

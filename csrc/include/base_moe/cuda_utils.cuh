@@ -150,7 +150,7 @@ __device__ __forceinline__ void pdl_wait() {
 }
 __device__ __forceinline__ void pdl_launch_dependents() {
 #ifdef BASE_MOE_HAS_CLUSTERS
-  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 

@@ -1,0 +1,64 @@
+// Host-side launch helpers shared by the CUDA kernels: device capability, and cudaLaunchKernelEx with an
+// optional thread-block cluster and programmatic dependent launch (PDL).
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace base_moe::cuda {
+
+// Thread-block clusters and programmatic dependent launch need sm_90.
+inline bool device_has_clusters(int device) {
+  static int major[64] = {0};
+  if (device < 0 || device >= 64) return false;
+  if (major[device] == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
+  }
+  return major[device] >= 9;
+}
+
+// An environment switch read once: unset gives `fallback`, "0" false, anything else true (benchmarks use them).
+inline bool env_flag(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : std::strcmp(v, "0") != 0;
+}
+
+struct LaunchShape {
+  dim3 grid;
+  dim3 block;
+  size_t shared_bytes = 0;
+  cudaStream_t stream = nullptr;
+  int cluster_x = 0;  // > 0: launch as clusters of cluster_x CTAs along x (the kernel uses cluster APIs)
+  bool pdl = false;   // programmatic stream serialisation: may start while the previous kernel finishes
+};
+
+template <typename Kernel, typename... Args>
+void launch(const LaunchShape& shape, Kernel kernel, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = shape.grid;
+  config.blockDim = shape.block;
+  config.dynamicSmemBytes = shape.shared_bytes;
+  config.stream = shape.stream;
+  cudaLaunchAttribute attributes[2];
+  unsigned n = 0;
+  if (shape.cluster_x > 0) {
+    attributes[n].id = cudaLaunchAttributeClusterDimension;
+    attributes[n].val.clusterDim.x = shape.cluster_x;
+    attributes[n].val.clusterDim.y = 1;
+    attributes[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (shape.pdl) {
+    attributes[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  config.attrs = attributes;
+  config.numAttrs = n;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
+}  // namespace base_moe::cuda
