@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -192,7 +193,95 @@ def _floats(text: str) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------------
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_calibrate]
+# eval
+# ---------------------------------------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_eval(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="compare expert-selection policies with the forced-token batched-decode protocol",
+        description="B sequences of S tokens from --text; positions < P run dense (prefill); every later position's "
+        "B tokens are one decode batch under the policy. Prints bits per token (per byte with --bytes) and its "
+        "increase over dense, retained energy, active experts per layer and decode batch (and, on CUDA, the MoE "
+        "layer time) per policy and budget; writes JSON and optionally a PNG plot.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model directory")
+    p.add_argument("--text", required=True, metavar="FILE", help="held-out text (UTF-8, or raw bytes with --bytes)")
+    p.add_argument("--bytes", action="store_true", help="byte-level model: each byte of --text is a token id")
+    p.add_argument("--predictors", metavar="FILE", help="predictors from `calibrate` (needed by base, static_energy)")
+    p.add_argument("--batch", type=int, default=16, metavar="B", help="sequences per decode batch (default: 16)")
+    p.add_argument("--seq", type=int, default=256, metavar="S", help="tokens per sequence (default: 256)")
+    p.add_argument("--prefill", type=int, default=32, metavar="P", help="dense prefill positions (default: 32)")
+    p.add_argument("--batches", type=int, default=8, metavar="N", help="evaluation batches (default: 8)")
+    p.add_argument("--budgets", type=_int_list, default=None, metavar="M,M,...",
+                   help="expert budgets (default: every integer between a third and a half of the measured dense "
+                   "union)")
+    p.add_argument("--policies", default="base,router_sum,router_sq,frequency,top1_union,static_energy,oracle",
+                   metavar="P,P,...", help="policies; options as name:key=value, e.g. oea:k0=2, topk_reduce:k=2, "
+                   "lynx:threshold=4 (default: %(default)s)")
+    p.add_argument("--fill", default="backfill", choices=["backfill", "drop", "drop_renorm"])
+    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's; "
+                   "float32 on CPU)")
+    p.add_argument("--no-energy", action="store_true", help="skip the retained energy (saves expert compute)")
+    p.add_argument("--json", required=True, metavar="OUT", help="write every number here (JSON)")
+    p.add_argument("--plot", metavar="OUT.png", help="plot quality loss against active experts (and time on CUDA)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from .evaluate import budgets_between, dense_union, evaluate, format_table, plot
+    from .policies import get_policy
+
+    device = args.device or default_device()
+    dtype = args.dtype if not (args.dtype == "auto" and torch.device(device).type == "cpu") else "float32"
+    try:
+        policies = [get_policy(name) for name in args.policies.split(",") if name]
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    if any(p.needs_predictors or p.needs_statistics for p in policies) and not args.predictors:
+        needing = ", ".join(p.name for p in policies if p.needs_predictors or p.needs_statistics)
+        raise SystemExit(f"error: policies {needing} need --predictors FILE (from `python -m base_moe calibrate`)")
+    model = load_model(args.model, device, dtype)
+    vocab = getattr(model.config, "vocab_size", None)
+    ids = load_token_ids(args.text, args.model, args.batches * args.batch * args.seq, args.seq, args.bytes, vocab)
+    budgets = args.budgets
+    if budgets is None:
+        union = dense_union(model, ids, batch=args.batch, seq=args.seq, prefill=args.prefill,
+                            batches=min(args.batches, 4), device=device)
+        budgets = budgets_between(union)
+        print(f"dense union {union:.2f} experts per layer and decode batch: budgets {budgets}")
+    try:
+        result = evaluate(
+            model, ids, predictors=args.predictors, policies=policies, budgets=budgets, batch=args.batch,
+            seq=args.seq, prefill=args.prefill, batches=args.batches, fill=args.fill, device=device,
+            progress=not args.no_progress, energy=not args.no_energy,
+        )
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    result["command"] = " ".join(["python -m base_moe", *map(shlex.quote, args.argv)])
+    result["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "argv")}
+    print(format_table(result))
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_calibrate, add_eval]
 """Every subcommand's parser builder; a new command appends its ``add_<name>`` here."""
 
 
@@ -205,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

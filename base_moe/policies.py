@@ -18,11 +18,24 @@ nothing else in base_moe needs to change.
 | ``router_sq`` | w^2 |
 | ``frequency`` | 1 per routed token |
 | ``top1_union`` | every token's top-1 first, then w |
+
+Policies that choose A another way (plain PyTorch over :mod:`base_moe.reference`'s routing helpers):
+
+| name | rule |
+| --- | --- |
+| ``oea`` (``oea:k0=K``) | OEA(k0): A = union of every token's top-k0 (no budget); each token then takes its top-k within A |
+| ``lynx`` (``lynx:threshold=X``) | Lynx-style confidence bins: a routed slot scores ``decay^bin``, ``bin = floor(log(w_top1 / w) / width)``
+  (at most ``bins - 1``); A = top-M by the batch sum, or every expert whose sum reaches ``threshold`` (no budget) |
+| ``topk_reduce`` (``topk_reduce:k=K``) | every token keeps its top-k' of k (default k // 2), rescaled to its routed total (not batch-aware) |
+
+A name with options (``"oea:k0=2"``, ``"lynx:threshold=4:bins=3"``) builds an instance through the policy's factory
+(:func:`register_policy_factory`); ``apply``, ``configure`` and the ``eval`` command accept such names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -42,6 +55,10 @@ __all__ = [
     "get_policy",
     "parse_fill",
     "register_policy",
+    "register_policy_factory",
+    "OEAPolicy",
+    "LynxPolicy",
+    "TopKReducePolicy",
 ]
 
 FILLS = {"backfill": Fill.BACKFILL, "drop": Fill.DROP, "drop_renorm": Fill.DROP_RENORM}
@@ -161,9 +178,12 @@ def register_policy(policy: Policy, *, replace: bool = False) -> Policy:
 
 
 def get_policy(policy: str | Policy) -> Policy:
-    """The registered policy of that name (a :class:`Policy` instance is returned as is)."""
+    """The registered policy of that name (a :class:`Policy` instance is returned as is); a name with options,
+    ``"oea:k0=2"``, builds one through the policy's factory (:func:`register_policy_factory`)."""
     if isinstance(policy, Policy):
         return policy
+    if isinstance(policy, str) and ":" in policy:
+        return policy_from_spec(policy)
     try:
         return _REGISTRY[policy]
     except (KeyError, TypeError):
@@ -175,6 +195,46 @@ def get_policy(policy: str | Policy) -> Policy:
 
 def available_policies() -> list[str]:
     return list(_REGISTRY)
+
+
+_FACTORIES: dict[str, type] = {}
+
+
+def register_policy_factory(name: str, factory) -> None:
+    """Let ``"name:key=value:..."`` build a policy: ``factory(key=value, ...)`` must return a :class:`Policy`."""
+    _FACTORIES[name] = factory
+
+
+def _parse_value(text: str):
+    if text.lower() in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def policy_from_spec(spec: str) -> Policy:
+    """``"oea:k0=2"`` -> ``OEAPolicy(k0=2)``: a policy name, then ``:key=value`` options (ints, floats, ``none``)."""
+    name, *options = spec.split(":")
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(
+            f"policy {spec!r}: only {', '.join(sorted(_FACTORIES))} take options (name:key=value); "
+            f"available policies: {', '.join(available_policies())}"
+        )
+    kwargs = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy {spec!r}: options are written key=value, got {option!r}")
+        kwargs[key] = _parse_value(value)
+    try:
+        return factory(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"policy {spec!r}: {err} ({factory.__name__}: {factory.__init__.__doc__ or ''})") from None
 
 
 def parse_fill(fill: str | Fill) -> Fill:
@@ -206,7 +266,9 @@ def _has_cuda_kernel(op: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"base_moe::{op}", "CUDA")
 
 
-_CUDA_KERNELS = {op: _has_cuda_kernel(op) for op in ("router_predict", "route_cost", "route_select", "experts")}
+_CUDA_KERNELS = {
+    op: _has_cuda_kernel(op) for op in ("router_predict", "route_cost", "route_select", "select_fill", "experts")
+}
 
 
 def has_kernel(op: str, device: torch.device) -> bool:
@@ -246,3 +308,130 @@ def route_cost(step: DecodeStep, cost: Cost, log_norms: torch.Tensor | None):
             correction_bias=step.correction_bias,
         )
     return reference.route_cost(step.logits, log_norms, step.correction_bias, step.num_groups, step.routing, cost)
+
+
+def select_fill(step: DecodeStep, batch_cost: torch.Tensor, budget: int):
+    """``ops.select_fill`` for the step and a given batch cost ``D [G, E]``: ``(ids, weights, kept, counts)``."""
+    if has_kernel("select_fill", step.logits.device):
+        return ops.select_fill(
+            step.logits, batch_cost, step.routing, budget=budget, fill=step.fill, correction_bias=step.correction_bias
+        )
+    return reference.select_fill(step.logits, batch_cost, step.correction_bias, step.routing, budget, step.fill)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Policies with their own keep rule (issue 6): plain PyTorch over the reference's routing helpers
+# ---------------------------------------------------------------------------------------------------------------
+def kept_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[G, E]`` -> ``kept [G, E]`` int32: the experts of the mask in ascending order, then sentinels ``E``."""
+    E = mask.shape[1]
+    index = torch.arange(E, device=mask.device).expand_as(mask)
+    return torch.sort(torch.where(mask, index, E), dim=1).values.to(torch.int32)
+
+
+def _fill_from_mask(step: DecodeStep, mask: torch.Tensor, batch_cost: torch.Tensor | None = None) -> Selection:
+    kept = kept_from_mask(mask)
+    ids, weights = reference.fill(step.logits, step.correction_bias, step.routing, kept, step.fill)
+    counts = reference.expert_counts(ids, step.num_groups, step.logits.shape[1])
+    return Selection(ids, weights, kept, counts, batch_cost)
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+class OEAPolicy(Policy):
+    """OEA(k0): A = the union of every token's top-``k0`` experts in its decode batch (no budget: |A| follows the
+    batch); each token then takes its top-k experts within A in its own rank order (the ``backfill`` rule; the
+    weights follow the model's rule, renormalised over the new set when the model renormalises). ``fill='drop'``
+    keeps only the token's routed experts that are in A."""
+
+    needs_budget = False
+
+    def __init__(self, k0: int = 1):
+        """k0: experts of each token that seed A (>= 1)."""
+        self.k0 = _check_int("oea k0", k0, 1)
+        self.name = "oea" if k0 == 1 else f"oea:k0={k0}"
+        self.description = f"A = union of every token's top-{k0}; tokens re-routed within A (no budget)"
+
+    def select(self, step: DecodeStep) -> Selection:
+        routing, E = step.routing, step.logits.shape[1]
+        seeds, _ = reference.route(step.logits, replace(routing, top_k=min(self.k0, routing.top_k)), step.correction_bias)
+        return _fill_from_mask(step, reference.routed_union(seeds, step.num_groups, E))
+
+
+class LynxPolicy(Policy):
+    """Lynx-style confidence binning. Every routed slot ``(t, u)`` falls into the bin
+    ``min(bins - 1, floor(log(w_t,top1 / w_t,u) / width))`` (bin 0: within a factor ``e^width`` of the token's
+    top-1) and scores ``decay ** bin``; an expert's batch score is the sum over the tokens routed to it (a count of
+    tokens, discounted by their confidence). A = the top-``budget`` experts by that score, or, with ``threshold``,
+    every routed expert whose score reaches it (at least the best one; no budget). Then the fill rule."""
+
+    def __init__(self, threshold: float | None = None, bins: int = 4, width: float = math.log(2.0), decay: float = 0.5):
+        """threshold: keep experts whose score reaches it (None: keep the top-budget); bins, width (nats), decay."""
+        self.bins = _check_int("lynx bins", bins, 1)
+        if not width > 0 or not 0 < decay <= 1:
+            raise ValueError(f"lynx needs width > 0 and 0 < decay <= 1, got width={width!r}, decay={decay!r}")
+        if threshold is not None and not isinstance(threshold, (int, float)):
+            raise ValueError(f"lynx threshold must be a number or None, got {threshold!r}")
+        self.threshold, self.width, self.decay = threshold, float(width), float(decay)
+        self.needs_budget = threshold is None
+        options = [f"threshold={threshold:g}"] if threshold is not None else []
+        options += [f"bins={bins}"] if bins != 4 else []
+        options += [f"width={width:g}"] if width != math.log(2.0) else []
+        options += [f"decay={decay:g}"] if decay != 0.5 else []
+        self.name = ":".join(["lynx", *options])
+        self.description = "Lynx-style confidence bins" + (f", threshold {threshold:g}" if threshold is not None else "")
+
+    def batch_scores(self, step: DecodeStep) -> torch.Tensor:
+        """``D [G, E]``: each expert's confidence-discounted count of routed tokens."""
+        E = step.logits.shape[1]
+        ids, weights = reference.route(step.logits, step.routing, step.correction_bias)
+        valid = ids < E
+        top = weights.amax(dim=-1, keepdim=True)
+        ratio = torch.where(valid & (weights > 0), torch.log(top.clamp_min(1e-30) / weights.clamp_min(1e-30)), math.inf)
+        bins = torch.floor(ratio / self.width).clamp(max=self.bins - 1)
+        score = torch.where(valid, torch.pow(self.decay, bins), 0.0).float()
+        return reference.batch_cost(ids, score, step.num_groups, E, Cost.FREQUENCY, step.routing)
+
+    def select(self, step: DecodeStep) -> Selection:
+        D = self.batch_scores(step)
+        if self.threshold is None:
+            return Selection(*select_fill(step, D, step.budget), D)
+        mask = D >= self.threshold
+        mask.scatter_(1, D.argmax(dim=1, keepdim=True), True)  # never empty
+        return _fill_from_mask(step, mask & (D > 0), D)
+
+
+class TopKReducePolicy(Policy):
+    """Every token keeps its top-k' of its k routed experts (not batch-aware), the weights rescaled so they sum to
+    the token's routed total (the ``drop_renorm`` rule: renormalised for models that renormalise)."""
+
+    needs_budget = False
+
+    def __init__(self, k: int | None = None):
+        """k: experts each token keeps (None: half the model's top-k, at least 1)."""
+        self.k = None if k is None else _check_int("topk_reduce k", k, 1)
+        self.name = "topk_reduce" if k is None else f"topk_reduce:k={k}"
+        self.description = f"per-token top-{k if k is not None else 'k/2'} (not batch-aware), renormalised"
+
+    def select(self, step: DecodeStep) -> Selection:
+        E, top_k = step.logits.shape[1], step.routing.top_k
+        keep = min(self.k if self.k is not None else max(1, top_k // 2), top_k)
+        ids, weights = reference.route(step.logits, step.routing, step.correction_bias)
+        slot = torch.arange(top_k, device=ids.device) < keep
+        kept_weights = torch.where(slot, weights, 0.0)
+        total, kept_total = weights.sum(dim=-1, keepdim=True), kept_weights.sum(dim=-1, keepdim=True)
+        kept_weights = kept_weights * torch.where(kept_total > 0, total / kept_total.clamp_min(1e-30), 0.0)
+        ids = torch.where(slot, ids, E).to(torch.int32)
+        return Selection(ids, kept_weights, None, reference.expert_counts(ids, step.num_groups, E))
+
+
+register_policy(OEAPolicy())
+register_policy(LynxPolicy())
+register_policy(TopKReducePolicy())
+register_policy_factory("oea", OEAPolicy)
+register_policy_factory("lynx", LynxPolicy)
+register_policy_factory("topk_reduce", TopKReducePolicy)

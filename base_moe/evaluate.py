@@ -1,0 +1,548 @@
+"""The forced-token evaluation harness (DESIGN section 7): quality of budgeted decoding, policy against policy.
+
+``B`` sequences of ``S`` tokens from held-out text form one evaluation batch. Positions ``< P`` are prefill and run
+the model's own (dense) routing; at every later position the ``B`` tokens of that position are one decode batch,
+and every MoE layer applies the policy to that batch. The model is patched with ``base_moe.apply(...,
+group_by="position", dense_positions=P)``, so one forward over ``[B, S]`` evaluates all ``S - P`` decode steps at
+once (teacher forcing: every position sees the true previous tokens, and the states of earlier positions carry the
+policy's effect through attention, as they would in real decoding).
+
+Per policy and budget (:func:`evaluate`):
+
+* ``bits``: the mean next-token cross-entropy in bits (bits per byte for byte-level models) of the predictions
+  made at decode positions (logits of positions ``P .. S-2`` for the tokens ``P+1 .. S-1``), and ``delta_bits``,
+  its increase over the dense model on the same tokens, with the standard error of the per-batch differences;
+* ``retained_energy``: over every routed slot ``(t, u)`` (the model's own routing of the policy run's inputs
+  ``z_t``), ``sum w_tu^2 ||E_u(z_t)||^2`` of the slots the token still uses, divided by the sum over all routed
+  slots, from the true expert outputs; pooled over tokens per layer, then averaged over layers;
+* ``active``: the mean number of experts in use (the union of the tokens' final experts) per layer and decode
+  batch; ``dense.union`` is the same for the model's own routing;
+* on CUDA, ``time_us``: one MoE block's time for one decode batch of ``B`` tokens (``[B, 1, H]``, CUDA-graph
+  replay when the block captures, else eager; median over repeats, averaged over layers).
+
+:func:`format_table` prints the result, :func:`plot` draws quality loss against active experts (and against time
+on CUDA), one line per policy, and ``python -m base_moe eval`` runs it all from the command line.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import hf, reference
+from .policies import Policy, get_policy, parse_fill
+
+__all__ = ["evaluate", "format_table", "plot", "make_batches", "budgets_between", "dense_union", "machine_info"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+def make_batches(input_ids: torch.Tensor, batch: int, seq: int, batches: int) -> torch.Tensor:
+    """``[batches, batch, seq]`` consecutive, non-overlapping sequences from the start of ``input_ids`` (a 1-D
+    token stream, or ``[N, L]`` rows that are flattened in order)."""
+    for name, value in (("batch", batch), ("seq", seq), ("batches", batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    ids = torch.as_tensor(input_ids).reshape(-1)
+    need = batches * batch * seq
+    if ids.numel() < need:
+        have = ids.numel() // (batch * seq)
+        raise ValueError(
+            f"{batches} batches of {batch} x {seq} tokens need {need} tokens, the text gives {ids.numel()} "
+            f"(enough for {have} batches): use a longer text or fewer --batches"
+        )
+    return ids[:need].reshape(batches, batch, seq).long()
+
+
+def budgets_between(union: float, low: float = 1 / 3, high: float = 1 / 2) -> list[int]:
+    """Every integer budget in ``[low * union, high * union]`` (at least one: the nearest to their middle)."""
+    lo, hi = math.ceil(low * union - 1e-9), math.floor(high * union + 1e-9)
+    return list(range(lo, hi + 1)) if lo <= hi else [max(1, round((low + high) / 2 * union))]
+
+
+@torch.no_grad()
+def dense_union(model, input_ids, *, batch: int, seq: int, prefill: int, batches: int = 4,
+                device: torch.device | str | None = None) -> float:
+    """The mean number of experts the model's own routing uses per MoE layer and decode batch (the union of the
+    ``batch`` tokens' routed experts at each decode position), over the first ``batches`` batches: the
+    reference for choosing budgets (e.g. :func:`budgets_between`)."""
+    from .layouts import find_moe_layouts
+
+    layouts = hf.moe_layouts(model) if hf.is_applied(model) else find_moe_layouts(model)
+    if hf.is_applied(model) and hf.moe_layouts(model)[0].block._base_moe.settings.active:
+        raise ValueError("dense_union needs the model's own routing: configure(model, policy='dense') first")
+    device = torch.device(device) if device is not None else _device_of(model)
+    data = make_batches(input_ids, batch, seq, batches)
+    capture = _Capture(layouts, prefill)
+    total, count = 0.0, 0
+    try:
+        for ids in data:
+            model(input_ids=ids.to(device), use_cache=False)
+            for lay in layouts:
+                x = capture.inputs[lay.layer_index]
+                routed, _ = reference.route(lay.router_logits(x), lay.routing, lay.correction_bias())
+                total += float(_active_per_group(routed, seq - prefill, lay.num_experts).sum())
+                count += seq - prefill
+    finally:
+        capture.remove()
+    return total / count
+
+
+# ---------------------------------------------------------------------------------------------
+# Accumulators
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Run:
+    """Sums of one (policy, budget) over the batches."""
+
+    policy: str
+    budget: int | None
+    nll_bits: list[float] = field(default_factory=list)  # per batch: summed bits over the scored tokens
+    tokens: list[int] = field(default_factory=list)
+    active: dict[int, list[float]] = field(default_factory=dict)  # layer -> summed |A| over groups, group count
+    energy: dict[int, list[float]] = field(default_factory=dict)  # layer -> [kept, routed]
+    time_us: dict[int, float] = field(default_factory=dict)
+
+
+def _add(d: dict[int, list[float]], key: int, *values: float) -> None:
+    acc = d.setdefault(key, [0.0] * len(values))
+    for i, v in enumerate(values):
+        acc[i] += v
+
+
+class _Capture:
+    """Forward pre-hooks that keep each MoE block's decode-position inputs, group after group ``[(S-P)*B, H]``."""
+
+    def __init__(self, layouts, prefill: int):
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.prefill = prefill
+        self.enabled = True
+        self.handles = [lay.block.register_forward_pre_hook(self._hook(lay)) for lay in layouts]
+
+    def _hook(self, layout):
+        def hook(module, args):
+            x = args[0]
+            if self.enabled and x.dim() == 3:
+                B, S, H = x.shape
+                self.inputs[layout.layer_index] = x[:, self.prefill :].transpose(0, 1).reshape(-1, H).detach()
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _active_per_group(ids: torch.Tensor, num_groups: int, num_experts: int) -> torch.Tensor:
+    """``[G]``: number of distinct experts among the final ids of each group (sentinels excluded)."""
+    return reference.routed_union(ids, num_groups, num_experts).sum(dim=1)
+
+
+@torch.no_grad()
+def _energy(layout, x: torch.Tensor, final_ids: torch.Tensor | None) -> tuple[float, float]:
+    """``(kept, routed)`` sums of ``w^2 ||E_u(x_t)||^2`` over the model's routed slots of ``x`` (kept: the token's
+    final set still holds the expert; ``final_ids=None``: all kept). Runs each expert on its routed tokens only."""
+    E = layout.num_experts
+    logits = layout.router_logits(x)
+    ids, weights = reference.route(logits, layout.routing, layout.correction_bias())
+    ids = ids.long()
+    energy = torch.zeros_like(weights)
+    for u in torch.unique(ids[ids < E]).tolist():
+        token, slot = torch.nonzero(ids == u, as_tuple=True)
+        out = layout.expert_output(x[token], u)
+        energy[token, slot] = weights[token, slot] ** 2 * out.float().pow(2).sum(dim=-1)
+    routed = float(energy.sum())
+    if final_ids is None:
+        return routed, routed
+    still = (ids[:, :, None] == final_ids.long()[:, None, :]).any(dim=-1) & (ids < E)
+    return float(energy[still].sum()), routed
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing (CUDA)
+# ---------------------------------------------------------------------------------------------
+def _time_block(block, x: torch.Tensor, repeats: int) -> tuple[float, bool]:
+    """Median microseconds of ``block(x)``: CUDA-graph replay if the call captures, else eager with events."""
+
+    def call():
+        return block(x)
+
+    with torch.no_grad():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        graph, graphed = None, False
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                call()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            graph.replay()
+            torch.cuda.synchronize()
+            graphed = True
+        except Exception:  # noqa: BLE001 - host syncs or data-dependent shapes: time it eagerly
+            graph = None
+            torch.cuda.synchronize()
+        run = graph.replay if graphed else call
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times), graphed
+
+
+def _time_layers(model, layouts, inputs: dict[int, torch.Tensor], batch: int, repeats: int) -> dict[int, float]:
+    """Per MoE layer, one decode batch (the first decode position's ``B`` tokens) through the patched block in
+    ``group_by='batch'`` mode."""
+    settings = hf.moe_layouts(model)[0].block._base_moe.settings
+    hf.configure(model, group_by="batch", record=False)
+    out = {}
+    try:
+        for lay in layouts:
+            x = inputs[lay.layer_index][:batch].reshape(batch, 1, -1).contiguous()
+            out[lay.layer_index], _ = _time_block(lay.block, x, repeats)
+    finally:
+        hf.configure(model, group_by=settings.group_by, record=settings.record)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness
+# ---------------------------------------------------------------------------------------------
+def _resolve_policies(policies: Sequence[str | Policy]) -> list[Policy]:
+    out = []
+    for p in policies:
+        pol = get_policy(p)
+        if pol.name not in [q.name for q in out]:
+            out.append(pol)
+    return out
+
+
+def _device_of(model) -> torch.device:
+    try:
+        return model.get_input_embeddings().weight.device
+    except (AttributeError, NotImplementedError):
+        return next(model.parameters()).device
+
+
+def evaluate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    predictors=None,
+    policies: Sequence[str | Policy] = ("base", "router_sum", "oracle"),
+    budgets: Sequence[int] = (),
+    batch: int = 16,
+    seq: int = 256,
+    prefill: int = 32,
+    batches: int = 8,
+    fill: str = "backfill",
+    device: torch.device | str | None = None,
+    progress: bool = True,
+    energy: bool = True,
+    timing: bool | None = None,
+    repeats: int = 50,
+) -> dict[str, Any]:
+    """Evaluate budgeted decoding under each policy and budget with the forced-token protocol (module docstring).
+
+    Args:
+        model: a Hugging Face MoE causal LM (patched by ``base_moe.apply`` or not: it is patched for the run and
+            left as it was found).
+        input_ids: held-out tokens, a 1-D stream or ``[N, L]`` rows (read in order); the first
+            ``batches * batch * seq`` are used.
+        predictors: a ``base_moe.Predictors`` or its file (needed by ``base`` and ``static_energy``).
+        policies: policy names (``"oea:k0=2"`` style options allowed) or :class:`~base_moe.policies.Policy`
+            instances; ``dense`` is always measured as the reference. Policies with their own size rule (``oea``,
+            ``lynx:threshold=X``, ``topk_reduce``) run once, whatever the budgets.
+        budgets: experts kept per layer and decode batch, for the budgeted policies.
+        batch, seq, prefill, batches: ``B`` sequences of ``S`` tokens per batch, ``P`` dense prefill positions,
+            number of batches.
+        fill: ``backfill`` (default), ``drop`` or ``drop_renorm``.
+        device: where to run (default: the model's device; the model is moved there).
+        energy: compute the retained energy (runs each expert on its routed tokens once more per run).
+        timing: time one MoE block per decode batch (default: on CUDA only).
+        repeats: timing repeats (median).
+
+    Returns a JSON-ready dict: ``protocol``, ``model``, ``predictors``, ``unit``, ``dense`` (bits, union per layer,
+    time), ``results`` (one entry per policy and budget), ``machine`` and ``seconds``.
+    """
+    start = time.perf_counter()
+    if not 0 <= prefill < seq - 1:
+        raise ValueError(f"prefill must be in [0, seq - 2] (at least one scored decode position), got {prefill}")
+    fill_rule = parse_fill(fill)
+    pols = [p for p in _resolve_policies(policies) if p.budgeted]
+    budgets = sorted({int(b) for b in budgets})
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"budgets must be positive, got {budgets}")
+    if not budgets and any(p.needs_budget for p in pols):
+        raise ValueError(
+            "policies " + ", ".join(p.name for p in pols if p.needs_budget) + " need budgets (e.g. budgets=[8, 16])"
+        )
+    device = torch.device(device) if device is not None else _device_of(model)
+    if _device_of(model) != device:
+        model.to(device)
+    timing = device.type == "cuda" if timing is None else bool(timing)
+    data = make_batches(input_ids, batch, seq, batches)
+
+    patched_here = not hf.is_applied(model)
+    has_predictors = predictors is not None or (
+        not patched_here and hf.moe_layouts(model)[0].block._base_moe.predictors is not None)
+    for pol in pols:
+        if (pol.needs_predictors or pol.needs_statistics) and not has_predictors:
+            raise ValueError(
+                f"policy '{pol.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path"
+            )
+    if patched_here:
+        hf.apply(model, predictors=predictors, budget=None, policy="dense", fill=fill_rule,
+                 group_by="position", dense_positions=prefill, record=True)
+    else:
+        old = hf.moe_layouts(model)[0].block._base_moe.settings
+        old_predictors = hf.moe_layouts(model)[0].block._base_moe.predictors
+        extra = {} if predictors is None else {"predictors": predictors}
+        hf.configure(model, budget=None, policy="dense", fill=fill_rule, group_by="position",
+                     dense_positions=prefill, record=True, **extra)
+    layouts = hf.moe_layouts(model)
+    state = layouts[0].block._base_moe
+
+    runs = [(pol, None) for pol in pols if not pol.needs_budget]
+    runs += [(pol, b) for b in budgets for pol in pols if pol.needs_budget]
+    dense = _Run("dense", None)
+    results = [_Run(pol.name, b) for pol, b in runs]
+    schedule = [(dense, get_policy("dense"), None)] + [(acc, pol, b) for acc, (pol, b) in zip(results, runs)]
+    capture = _Capture(layouts, prefill)
+    was_training = model.training
+    model.eval()
+    try:
+        from tqdm.auto import tqdm
+
+        with torch.no_grad(), tqdm(total=batches * (1 + len(runs)), desc="evaluate", unit="run",
+                                   disable=not progress) as bar:
+            for b_index in range(batches):
+                ids = data[b_index].to(device)
+                targets = ids[:, prefill + 1 :]
+                for acc, pol, budget in schedule:
+                    hf.configure(model, policy=pol, budget=budget)
+                    logits = model(input_ids=ids, use_cache=False).logits
+                    scored = logits[:, prefill:-1].float()
+                    nll = F.cross_entropy(scored.reshape(-1, scored.shape[-1]), targets.reshape(-1), reduction="sum")
+                    acc.nll_bits.append(float(nll) / math.log(2))
+                    acc.tokens.append(targets.numel())
+                    chosen = hf.selections(model) if acc is not dense else {}
+                    groups = seq - prefill
+                    for lay in layouts:
+                        i, x = lay.layer_index, capture.inputs[lay.layer_index]
+                        if acc is dense:
+                            logits_i = lay.router_logits(x)
+                            ids_i, _ = reference.route(logits_i, lay.routing, lay.correction_bias())
+                            final = None
+                        else:
+                            sel, num_groups = chosen[i]
+                            assert num_groups == groups
+                            ids_i = final = sel.ids
+                        _add(acc.active, i, float(_active_per_group(ids_i, groups, lay.num_experts).sum()), groups)
+                        if energy and acc is not dense:
+                            _add(acc.energy, i, *_energy(lay, x, final))
+                    if timing and b_index == 0:
+                        capture.enabled = False
+                        acc.time_us = _time_layers(model, layouts, capture.inputs, batch, repeats)
+                        capture.enabled = True
+                    bar.update(1)
+    finally:
+        capture.remove()
+        model.train(was_training)
+        if patched_here:
+            hf.restore(model)
+        else:
+            hf.configure(model, budget=old.budget, policy=old.policy, fill=old.fill, group_by=old.group_by,
+                         dense_positions=old.dense_positions, experts=old.experts, record=old.record,
+                         predictors=old_predictors)
+
+    return _report(model, layouts, dense, results, runs, state.predictors, locals_=dict(
+        batch=batch, seq=seq, prefill=prefill, batches=batches, fill=fill_rule.name.lower(), device=str(device),
+        timing=timing, energy=energy, repeats=repeats, seconds=time.perf_counter() - start))
+
+
+def _layer_means(d: dict[int, list[float]]) -> dict[str, float]:
+    return {str(i): v[0] / v[1] if v[1] else math.nan for i, v in sorted(d.items())}
+
+
+def _report(model, layouts, dense: _Run, results: list[_Run], runs, predictors, locals_) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    byte_level = vocab == 256
+    dense_bits_batches = [n / t for n, t in zip(dense.nll_bits, dense.tokens)]
+    dense_bits = sum(dense.nll_bits) / sum(dense.tokens)
+    union = _layer_means(dense.active)
+    out: dict[str, Any] = {
+        "protocol": {
+            "batch": locals_["batch"], "seq": locals_["seq"], "prefill": locals_["prefill"],
+            "batches": locals_["batches"], "fill": locals_["fill"], "device": locals_["device"],
+            "decode_positions": locals_["seq"] - locals_["prefill"],
+            "scored_tokens": sum(dense.tokens),
+            "scoring": "logits of positions P..S-2 for tokens P+1..S-1 (every prediction made by a decode step)",
+            "energy": "sum over routed slots still used of w^2 ||E_u(z)||^2 / sum over routed slots (true outputs)",
+            "timing": "one MoE block, one decode batch [B, 1, H], median of repeats" if locals_["timing"] else None,
+        },
+        "model": {
+            "type": getattr(config, "model_type", None),
+            "name_or_path": str(getattr(config, "_name_or_path", "") or ""),
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "moe_layers": [lay.layer_index for lay in layouts],
+            "num_experts": layouts[0].num_experts,
+            "top_k": layouts[0].routing.top_k,
+            "hidden_size": layouts[0].hidden_size,
+            "vocab_size": vocab,
+        },
+        "predictors": None if predictors is None else {
+            k: predictors.metadata.get(k) for k in ("tokens", "tokens_holdout", "ridge", "r2", "model_dtype")
+        },
+        "unit": "bits/byte" if byte_level else "bits/token",
+        "dense": {
+            "bits": dense_bits,
+            "union": statistics.fmean(union.values()),
+            "union_per_layer": union,
+            "time_us": statistics.fmean(dense.time_us.values()) if dense.time_us else None,
+            "time_us_per_layer": {str(i): t for i, t in sorted(dense.time_us.items())} or None,
+        },
+        "results": [],
+    }
+    for run, (pol, budget) in zip(results, runs):
+        bits = sum(run.nll_bits) / sum(run.tokens)
+        deltas = [n / t - d for n, t, d in zip(run.nll_bits, run.tokens, dense_bits_batches)]
+        stderr = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else math.nan
+        active = _layer_means(run.active)
+        energy = {str(i): v[0] / v[1] if v[1] else math.nan for i, v in sorted(run.energy.items())}
+        out["results"].append({
+            "policy": run.policy,
+            "budget": budget,
+            "bits": bits,
+            "delta_bits": bits - dense_bits,
+            "delta_bits_stderr": stderr,
+            "retained_energy": statistics.fmean(energy.values()) if energy else None,
+            "retained_energy_per_layer": energy or None,
+            "active": statistics.fmean(active.values()),
+            "active_per_layer": active,
+            "time_us": statistics.fmean(run.time_us.values()) if run.time_us else None,
+            "time_us_per_layer": {str(i): t for i, t in sorted(run.time_us.items())} or None,
+            "description": pol.description,
+        })
+    out["machine"] = machine_info(locals_["device"])
+    out["seconds"] = locals_["seconds"]
+    return out
+
+
+def machine_info(device: str = "cpu") -> dict[str, Any]:
+    """Machine, versions and git commit, for result files."""
+    import transformers
+
+    from . import __version__
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "base_moe": __version__,
+        "threads": torch.get_num_threads(),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    try:
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=__file__.rsplit("/", 2)[0],
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["git_commit"] = None
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+def format_table(result: dict[str, Any]) -> str:
+    """The result as a text table: one row per policy and budget, sorted by budget then quality loss."""
+    unit = result["unit"]
+    d = result["dense"]
+    p = result["protocol"]
+    timed = d.get("time_us") is not None
+    head = (f"{'policy':<22} {'budget':>6} {'active':>7} {unit:>10} {'+' + unit:>10} {'+-':>7} {'energy':>7}"
+            + (f" {'us/layer':>9}" if timed else ""))
+    lines = [
+        f"B={p['batch']} sequences x S={p['seq']} tokens, P={p['prefill']} prefill, {p['batches']} batches, "
+        f"{p['scored_tokens']} scored tokens, fill={p['fill']}, device={p['device']}",
+        head,
+        "-" * len(head),
+        f"{'dense':<22} {'-':>6} {d['union']:>7.2f} {d['bits']:>10.4f} {0.0:>10.4f} {'':>7} {1.0:>7.3f}"
+        + (f" {d['time_us']:>9.1f}" if timed else ""),
+    ]
+    rows = sorted(result["results"], key=lambda r: (r["budget"] is not None, r["budget"] or 0, r["delta_bits"]))
+    last_budget = object()
+    for r in rows:
+        if r["budget"] != last_budget:
+            lines.append("")
+            last_budget = r["budget"]
+        energy = f"{r['retained_energy']:.3f}" if r["retained_energy"] is not None else "-"
+        budget = str(r["budget"]) if r["budget"] is not None else "-"
+        t = f" {r['time_us']:>9.1f}" if timed and r.get("time_us") is not None else (f" {'-':>9}" if timed else "")
+        lines.append(
+            f"{r['policy']:<22} {budget:>6} {r['active']:>7.2f} {r['bits']:>10.4f} {r['delta_bits']:>+10.4f} "
+            f"{r['delta_bits_stderr']:>7.4f} {energy:>7}{t}"
+        )
+    lines.append(f"active: mean experts in use per layer and decode batch (dense: the routed union); "
+                 f"+-: standard error of the per-batch increase; energy: retained w^2||E||^2")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Quality loss against active experts (and against time when timed), one line per policy; PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = result["dense"].get("time_us") is not None
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(12 if timed else 7, 5), squeeze=False)
+    by_policy: dict[str, list[dict]] = {}
+    for r in result["results"]:
+        family = r["policy"].split(":")[0] if r["budget"] is None else r["policy"]
+        by_policy.setdefault(family, []).append(r)
+    xs = [("active", "active experts per layer and decode batch", result["dense"]["union"])]
+    if timed:
+        xs.append(("time_us", "MoE layer time per decode step (us)", result["dense"]["time_us"]))
+    for ax, (key, label, dense_x) in zip(axes[0], xs):
+        for name, rows in by_policy.items():
+            rows = sorted(rows, key=lambda r: r[key])
+            ax.plot([r[key] for r in rows], [r["delta_bits"] for r in rows], marker="o", label=name)
+        ax.scatter([dense_x], [0.0], marker="*", s=150, color="black", zorder=5, label="dense")
+        ax.set_xlabel(label)
+        ax.set_ylabel(f"quality loss ({result['unit']} over dense)")
+        ax.set_yscale("symlog", linthresh=0.01)
+        ax.grid(True, alpha=0.3)
+    p = result["protocol"]
+    fig.suptitle(f"{result['model'].get('name_or_path') or result['model']['type']}: B={p['batch']}, "
+                 f"P={p['prefill']}, S={p['seq']}, {p['batches']} batches, fill={p['fill']}")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,237 @@
+"""The forced-token evaluation harness (``base_moe.evaluate``) and ``python -m base_moe eval``, on tiny CPU models."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_models import StandInPredictors, tiny_model
+
+import base_moe
+from base_moe import hf, reference
+from base_moe.evaluate import (
+    _energy,
+    budgets_between,
+    dense_union,
+    evaluate,
+    format_table,
+    make_batches,
+    plot,
+)
+
+B, S, P, N = 4, 12, 3, 2
+_MODEL = {}
+
+
+def model_and_ids():
+    if "m" not in _MODEL:
+        _MODEL["m"] = tiny_model("qwen3_moe")  # 8 experts, top-2, vocab 64, 2 MoE layers
+    g = torch.Generator().manual_seed(0)
+    return copy.deepcopy(_MODEL["m"]), torch.randint(3, 64, (N * B * S + 5,), generator=g)
+
+
+def decode_bits(model, data):
+    """Bits per token of the predictions made at decode positions, for the model as it is configured."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in data:
+            logits = model(input_ids=ids).logits[:, P:-1]
+            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, P + 1 :].reshape(-1),
+                                           reduction="sum"))
+            count += ids[:, P + 1 :].numel()
+    return total / count / math.log(2)
+
+
+@pytest.fixture(scope="module")
+def result():
+    model, ids = model_and_ids()
+    return evaluate(model, ids, predictors=StandInPredictors(model), batch=B, seq=S, prefill=P, batches=N,
+                    policies=["base", "router_sum", "oracle", "oea", "topk_reduce", "lynx:threshold=2"],
+                    budgets=[2, 8], progress=False)
+
+
+def rows(result, budget):
+    return {r["policy"]: r for r in result["results"] if r["budget"] == budget}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread is faster, and avoids OpenMP stalls when the CPU is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------
+def test_make_batches_and_budgets():
+    ids = torch.arange(100)
+    data = make_batches(ids, batch=2, seq=5, batches=3)
+    assert data.shape == (3, 2, 5) and torch.equal(data.reshape(-1), ids[:30])
+    assert torch.equal(make_batches(ids.view(10, 10), 2, 5, 3), data)  # rows are read in order
+    with pytest.raises(ValueError, match="enough for 5 batches"):
+        make_batches(ids, batch=2, seq=10, batches=6)
+    assert budgets_between(20.2) == [7, 8, 9, 10]
+    assert budgets_between(12) == [4, 5, 6]
+    assert budgets_between(2.5) == [1]
+
+
+def test_dense_bits_and_union_match_a_direct_computation(result):
+    model, ids = model_and_ids()
+    data = make_batches(ids, B, S, N)
+    assert result["dense"]["bits"] == pytest.approx(decode_bits(model, data), rel=1e-6)
+    assert result["protocol"]["scored_tokens"] == N * B * (S - P - 1)
+    assert result["unit"] == "bits/token"  # vocab 64: not byte-level
+    # the union: routed experts per layer and position, counted directly
+    for layout in base_moe.layouts.find_moe_layouts(model):
+        captured = []
+        handle = layout.block.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
+        with torch.no_grad():
+            for batch in data:
+                model(input_ids=batch)
+        handle.remove()
+        sizes = []
+        for x in captured:
+            for s in range(P, S):
+                routed, _ = reference.route(layout.router_logits(x[:, s]), layout.routing)
+                sizes.append(len(set(routed.flatten().tolist())))
+        assert result["dense"]["union_per_layer"][str(layout.layer_index)] == pytest.approx(sum(sizes) / len(sizes))
+    assert result["dense"]["union"] == pytest.approx(dense_union(model, ids, batch=B, seq=S, prefill=P, batches=N))
+
+
+def test_budgeted_bits_match_the_patched_model(result):
+    model, ids = model_and_ids()
+    data = make_batches(ids, B, S, N)
+    for policy, budget in [("base", 2), ("router_sum", 8), ("oea", None)]:
+        m = copy.deepcopy(model)
+        base_moe.apply(m, predictors=StandInPredictors(m), policy=policy, budget=budget, group_by="position",
+                       dense_positions=P)
+        got = rows(result, budget)[policy]
+        assert got["bits"] == pytest.approx(decode_bits(m, data), rel=1e-6)
+        assert got["delta_bits"] == pytest.approx(got["bits"] - result["dense"]["bits"])
+
+
+def test_budget_at_least_the_experts_is_dense(result):
+    for policy, r in rows(result, 8).items():  # 8 experts: nothing is ever dropped
+        assert abs(r["delta_bits"]) < 1e-4, policy
+        assert r["retained_energy"] == pytest.approx(1.0)
+        assert r["active"] == pytest.approx(result["dense"]["union"])
+
+
+def test_active_experts_and_energy(result):
+    for budget in (2,):
+        for policy, r in rows(result, budget).items():
+            assert r["active"] <= budget + 1e-9
+            assert 0 < r["retained_energy"] < 1
+        # layer 0 sees the same inputs under every policy: the oracle keeps the most true energy there
+        first = min(rows(result, budget)["oracle"]["retained_energy_per_layer"])
+        energy = {p: r["retained_energy_per_layer"][first] for p, r in rows(result, budget).items()}
+        assert energy["oracle"] >= max(energy.values()) - 1e-6
+    unbudgeted = rows(result, None)
+    assert set(unbudgeted) == {"oea", "topk_reduce", "lynx:threshold=2"}
+    assert unbudgeted["topk_reduce"]["retained_energy"] < 1
+
+
+def test_energy_against_a_loop():
+    model, _ = model_and_ids()
+    layout = base_moe.layouts.find_moe_layouts(model)[0]
+    x = torch.randn(10, layout.hidden_size, generator=torch.Generator().manual_seed(2))
+    logits = layout.router_logits(x)
+    routed, weights = reference.route(logits, layout.routing)
+    final = routed.clone()
+    final[::2, 1] = layout.num_experts  # every other token lost its second expert
+    kept = total = 0.0
+    for t in range(10):
+        for j in range(layout.routing.top_k):
+            u = int(routed[t, j])
+            with torch.no_grad():
+                e = float(weights[t, j]) ** 2 * float(layout.expert_output(x[t : t + 1], u).pow(2).sum())
+            total += e
+            kept += e if u in final[t].tolist() else 0.0
+    got_kept, got_total = _energy(layout, x, final)
+    assert got_total == pytest.approx(total, rel=1e-5) and got_kept == pytest.approx(kept, rel=1e-5)
+
+
+def test_model_is_left_as_found():
+    model, ids = model_and_ids()
+    reference_logits = model(input_ids=ids[:S][None]).logits
+    evaluate(model, ids, policies=["router_sum"], budgets=[2], batch=B, seq=S, prefill=P, batches=1, progress=False,
+             energy=False)
+    assert not hf.is_applied(model)
+    assert torch.equal(model(input_ids=ids[:S][None]).logits, reference_logits)
+    base_moe.apply(model, budget=5, policy="frequency", fill="drop")
+    evaluate(model, ids, policies=["oea"], batch=B, seq=S, prefill=P, batches=1, progress=False, energy=False)
+    s = hf.moe_layouts(model)[0].block._base_moe.settings
+    assert (s.budget, s.policy.name, s.fill.name, s.group_by, s.record) == (5, "frequency", "DROP", "batch", False)
+
+
+def test_errors():
+    model, ids = model_and_ids()
+    with pytest.raises(ValueError, match="need budgets"):
+        evaluate(model, ids, policies=["router_sum"], budgets=[], batch=B, seq=S, prefill=P, batches=1)
+    with pytest.raises(ValueError, match="needs predictors"):
+        evaluate(model, ids, policies=["base"], budgets=[2], batch=B, seq=S, prefill=P, batches=1)
+    with pytest.raises(ValueError, match="prefill"):
+        evaluate(model, ids, policies=["oea"], batch=B, seq=S, prefill=S - 1, batches=1)
+    with pytest.raises(ValueError, match="unknown policy"):
+        evaluate(model, ids, policies=["nope"], budgets=[2], batch=B, seq=S, prefill=P, batches=1)
+    assert not hf.is_applied(model)
+
+
+def test_table_json_and_plot(result, tmp_path):
+    table = format_table(result)
+    for name in ("dense", "base", "router_sum", "oracle", "oea", "topk_reduce", "lynx:threshold=2"):
+        assert name in table
+    json.dumps(result)  # JSON-ready
+    assert {"torch", "transformers", "platform"} <= set(result["machine"])
+    plot(result, str(tmp_path / "q.png"))
+    assert (tmp_path / "q.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m base_moe eval
+# ---------------------------------------------------------------------------------------------
+def test_cli_eval_end_to_end(tmp_path, capsys):
+    from test_calibrate import tiny_qwen3_moe
+
+    from base_moe.cli import main
+
+    tiny_qwen3_moe(layers=2).save_pretrained(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(range(256)) * 8)
+    common = ["--model", str(tmp_path / "model"), "--text", str(text), "--bytes", "--batch", "4", "--seq", "32",
+              "--prefill", "8", "--batches", "2", "--device", "cpu", "--no-progress"]
+    assert main(["calibrate", *common[:5], "--tokens", "2048", "--seq", "32", "--device", "cpu", "--out",
+                 str(tmp_path / "p.safetensors"), "--no-progress"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "r.json"
+    assert main(["eval", *common, "--predictors", str(tmp_path / "p.safetensors"), "--policies",
+                 "base,static_energy,router_sq,oea:k0=1,topk_reduce:k=1", "--json", str(out),
+                 "--plot", str(tmp_path / "r.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "dense union" in printed and "bits/byte" in printed and f"wrote {out}" in printed
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python -m base_moe eval --model")
+    assert result["unit"] == "bits/byte" and result["protocol"]["batch"] == 4
+    budgets = {r["budget"] for r in result["results"]} - {None}
+    assert budgets and all(result["dense"]["union"] / 3 - 1 <= b <= result["dense"]["union"] / 2 + 1
+                           for b in budgets)
+    assert (tmp_path / "r.png").exists()
+    with pytest.raises(SystemExit, match="need --predictors"):
+        main(["eval", *common, "--policies", "base", "--budgets", "2", "--json", str(out)])
+    with pytest.raises(SystemExit, match="unknown policy"):
+        main(["eval", *common, "--policies", "bogus", "--budgets", "2", "--json", str(out)])
+
+
+@pytest.mark.cuda
+def test_cuda_timing():
+    model, ids = model_and_ids()
+    model = model.cuda()
+    r = evaluate(model, ids, policies=["router_sum"], budgets=[2], batch=B, seq=S, prefill=P, batches=1,
+                 progress=False, repeats=5)
+    assert r["dense"]["time_us"] > 0 and r["results"][0]["time_us"] > 0
+    assert set(r["results"][0]["time_us_per_layer"]) == {str(i) for i in r["model"]["moe_layers"]}

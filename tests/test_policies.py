@@ -1,0 +1,290 @@
+"""OEA, Lynx and per-token top-k reduction (issue 6) against loop-by-loop plain-PyTorch references, on CPU;
+policy names with options; every policy of DESIGN section 5 reachable through ``apply``/``configure``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hf_models import FAMILIES, StandInPredictors, tiny_model
+
+import base_moe
+from base_moe import Fill, Routing, Scoring, reference
+from base_moe.hf import moe_layouts, selections
+from base_moe.policies import (
+    DecodeStep,
+    LynxPolicy,
+    OEAPolicy,
+    TopKReducePolicy,
+    available_policies,
+    get_policy,
+)
+
+DESIGN_POLICIES = ["dense", "base", "oracle", "static_energy", "router_sum", "router_sq", "frequency", "top1_union",
+                   "oea", "lynx", "topk_reduce"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread is faster, and avoids OpenMP stalls when the CPU is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loop references (softmax routing, with or without renormalisation)
+# ---------------------------------------------------------------------------------------------
+def ranked(row: torch.Tensor) -> list[int]:
+    """Experts by descending logit, ties to the lower index."""
+    return sorted(range(row.numel()), key=lambda u: (-float(row[u]), u))
+
+
+def weights_of(logits_row: torch.Tensor, experts: list[int], renormalize: bool) -> list[float]:
+    p = torch.softmax(logits_row.double(), dim=-1)
+    w = [float(p[u]) for u in experts]
+    total = sum(w)
+    return [x / total for x in w] if renormalize and total > 0 else w
+
+
+def backfill_ref(logits: torch.Tensor, groups: int, keep: list[set[int]], k: int, renormalize: bool):
+    """Every token's top-k among its group's keep set, and its weights; sentinel-padded ids [T, k]."""
+    T, E = logits.shape
+    B = T // groups
+    ids = torch.full((T, k), E, dtype=torch.int32)
+    w = torch.zeros(T, k, dtype=torch.float64)
+    for t in range(T):
+        chosen = [u for u in ranked(logits[t]) if u in keep[t // B]][:k]
+        ids[t, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+        w[t, : len(chosen)] = torch.tensor(weights_of(logits[t], chosen, renormalize), dtype=torch.float64)
+    return ids, w
+
+
+def oea_ref(logits, groups, k, k0, renormalize):
+    T = logits.shape[0]
+    B = T // groups
+    keep = [set() for _ in range(groups)]
+    for t in range(T):
+        keep[t // B].update(ranked(logits[t])[:k0])
+    return backfill_ref(logits, groups, keep, k, renormalize), keep
+
+
+def lynx_scores_ref(logits, groups, k, renormalize, bins=4, width=math.log(2.0), decay=0.5):
+    T, E = logits.shape
+    B = T // groups
+    D = torch.zeros(groups, E, dtype=torch.float64)
+    for t in range(T):
+        routed = ranked(logits[t])[:k]
+        w = weights_of(logits[t], routed, renormalize)
+        for u, wu in zip(routed, w):
+            b = min(bins - 1, math.floor(math.log(w[0] / wu) / width))
+            D[t // B, u] += decay**b
+    return D
+
+
+def top_by(D_row: torch.Tensor, candidates: set[int], m: int) -> set[int]:
+    return set(sorted(candidates, key=lambda u: (-float(D_row[u]), u))[:m])
+
+
+def routed_sets(logits, groups, k):
+    T = logits.shape[0]
+    B = T // groups
+    out = [set() for _ in range(groups)]
+    for t in range(T):
+        out[t // B].update(ranked(logits[t])[:k])
+    return out
+
+
+def make_step(logits, routing, groups, budget=None, fill=Fill.BACKFILL) -> DecodeStep:
+    T = logits.shape[0]
+    return DecodeStep(hidden=torch.zeros(T, 4), logits=logits, predicted_log_norms=None, routing=routing,
+                      correction_bias=None, num_groups=groups, budget=budget, fill=fill, layout=None)
+
+
+def random_logits(T, E, seed, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g) * 2
+    if ties:  # equal logits on purpose: ranking must go to the lower index
+        logits = torch.round(logits)
+    return logits
+
+
+CASES = [(1, 8, 16, 4), (3, 5, 12, 3), (2, 1, 8, 2), (4, 16, 32, 4)]  # groups, tokens per group, experts, top-k
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("groups,B,E,k", CASES)
+@pytest.mark.parametrize("k0", [1, 2])
+def test_oea_matches_loop_reference(groups, B, E, k, k0, renormalize, ties):
+    logits = random_logits(groups * B, E, seed=groups * 100 + B, ties=ties)
+    routing = Routing(k, Scoring.SOFTMAX, renormalize)
+    sel = OEAPolicy(k0).select(make_step(logits, routing, groups))
+    (ids, w), keep = oea_ref(logits, groups, k, k0, renormalize)
+    assert torch.equal(sel.ids, ids)
+    torch.testing.assert_close(sel.weights.double(), w, rtol=1e-5, atol=1e-6)
+    for g in range(groups):  # kept: the seed union, ascending, then sentinels
+        kept = [u for u in sel.kept[g].tolist() if u < E]
+        assert kept == sorted(keep[g])
+        assert all(u == E for u in sel.kept[g, len(kept):].tolist())
+    assert torch.equal(sel.counts, reference.expert_counts(ids, groups, E))
+
+
+def test_oea_with_k0_equal_k_is_dense():
+    logits = random_logits(24, 16, seed=5)
+    routing = Routing(4, Scoring.SOFTMAX, True)
+    sel = OEAPolicy(4).select(make_step(logits, routing, 3))
+    ids, w = reference.route(logits, routing)
+    assert torch.equal(sel.ids, ids)
+    torch.testing.assert_close(sel.weights, w)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("groups,B,E,k", CASES)
+@pytest.mark.parametrize("budget", [1, 3, 6, 100])
+def test_lynx_budgeted_matches_loop_reference(groups, B, E, k, budget, renormalize):
+    logits = random_logits(groups * B, E, seed=7 + groups + B)
+    routing = Routing(k, Scoring.SOFTMAX, renormalize)
+    sel = LynxPolicy().select(make_step(logits, routing, groups, budget=budget))
+    D = lynx_scores_ref(logits, groups, k, renormalize)
+    torch.testing.assert_close(sel.batch_cost.double(), D, rtol=1e-6, atol=1e-6)
+    union = routed_sets(logits, groups, k)
+    keep = [top_by(D[g], union[g], budget) for g in range(groups)]
+    ids, w = backfill_ref(logits, groups, keep, k, renormalize)
+    assert torch.equal(sel.ids, ids)
+    torch.testing.assert_close(sel.weights.double(), w, rtol=1e-5, atol=1e-6)
+    for g in range(groups):
+        assert {u for u in sel.kept[g].tolist() if u < E} == keep[g]
+
+
+@pytest.mark.parametrize("groups,B,E,k", CASES)
+@pytest.mark.parametrize("threshold", [0.5, 2.0, 3.0, 1000.0])
+def test_lynx_threshold_matches_loop_reference(groups, B, E, k, threshold):
+    logits = random_logits(groups * B, E, seed=11 + groups)
+    routing = Routing(k, Scoring.SOFTMAX, True)
+    policy = get_policy(f"lynx:threshold={threshold}:bins=3:decay=0.25")
+    assert not policy.needs_budget
+    sel = policy.select(make_step(logits, routing, groups))
+    D = lynx_scores_ref(logits, groups, k, True, bins=3, decay=0.25)
+    keep = []
+    for g in range(groups):
+        best = min(range(E), key=lambda u: (-float(D[g, u]), u))
+        keep.append({u for u in range(E) if D[g, u] >= threshold and D[g, u] > 0} | {best})
+    ids, w = backfill_ref(logits, groups, keep, k, True)
+    assert torch.equal(sel.ids, ids)
+    torch.testing.assert_close(sel.weights.double(), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("keep", [None, 1, 3, 8])
+def test_topk_reduce_matches_loop_reference(keep, renormalize):
+    T, E, k = 10, 12, 4
+    logits = random_logits(T, E, seed=3)
+    routing = Routing(k, Scoring.SOFTMAX, renormalize)
+    sel = TopKReducePolicy(keep).select(make_step(logits, routing, 2))
+    kk = min(keep if keep is not None else k // 2, k)
+    for t in range(T):
+        routed = ranked(logits[t])[:k]
+        w = weights_of(logits[t], routed, renormalize)
+        scale = sum(w) / sum(w[:kk])
+        assert sel.ids[t].tolist() == routed[:kk] + [E] * (k - kk)
+        torch.testing.assert_close(sel.weights[t].double(), torch.tensor(
+            [x * scale for x in w[:kk]] + [0.0] * (k - kk), dtype=torch.float64), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scoring,renormalize", [(Scoring.SIGMOID, True), (Scoring.SOFTMAX_AFTER_TOPK, False)])
+def test_other_scorings_follow_the_reference_rules(scoring, renormalize):
+    """OEA and Lynx on sigmoid (grouped) and top-k-then-softmax routing: the keep sets through the reference's own
+    routing, then its backfill."""
+    logits = random_logits(16, 8, seed=9)
+    routing = Routing(2, scoring, renormalize, n_group=4 if scoring == Scoring.SIGMOID else 1,
+                      topk_group=2 if scoring == Scoring.SIGMOID else 1)
+    bias = torch.linspace(-0.2, 0.2, 8) if scoring == Scoring.SIGMOID else None
+    step = make_step(logits, routing, 2)
+    step.correction_bias = bias
+    sel = OEAPolicy(1).select(step)
+    seeds, _ = reference.route(logits, Routing(1, scoring, renormalize, routing.n_group, routing.topk_group), bias)
+    for g in range(2):
+        assert set(sel.kept[g][sel.kept[g] < 8].tolist()) == set(seeds[g * 8 : (g + 1) * 8, 0].tolist())
+    ids, w = reference.fill(logits, bias, routing, sel.kept, Fill.BACKFILL)
+    assert torch.equal(sel.ids, ids) and torch.equal(sel.weights, w)
+    step.budget = 3
+    sel = LynxPolicy().select(step)
+    assert (sel.kept < 8).sum(dim=1).le(3).all()
+    assert torch.isfinite(sel.weights).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Names, options, reachability
+# ---------------------------------------------------------------------------------------------
+def test_every_design_policy_is_registered():
+    assert set(DESIGN_POLICIES) <= set(available_policies())
+
+
+@pytest.mark.parametrize("spec,cls,attrs", [
+    ("oea:k0=3", OEAPolicy, {"k0": 3, "name": "oea:k0=3"}),
+    ("oea", OEAPolicy, {"k0": 1, "name": "oea"}),
+    ("topk_reduce:k=2", TopKReducePolicy, {"k": 2}),
+    ("lynx:threshold=2.5", LynxPolicy, {"threshold": 2.5, "needs_budget": False}),
+    ("lynx:bins=2", LynxPolicy, {"bins": 2, "needs_budget": True, "threshold": None}),
+])
+def test_policy_specs(spec, cls, attrs):
+    policy = get_policy(spec)
+    assert isinstance(policy, cls)
+    for key, value in attrs.items():
+        assert getattr(policy, key) == value
+    assert get_policy(policy.name).name == policy.name  # the name round-trips
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("oea:k0=0", "k0 must be an int >= 1"),
+    ("oea:k=2", "unexpected keyword"),
+    ("oea:k0", "key=value"),
+    ("base:x=1", "take options"),
+    ("topk_reduce:k=1.5", "must be an int"),
+    ("lynx:decay=2", "decay"),
+])
+def test_bad_policy_specs(spec, message):
+    with pytest.raises(ValueError, match=message):
+        get_policy(spec)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("policy", ["oea", "oea:k0=2", "lynx", "lynx:threshold=2", "topk_reduce", "topk_reduce:k=1"])
+def test_new_policies_run_in_every_family(family, policy):
+    model = tiny_model(family)
+    ids = torch.randint(3, 64, (6, 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense = model(ids).logits
+    base_moe.apply(model, policy=policy, budget=3, record=True)
+    with torch.no_grad():
+        out = model(ids).logits
+    assert torch.isfinite(out).all()
+    for layout in moe_layouts(model):
+        sel, groups = selections(model)[layout.layer_index]
+        assert groups == 1 and sel.ids.shape == (6, layout.routing.top_k)
+        E = layout.num_experts
+        active = set(sel.ids[sel.ids < E].tolist())
+        if policy == "lynx":
+            assert len(active) <= 3
+        if sel.kept is not None:
+            assert active <= set(sel.kept[0][sel.kept[0] < E].tolist())
+    base_moe.configure(model, policy="dense")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, dense)
+
+
+@pytest.mark.parametrize("policy", DESIGN_POLICIES)
+def test_every_design_policy_through_apply_and_configure(policy):
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(3, 64, (5, 1), generator=torch.Generator().manual_seed(1))
+    base_moe.apply(model, predictors=StandInPredictors(model), policy=policy, budget=2)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+    base_moe.configure(model, policy="dense", budget=None)
+    base_moe.configure(model, policy=policy, budget=3, fill="drop")
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
