@@ -1,62 +1,108 @@
-"""Run the BASE selection pipeline on random inputs and print what it kept.
+"""BASE on a real (small) MoE language model: calibrate, apply, and compare expert-selection policies.
 
-One Qwen3-30B-A3B-shaped MoE layer (H=2048, E=128, top-8, I=768, scaled down in I on CPU), a decode
-batch of 16 tokens, an expert budget of 16: router + predictor GEMV, routing and cost reduction,
-top-budget selection with backfill, then the kept experts only.
+The testbed (``testbed/``) is a byte-level Qwen3-MoE (6 MoE layers, 32 experts, top-4) trained on Python source.
+This script
+
+1. calibrates BASE's removal-cost predictors on ``testbed/calib.txt`` (each byte is a token),
+2. measures how many experts a decode batch of 16 sequences routes to per layer (the dense union),
+3. evaluates dense decoding and the policies below at budgets between a third and a half of that union, with the
+   forced-token protocol on ``testbed/heldout.txt`` (16 sequences, the first 32 bytes dense, then every position
+   one decode batch of 16 tokens under the policy),
+4. prints bits per byte, the loss over dense, the retained expert energy and the active experts per layer.
+
+    python examples/quickstart.py                    # CPU: a few minutes
+    python examples/quickstart.py --device cuda      # GPU (with base_moe's CUDA kernels)
+    python examples/quickstart.py --batches 16 --json out.json --plot out.png
+
+The same from the command line: ``python -m base_moe calibrate ...`` then ``python -m base_moe eval ...``
+(see README).
 """
 
+from __future__ import annotations
+
 import argparse
+import json
+import os
 import time
 
 import torch
 
 import base_moe
-from base_moe import Cost, Fill, Routing, Scoring, ops
+from base_moe.evaluate import budgets_between, dense_union, evaluate, format_table, plot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTBED = os.path.join(ROOT, "testbed")
+POLICIES = ["base", "router_sum", "router_sq", "frequency", "top1_union", "static_energy", "oracle"]
+
+
+def read_bytes(path: str, limit: int | None = None) -> torch.Tensor:
+    with open(path, "rb") as f:
+        data = f.read(limit) if limit else f.read()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--device", default="cuda" if base_moe.cuda_available() else "cpu")
+    parser.add_argument("--calib-bytes", type=int, default=65536, help="calibration tokens (bytes)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per decode batch")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--prefill", type=int, default=32)
+    parser.add_argument("--batches", type=int, default=4, help="evaluation batches of --batch x --seq bytes")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--json", help="write the full result here")
+    parser.add_argument("--plot", help="write the plot (PNG) here")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    device = args.device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    H, E, k = 2048, 128, 8
-    I = 768 if device == "cuda" else 128
-    hidden = torch.randn(args.batch, H, device=device).to(dtype)
-    router = (torch.randn(E, H, device=device) / H**0.5).to(dtype)
-    predictor = (torch.randn(E, H, device=device) * 0.1 / H**0.5).to(dtype)
-    predictor_bias = torch.zeros(E, device=device)
-    gate_up = (torch.randn(E, 2 * I, H, device=device) / H**0.5).to(dtype)
-    down = (torch.randn(E, H, I, device=device) / I**0.5).to(dtype)
-    routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
+    from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
-    logits, log_norms = ops.router_predict(hidden, router, None, predictor, predictor_bias)
-    ids, weights, kept, counts, cost = ops.route_select(
-        logits, routing, budget=args.budget, cost=Cost.BASE, fill=Fill.BACKFILL, log_norms=log_norms)
-    out = ops.experts(hidden, ids, weights, gate_up, down)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(TESTBED, dtype=dtype, local_files_only=True).to(device).eval()
+    print(f"testbed: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+          f"{model.config.num_hidden_layers} MoE layers x {model.config.num_experts} experts, "
+          f"top-{model.config.num_experts_per_tok}, on {device} ({dtype})")
 
-    routed, _, _ = ops.route_cost(logits, routing, cost=Cost.BASE, log_norms=log_norms)
-    union = torch.unique(routed).numel()
-    kept_list = [u for u in kept[0].tolist() if u < E]
-    retained = cost[0, kept_list].sum() / cost[0].sum()
-    dense_out = ops.experts(hidden, routed, ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM)[1], gate_up, down)
-    rel_change = (out.float() - dense_out.float()).norm() / dense_out.float().norm()
+    # 1. calibration: one ridge-regression log-norm predictor per MoE layer
+    calib = read_bytes(os.path.join(TESTBED, "calib.txt"), args.calib_bytes)
+    calib = calib[: calib.numel() // args.seq * args.seq].view(-1, args.seq)
+    predictors = base_moe.calibrate(model, calib, batch_size=16, device=device)
+    print("held-out R^2 of the predictors per layer: "
+          + ", ".join(f"{i}: {r2:.2f}" for i, r2 in predictors.r2.items()))
 
-    print(f"base_moe {base_moe.__version__} on {device} ({dtype}), batch {args.batch}, budget {args.budget}")
-    print(f"experts routed by the batch (dense union): {union} of {E}")
-    print(f"experts kept (descending predicted cost):  {kept_list}")
-    print(f"tokens per kept expert:                    {counts[0, kept_list].tolist()}")
-    print(f"predicted removal cost retained:           {retained.item():.1%}")
-    print(f"relative change of the layer output:       {rel_change.item():.3f}")
-    print(f"time of the three stages (eager, first call): {elapsed * 1e3:.1f} ms")
+    # 2. the dense union at this batch size, and the budgets between a third and a half of it
+    heldout = read_bytes(os.path.join(TESTBED, "heldout.txt"))
+    union = dense_union(model, heldout, batch=args.batch, seq=args.seq, prefill=args.prefill,
+                        batches=min(args.batches, 4), device=device)
+    budgets = budgets_between(union)
+    budgets = sorted({budgets[0], budgets[-1]})
+    print(f"dense union: {union:.1f} experts per layer and decode batch of {args.batch}; budgets {budgets}")
+
+    # 3. apply and evaluate (evaluate patches the model for the run: base_moe.apply(model, ...,
+    #    group_by="position"); in a serving loop one would call base_moe.apply(model, predictors, budget=M))
+    result = evaluate(model, heldout, predictors=predictors, policies=args.policies.split(","), budgets=budgets,
+                      batch=args.batch, seq=args.seq, prefill=args.prefill, batches=args.batches, device=device)
+    print(format_table(result))
+
+    # 4. the headline: BASE against the best baseline at each budget
+    for budget in budgets:
+        rows = {r["policy"]: r for r in result["results"] if r["budget"] == budget}
+        if "base" in rows:
+            others = {p: r["delta_bits"] for p, r in rows.items() if p not in ("base", "oracle")}
+            best = min(others, key=others.get) if others else None
+            line = f"budget {budget}: base +{rows['base']['delta_bits']:.3f} {result['unit']}"
+            if best:
+                line += f", best baseline {best} +{others[best]:.3f}"
+            if "oracle" in rows:
+                line += f", oracle +{rows['oracle']['delta_bits']:.3f}"
+            print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    print(f"total {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
