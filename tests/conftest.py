@@ -5,6 +5,9 @@ import torch
 
 import base_moe
 
+# Tiny models and ops: one intra-op thread is fastest, and immune to OpenMP stalls on a shared machine.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if base_moe.cuda_available():

@@ -58,15 +58,6 @@ def rows(result, budget):
     return {r["policy"]: r for r in result["results"] if r["budget"] == budget}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and avoids OpenMP stalls when the CPU is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------------------------------
 def test_make_batches_and_budgets():
     ids = torch.arange(100)

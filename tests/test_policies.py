@@ -25,15 +25,6 @@ DESIGN_POLICIES = ["dense", "base", "oracle", "static_energy", "router_sum", "ro
                    "oea", "lynx", "topk_reduce"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and avoids OpenMP stalls when the CPU is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------------------------------
 # Loop references (softmax routing, with or without renormalisation)
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ import zlib
 import pytest
 import torch
 
-import base_moe
 from base_moe import Cost, Fill, Routing, Scoring, ops, reference
 
 pytestmark = pytest.mark.cuda
