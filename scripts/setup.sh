@@ -16,4 +16,6 @@ python -m pip install -q "torch==2.14.1" ninja pybind11 numpy safetensors tqdm "
 if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 python -m pip install -q --no-build-isolation -e .
-python -c "import base_moe, torch; print('base_moe', base_moe.__version__, 'torch', torch.__version__, 'CUDA kernels:', base_moe.cuda_available())"
+python -c "import base_moe, torch; print('base_moe', base_moe.__version__, 'torch', torch.__version__, \
+  '| CUDA kernels built:', torch._C._dispatch_has_kernel_for_dispatch_key('base_moe::experts', 'CUDA'), \
+  '| usable here:', base_moe.cuda_available())"
