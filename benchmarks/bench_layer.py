@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--variants-only", action="store_true", help="only the Qwen3 configuration variants")
+    ap.add_argument("--variants", default="default,V1,S,S2,M,L,XL,nopdl")
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -105,7 +107,7 @@ def main():
                 hf = hf_experts_modules(cfg, copies)
             except Exception as exc:  # report, don't die
                 print(f"HF grouped_mm experts unavailable: {exc!r}")
-        for T in BATCHES:
+        for T in ([] if args.variants_only else BATCHES):
             x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
             for M in BUDGETS:
                 ids, w = random_routing(T, E, k, M, cfg["renormalize"], gen)
@@ -151,12 +153,12 @@ def main():
                 x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
                 active = int(torch.unique(ids[ids < E]).numel())
                 res = {}
-                for var in ["S", "M", "L", "XL", "nopdl"]:
+                for var in args.variants.split(","):
                     os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
                     os.environ.pop("BASE_MOE_EXPERTS_PDL", None)
                     if var == "nopdl":
                         os.environ["BASE_MOE_EXPERTS_PDL"] = "0"
-                    else:
+                    elif var != "default":
                         os.environ["BASE_MOE_EXPERTS_CONFIG"] = var
                     res[var] = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp)
                                            for gu, dp in copies])

@@ -1,18 +1,25 @@
-"""Small driver for compute-sanitizer (memcheck, racecheck) on the CUDA expert op."""
+"""Small driver for compute-sanitizer (memcheck, racecheck) on the CUDA expert op, every tile configuration."""
+import os
+
 import torch
 
 import base_moe.ops  # noqa: F401
 
 torch.manual_seed(0)
-for T, H, I, E, k, used in [(1, 128, 64, 4, 2, 4), (37, 256, 128, 8, 3, 5), (150, 128, 64, 3, 2, 2)]:
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    gu = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.05
-    dp = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.05
-    ids = torch.stack([torch.randperm(used, device="cuda")[:k] for _ in range(T)]).to(torch.int32)
-    ids[torch.rand(T, k, device="cuda") < 0.2] = E
-    w = torch.where(ids < E, torch.rand(T, k, device="cuda"), 0.0).float()
-    for _ in range(2):
-        y = torch.ops.base_moe.experts(x, ids, w, gu, dp)
-    torch.cuda.synchronize()
-    print(T, H, I, E, k, float(y.float().abs().sum()))
+for config in os.environ.get("SANITIZE_CONFIGS", "default,V1,S,S2,M,L,XL").split(","):
+    if config == "default":
+        os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
+    else:
+        os.environ["BASE_MOE_EXPERTS_CONFIG"] = config
+    for T, H, I, E, k, used in [(1, 128, 64, 4, 2, 4), (37, 256, 128, 8, 3, 5), (150, 128, 64, 3, 2, 2)]:
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        gu = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.05
+        dp = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.05
+        ids = torch.stack([torch.randperm(used, device="cuda")[:k] for _ in range(T)]).to(torch.int32)
+        ids[torch.rand(T, k, device="cuda") < 0.2] = E
+        w = torch.where(ids < E, torch.rand(T, k, device="cuda"), 0.0).float()
+        for _ in range(2):
+            y = torch.ops.base_moe.experts(x, ids, w, gu, dp)
+        torch.cuda.synchronize()
+        print(config, T, H, I, E, k, float(y.float().abs().sum()))
 print("sanitize driver done")
