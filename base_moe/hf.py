@@ -247,13 +247,14 @@ def _patched_class(mixin: type, cls: type) -> type:
 
 class _BaseMoERouter:
     """Mixed into the model's router class. Called with ``base_moe=state`` it returns ``(logits [T, E] fp32,
-    predicted log-norms [T, E] or [T, 0])`` from one fused GEMV; otherwise it is the model's own router. Either
-    way HF's ``output_router_logits`` hooks see the logits at index 0."""
+    predicted log-norms [T, E] or [T, 0], Selection or None)``: the selection too when the policy runs as one
+    ``select_experts`` call; otherwise it is the model's own router. Either way HF's ``output_router_logits``
+    hooks see the logits at index 0."""
 
     def forward(self, hidden_states, *args, base_moe: _BlockState | None = None, **kwargs):
         if base_moe is None:
             return super().forward(hidden_states, *args, **kwargs)
-        return base_moe.router_predict(self, hidden_states)
+        return base_moe.route(self, hidden_states, **kwargs)
 
 
 class _BaseMoEBlock:
@@ -327,19 +328,27 @@ class _BlockState:
         if self.mean_log_norm is not None and self.mean_log_norm.device != device:
             self.mean_log_norm = self.mean_log_norm.to(device)
 
-    # -- stage 1 (called through the router module, so its hooks fire) -----------------------------------------
-    def router_predict(self, router: nn.Module, hidden: torch.Tensor):
+    # -- stage 1, or stages 1-3 (called through the router module, so its hooks fire) -------------------------------
+    def route(self, router: nn.Module, hidden: torch.Tensor, num_groups: int):
         weight = router.weight
         x = hidden.to(weight.dtype).contiguous()  # DeepSeek-V3 routes in fp32
         bias = self.layout.router_bias
         bias = None if bias is None else bias.float()
-        pw = pb = None
-        if self.settings.policy.needs_predictors:
+        s, pw, pb = self.settings, None, None
+        if s.policy.needs_predictors:
             self._follow(weight.device, weight.dtype)
             pw, pb = self.predictor_weight, self.predictor_bias
+        cost = s.policy.fused_cost
+        if cost is not None and s.budget is not None and has_kernel("select_experts", x.device):
+            logits, log_norms, *selection = ops.select_experts(
+                x, weight, self.layout.routing, budget=s.budget, num_groups=num_groups, cost=cost, fill=s.fill,
+                router_bias=bias, predictor_weight=pw, predictor_bias=pb,
+                correction_bias=self.layout.correction_bias(),
+            )
+            return logits, log_norms, Selection(*selection)
         if has_kernel("router_predict", x.device):
-            return ops.router_predict(x, weight, bias, pw, pb)
-        return reference.router_predict(x, weight, bias, pw, pb)
+            return *ops.router_predict(x, weight, bias, pw, pb), None
+        return *reference.router_predict(x, weight, bias, pw, pb), None
 
     # -- stages 1-4 -----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -348,10 +357,22 @@ class _BlockState:
         Inference only: no gradient flows through the budgeted path (the ops have no backward)."""
         layout, s = self.layout, self.settings
         x = x.contiguous()
-        logits, log_norms = layout.router(x, base_moe=self)
+        logits, log_norms, sel = layout.router(x, base_moe=self, num_groups=num_groups)
+        if sel is None:
+            sel = s.policy.select(self._step(x, logits, log_norms, num_groups))
+        if s.record:
+            self.last = (sel, num_groups)
+        y = self.experts(x, sel, num_groups)
+        shared = layout.shared_output(x)
+        if shared is not None:
+            y = y + shared
+        return y, sel.weights
+
+    def _step(self, x: torch.Tensor, logits: torch.Tensor, log_norms: torch.Tensor, num_groups: int) -> DecodeStep:
+        layout, s = self.layout, self.settings
         if s.policy.needs_statistics:
             self._follow(x.device, x.dtype)
-        step = DecodeStep(
+        return DecodeStep(
             hidden=x,
             logits=logits,
             predicted_log_norms=log_norms if s.policy.needs_predictors else None,
@@ -363,14 +384,6 @@ class _BlockState:
             layout=layout,
             mean_log_norm=self.mean_log_norm,
         )
-        sel = s.policy.select(step)
-        if s.record:
-            self.last = (sel, num_groups)
-        y = self.experts(x, sel, num_groups)
-        shared = layout.shared_output(x)
-        if shared is not None:
-            y = y + shared
-        return y, sel.weights
 
     def experts(self, x: torch.Tensor, sel: Selection, num_groups: int) -> torch.Tensor:
         layout, ex = self.layout, self.layout.experts

@@ -70,6 +70,29 @@ def route_select(
     )
 
 
+def select_experts(
+    hidden: torch.Tensor,
+    router_weight: torch.Tensor,
+    routing: Routing,
+    *,
+    budget: int,
+    num_groups: int = 1,
+    cost: Cost = Cost.BASE,
+    fill: Fill = Fill.BACKFILL,
+    router_bias: torch.Tensor | None = None,
+    predictor_weight: torch.Tensor | None = None,
+    predictor_bias: torch.Tensor | None = None,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Stages 1-3 in one call (one kernel launch on CUDA for decode batches): ``router_predict`` then
+    ``route_select`` on its outputs: ``(logits, log_norms, ids, weights, kept, counts, batch_cost)``.
+    ``Cost.BASE`` needs the predictor; the other costs ignore it."""
+    return _ops.select_experts(
+        hidden, router_weight, router_bias, predictor_weight, predictor_bias, correction_bias, num_groups,
+        *routing.op_args(), int(cost), budget, int(fill),
+    )
+
+
 def experts(
     hidden: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -121,6 +144,14 @@ def _route_select_fake(logits, log_norms, correction_bias, num_groups, top_k, sc
                        topk_group, scaling, cost, budget, fill):
     D = logits.new_empty(num_groups, logits.shape[1], dtype=torch.float32)
     return (*_selection_fakes(logits, num_groups, top_k, budget), D)
+
+
+@torch.library.register_fake("base_moe::select_experts")
+def _select_experts_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias, correction_bias,
+                         num_groups, top_k, scoring, renormalize, n_group, topk_group, scaling, cost, budget, fill):
+    logits, log_norms = _router_predict_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias)
+    return logits, log_norms, *_route_select_fake(logits, None, correction_bias, num_groups, top_k, scoring,
+                                                  renormalize, n_group, topk_group, scaling, cost, budget, fill)
 
 
 @torch.library.register_fake("base_moe::experts")

@@ -112,6 +112,9 @@ class Policy:
     """the router GEMV also computes the predictor's g (``DecodeStep.predicted_log_norms``)."""
     needs_statistics: bool = False
     """needs the calibrated per-expert mean log-norm (``DecodeStep.mean_log_norm``)."""
+    fused_cost: Cost | None = None
+    """Set when the policy is ``route_select`` with this cost on the router's own outputs (the predicted or no
+    log-norms): the decode path then runs stages 1-3 as one ``select_experts`` call."""
 
     def select(self, step: DecodeStep) -> Selection:  # pragma: no cover - interface
         raise NotImplementedError
@@ -146,6 +149,7 @@ class CostPolicy(Policy):
         self.description = description
         self.needs_predictors = log_norms == "predicted"
         self.needs_statistics = log_norms == "static"
+        self.fused_cost = cost if log_norms in ("none", "predicted") else None
 
     def batch_log_norms(self, step: DecodeStep) -> torch.Tensor | None:
         """The ``[T, E]`` fp32 log-norms ``Cost.BASE`` weighs the routing weights with (None for other costs)."""
@@ -267,7 +271,8 @@ def _has_cuda_kernel(op: str) -> bool:
 
 
 _CUDA_KERNELS = {
-    op: _has_cuda_kernel(op) for op in ("router_predict", "route_cost", "route_select", "select_fill", "experts")
+    op: _has_cuda_kernel(op)
+    for op in ("router_predict", "route_cost", "route_select", "select_fill", "select_experts", "experts")
 }
 
 

@@ -269,6 +269,26 @@ def route_select(
     return ids, weights, kept, counts, D
 
 
+def select_experts(
+    hidden: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    predictor_weight: torch.Tensor | None,
+    predictor_bias: torch.Tensor | None,
+    correction_bias: torch.Tensor | None,
+    num_groups: int,
+    routing: Routing,
+    cost: Cost,
+    budget: int,
+    fill_rule: Fill,
+) -> tuple[torch.Tensor, ...]:
+    """Stages 1-3: ``(logits, log_norms, ids, weights, kept, counts, D)``; the log-norms feed only ``Cost.BASE``."""
+    logits, log_norms = router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias)
+    cost_log_norms = log_norms if cost == Cost.BASE else None
+    return logits, log_norms, *route_select(logits, cost_log_norms, correction_bias, num_groups, routing, cost, budget,
+                                            fill_rule)
+
+
 # ---------------------------------------------------------------------------------------------
 # Stage 4: routed experts
 # ---------------------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """Selection path of one MoE layer: base_moe's CUDA kernels next to plain PyTorch, under CUDA-graph replay.
 
 Paths, all timed in the same run on the same inputs:
-  fused    base_moe.ops.router_predict + base_moe.ops.route_select (two launches)
+  select_experts  base_moe.ops.select_experts: stages 1-3 in one launch (one thread-block cluster per decode batch)
+  two_kernels     base_moe.ops.router_predict + base_moe.ops.route_select (two launches; also each alone)
   pytorch  the same BASE selection in plain PyTorch (one GEMV over the concatenated router and predictor weights,
            routing, costs, batch sums, top-M, backfill, counts), graph-capturable, no Python loop over tokens
   hf       the model's own router alone (linear + scoring + top-k + renormalisation), as Hugging Face writes it
 
 Timing: each graph holds ROT consecutive calls on ROT different copies of the weights and hidden states (more bytes
-than the 60 MB L2), is replayed many times, and the per-call time is the median replay time / ROT.
+than the 60 MB L2), is replayed many times, and the per-call time is the median replay time / ROT. The kernels
+launch with programmatic dependent launch unless BASE_MOE_PDL=0 (a call may then start reading its weights while
+the previous call finishes, as it would behind the previous layer's kernels in a decode step).
 
     python benchmarks/bench_select.py [--out benchmarks/results/bench_select.json]
 """
@@ -136,7 +139,11 @@ def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
     for T in TOKENS:
         xs = [torch.randn(T, H, device="cuda", generator=gen).to(dtype) for _ in range(rot)]
 
-        def fused(x, s):
+        def select_experts(x, s):
+            return ops.select_experts(x, s["Wr"], routing, budget=BUDGET, cost=Cost.BASE, fill=Fill.BACKFILL,
+                                      predictor_weight=s["Wp"], predictor_bias=s["bp"], correction_bias=s["bias"])
+
+        def two_kernels(x, s):
             logits, log_norms = ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"])
             return ops.route_select(logits, routing, budget=BUDGET, cost=Cost.BASE, fill=Fill.BACKFILL,
                                     log_norms=log_norms, correction_bias=s["bias"])
@@ -147,7 +154,7 @@ def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
         def hf(x, s):
             return hf_router(x, s["Wr"], routing, s["bias"])
 
-        # the two launches of the fused path alone (route_select on precomputed logits)
+        # the two launches of the two-kernel path alone (route_select on precomputed logits)
         stage1 = [ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"]) for x, s in zip(xs, sets)]
 
         def gemv_only(x, s):
@@ -166,16 +173,18 @@ def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
             else:
                 calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
             row[f"{path}_us"] = median(graph_time_us(calls, replays))
-        for path, fn in (("fused", fused), ("pytorch", pytorch), ("hf_router", hf)):
+        for path, fn in (("select_experts", select_experts), ("two_kernels", two_kernels), ("pytorch", pytorch),
+                         ("hf_router", hf)):
             calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
             times = graph_time_us(calls, replays)
             row[f"{path}_us"] = median(times)
             row[f"{path}_us_min"] = min(times)
-        row["speedup_vs_pytorch"] = row["pytorch_us"] / row["fused_us"]
-        row["speedup_vs_hf_router"] = row["hf_router_us"] / row["fused_us"]
+        row["speedup_vs_pytorch"] = row["pytorch_us"] / row["select_experts_us"]
+        row["speedup_vs_hf_router"] = row["hf_router_us"] / row["select_experts_us"]
         rows.append(row)
         print(
-            f"{name:17s} T={T:4d}  fused {row['fused_us']:7.2f} us (router_predict {row['router_predict_us']:6.2f}, "
+            f"{name:17s} T={T:4d}  select_experts {row['select_experts_us']:7.2f} us  two kernels "
+            f"{row['two_kernels_us']:7.2f} us (router_predict {row['router_predict_us']:6.2f}, "
             f"route_select {row['route_select_us']:6.2f})  pytorch {row['pytorch_us']:7.2f} us  "
             f"hf router {row['hf_router_us']:7.2f} us  speed-up {row['speedup_vs_pytorch']:5.1f}x",
             flush=True,
@@ -198,23 +207,21 @@ def main():
     for name in args.models.split(","):
         rows += bench_model(name, MODELS[name], args.replays)
     for row in rows:
-        row["fused_weight_bandwidth_TBps"] = row["weight_bytes"] / (row["fused_us"] * 1e-6) / 1e12
-        row["fused_fraction_of_copy_bandwidth"] = row["weight_bytes"] / (row["fused_us"] * 1e-6) / bandwidth
+        row["weight_bandwidth_TBps"] = row["weight_bytes"] / (row["select_experts_us"] * 1e-6) / 1e12
 
     print()
-    print("| model | T | fused (us) | router_predict alone | route_select alone | PyTorch BASE path (us) | "
-          "HF router only (us) | speed-up vs PyTorch | weights read | fused weight bandwidth |")
+    print("| model | T | select_experts (us) | two kernels (us) | router_predict alone | route_select alone | "
+          "PyTorch BASE path (us) | HF router only (us) | speed-up vs PyTorch | weights read |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['T']} | {r['fused_us']:.2f} | {r['router_predict_us']:.2f} | "
-              f"{r['route_select_us']:.2f} | {r['pytorch_us']:.2f} | {r['hf_router_us']:.2f} | "
-              f"{r['speedup_vs_pytorch']:.1f}x | {r['weight_bytes'] / 1e6:.2f} MB | "
-              f"{r['fused_weight_bandwidth_TBps']:.2f} TB/s ({100 * r['fused_fraction_of_copy_bandwidth']:.0f}%) |")
+        print(f"| {r['model']} | {r['T']} | {r['select_experts_us']:.2f} | {r['two_kernels_us']:.2f} | "
+              f"{r['router_predict_us']:.2f} | {r['route_select_us']:.2f} | {r['pytorch_us']:.2f} | "
+              f"{r['hf_router_us']:.2f} | {r['speedup_vs_pytorch']:.1f}x | {r['weight_bytes'] / 1e6:.2f} MB |")
     result = run_metadata(
         benchmark="bench_select",
         copy_bandwidth_TBps=bandwidth / 1e12,  # bytes read + written per second by a 1 GiB device copy
         timing="CUDA-graph replay of ROT consecutive calls on rotated weight/hidden copies; median over replays / ROT",
-        programmatic_dependent_launch=os.environ.get("BASE_MOE_PDL", "0") == "1",
+        programmatic_dependent_launch=os.environ.get("BASE_MOE_PDL", "1") != "0",
         budget=BUDGET,
         cost="base",
         fill="backfill",

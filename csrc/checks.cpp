@@ -124,6 +124,11 @@ void check_budget_fill(int64_t budget, int64_t fill) {
   BASE_MOE_CHECK(fill >= 0 && fill <= 2, "fill must be 0 (backfill), 1 (drop) or 2 (drop_renorm), got ", fill);
 }
 
+void check_select_experts(const OptTensor& predictor_weight, int64_t cost) {
+  BASE_MOE_CHECK(cost != static_cast<int64_t>(Cost::kBase) || predictor_weight.has_value(),
+              "cost=0 (base) needs the predicted log-norms: pass predictor_weight and predictor_bias");
+}
+
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj) {
   BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());

@@ -25,6 +25,13 @@ TORCH_LIBRARY(base_moe, m) {
       "route_select(Tensor logits, Tensor? log_norms, Tensor? correction_bias, int num_groups, int top_k, "
       "int scoring, bool renormalize, int n_group, int topk_group, float scaling, int cost, int budget, int fill) "
       "-> (Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, Tensor batch_cost)");
+  // Stages 1-3 in one call (one launch on CUDA for decode batches): the logits and log-norms of router_predict
+  // and the outputs of route_select (log-norms are used only by the BASE cost; [T, 0] without a predictor).
+  m.def(
+      "select_experts(Tensor hidden, Tensor router_weight, Tensor? router_bias, Tensor? predictor_weight, "
+      "Tensor? predictor_bias, Tensor? correction_bias, int num_groups, int top_k, int scoring, bool renormalize, "
+      "int n_group, int topk_group, float scaling, int cost, int budget, int fill) -> (Tensor logits, "
+      "Tensor log_norms, Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, Tensor batch_cost)");
   // Stage 4: the routed experts' output for the final ids and weights (SiLU-gated, HF v5 layout).
   m.def(
       "experts(Tensor hidden, Tensor expert_ids, Tensor expert_weights, Tensor gate_up_proj, Tensor down_proj) "
@@ -36,13 +43,14 @@ TORCH_LIBRARY_IMPL(base_moe, CPU, m) {
   m.impl("route_cost", &base_moe::route_cost_cpu);
   m.impl("select_fill", &base_moe::select_fill_cpu);
   m.impl("route_select", &base_moe::route_select_cpu);
+  m.impl("select_experts", &base_moe::select_experts_cpu);
   m.impl("experts", &base_moe::experts_cpu);
 }
 
 // The ops are not differentiable (inference-time selection and decode kernels): their outputs carry no
 // autograd history, whatever the inputs.
 TORCH_LIBRARY_IMPL(base_moe, Autograd, m) {
-  for (const char* op : {"router_predict", "route_cost", "select_fill", "route_select", "experts"}) {
+  for (const char* op : {"router_predict", "route_cost", "select_fill", "route_select", "select_experts", "experts"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

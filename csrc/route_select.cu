@@ -24,12 +24,14 @@
 #include "base_moe/cuda_utils.cuh"
 #include "base_moe/launch.cuh"
 #include "base_moe/routing.h"
+#include "base_moe/routing_device.cuh"
 #include "base_moe/select_kernels.h"
 
 namespace base_moe {
 namespace {
 
 using cuda::kFullMask;
+using namespace routing_device;
 
 struct SharedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
@@ -60,26 +62,9 @@ __host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int 
   return s;
 }
 
+// Loads token t's logits (and, for the BASE cost, its log-norms) from global memory.
 template <int EPL>
-struct Token {
-  float logit[EPL];
-  float choice[EPL];
-  float log_norm[EPL];
-  uint32_t allowed;    // bit j: expert lane * EPL + j is in one of the token's top groups
-  float max_logit;     // softmax over all experts
-  float denominator;
-  int32_t slot_id;     // lane r < k: slot r (routed set)
-  float slot_weight;
-};
-
-__device__ __forceinline__ float sigmoid(float x) {
-  return 1.0f / (1.0f + expf(-x));
-}
-
-// Loads token t's logits (and log-norms), computes choice scores, the group limit and the softmax statistics.
-template <int EPL>
-__device__ __forceinline__ void prepare_token(const SelectParams& p, int64_t t, int lane, float* scratch_row, float* group_scratch,
-                              Token<EPL>& s) {
+__device__ __forceinline__ void load_token(const SelectParams& p, int64_t t, int lane, Token<EPL>& s) {
   const int E = p.E;
   const float* row = p.logits + t * E;
 #pragma unroll
@@ -87,179 +72,12 @@ __device__ __forceinline__ void prepare_token(const SelectParams& p, int64_t t, 
     const int u = lane * EPL + j;
     s.logit[j] = u < E ? row[u] : 0.0f;
   }
-  if (p.compute_cost && p.cost == static_cast<int>(Cost::kBase)) {
-    const float* g = p.log_norms + t * p.ln_stride;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      const int u = lane * EPL + j;
-      s.log_norm[j] = u < E ? g[u] : 0.0f;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) s.log_norm[j] = 0.0f;
-  }
-  const bool sig = p.scoring == static_cast<int>(Scoring::kSigmoid);
+  const bool base_cost = p.compute_cost && p.cost == static_cast<int>(Cost::kBase);
+  const float* g = base_cost ? p.log_norms + t * p.ln_stride : nullptr;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int u = lane * EPL + j;
-    float c = s.logit[j];
-    if (sig) {
-      c = sigmoid(c);
-      if (p.correction_bias != nullptr && u < E) c = c + p.correction_bias[u];
-    }
-    s.choice[j] = c;
-  }
-  s.allowed = (1u << EPL) - 1u;
-  if (p.n_group > 1) {
-    // DeepSeek-V3 group limit: group score = best + second best choice score; keep the top topk_group groups.
-    __syncwarp();  // earlier readers of the scratch are done
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      const int u = lane * EPL + j;
-      if (u < E) scratch_row[u] = s.choice[j];
-    }
-    __syncwarp();
-    const int gs = p.group_size, ng = p.n_group;
-    for (int grp = lane; grp < ng; grp += 32) {
-      float best = -INFINITY, second = -INFINITY;
-      for (int i = 0; i < gs; ++i) {
-        const float v = scratch_row[grp * gs + i];
-        if (v > best) {
-          second = best;
-          best = v;
-        } else if (v > second) {
-          second = v;
-        }
-      }
-      group_scratch[grp] = best + second;
-    }
-    __syncwarp();
-    for (int grp = lane; grp < ng; grp += 32) {
-      const float mine = group_scratch[grp];
-      int rank = 0;
-      for (int o = 0; o < ng; ++o) {
-        const float v = group_scratch[o];
-        rank += (v > mine || (v == mine && o < grp)) ? 1 : 0;
-      }
-      group_scratch[ng + grp] = rank < p.topk_group ? 1.0f : 0.0f;
-    }
-    __syncwarp();
-    s.allowed = 0;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      const int u = lane * EPL + j;
-      if (u < E && group_scratch[ng + u / gs] != 0.0f) s.allowed |= 1u << j;
-    }
-    __syncwarp();  // the scratch row is reused by the caller
-  }
-  if (p.scoring == static_cast<int>(Scoring::kSoftmax)) {
-    uint32_t m = 0;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      if (lane * EPL + j < E) m = max(m, cuda::ordered_bits(s.logit[j]));
-    }
-    s.max_logit = cuda::from_ordered_bits(cuda::warp_max_u32(m));
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      if (lane * EPL + j < E) sum += expf(s.logit[j] - s.max_logit);
-    }
-    s.denominator = cuda::warp_sum(sum);
-  } else {
-    s.max_logit = 0.0f;
-    s.denominator = 1.0f;
-  }
-}
-
-// Picks up to k experts: first by `first` keys, then (when those run out) by `second` keys; key 0 = not
-// eligible. Slot r's expert id, logit and log-norm go to slots[r], slots[kMaxTopK + r], slots[2 kMaxTopK + r]
-// (sentinel E when nothing is left). Returns the number picked.
-template <int EPL>
-__device__ __forceinline__ int warp_top_k(uint32_t (&first)[EPL], uint32_t (&second)[EPL], bool has_second, const Token<EPL>& s,
-                          int k, int E, int lane, float* slots) {
-  int* slot_ids = reinterpret_cast<int*>(slots);
-  __syncwarp();  // the previous token's slots have been read
-  int picked = 0;
-  bool on_second = false;
-  while (picked < k) {
-    uint32_t best = 0;
-    int best_j = 0;
-    float best_logit = 0.0f, best_norm = 0.0f;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      if (first[j] > best) {
-        best = first[j];
-        best_j = j;
-        best_logit = s.logit[j];
-        best_norm = s.log_norm[j];
-      }
-    }
-    const uint32_t top = cuda::warp_max_u32(best);
-    if (top == 0) {
-      if (has_second && !on_second) {
-        on_second = true;
-#pragma unroll
-        for (int j = 0; j < EPL; ++j) first[j] = second[j];
-        continue;
-      }
-      break;
-    }
-    const unsigned owners = __ballot_sync(kFullMask, best == top);
-    if (lane == __ffs(owners) - 1) {
-      slot_ids[picked] = lane * EPL + best_j;
-      slots[kMaxTopK + picked] = best_logit;
-      slots[2 * kMaxTopK + picked] = best_norm;
-#pragma unroll
-      for (int j = 0; j < EPL; ++j) {
-        if (j == best_j) first[j] = 0;
-      }
-    }
-    ++picked;
-  }
-  if (lane >= picked && lane < k) slot_ids[lane] = E;
-  __syncwarp();
-  return picked;
-}
-
-// The model's weight rule for the picked slots. Lane r < k gets slot r's id and weight; other lanes get (E, 0).
-template <int EPL>
-__device__ __forceinline__ void slot_weights(const SelectParams& p, const Token<EPL>& s, const float* slots, int lane, int32_t& id,
-                             float& weight, float& log_norm) {
-  const int E = p.E;
-  const int* slot_ids = reinterpret_cast<const int*>(slots);
-  id = lane < p.k ? slot_ids[lane] : E;
-  const bool valid = id < E;
-  const float logit = valid ? slots[kMaxTopK + lane] : 0.0f;
-  log_norm = valid ? slots[2 * kMaxTopK + lane] : 0.0f;
-  float w;
-  if (p.scoring == static_cast<int>(Scoring::kSoftmax)) {
-    w = valid ? expf(logit - s.max_logit) / s.denominator : 0.0f;
-  } else if (p.scoring == static_cast<int>(Scoring::kSoftmaxAfterTopk)) {
-    const float m = cuda::warp_max(valid ? logit : -INFINITY);
-    const float e = valid ? expf(logit - m) : 0.0f;
-    const float total = cuda::warp_sum(e);
-    w = total > 0.0f ? e / total : 0.0f;
-  } else {
-    w = valid ? sigmoid(logit) : 0.0f;
-  }
-  if (p.renormalize && p.scoring != static_cast<int>(Scoring::kSoftmaxAfterTopk)) {
-    float total = cuda::warp_sum(w);
-    if (p.scoring == static_cast<int>(Scoring::kSigmoid)) total = total + 1e-20f;  // DeepSeek-V3's guard
-    w = total > 0.0f ? w / total : 0.0f;
-  }
-  weight = w * p.scaling;
-}
-
-__device__ __forceinline__ float slot_cost(int cost, float w, float log_norm) {
-  switch (static_cast<Cost>(cost)) {
-    case Cost::kBase:
-      return w * w * expf(2.0f * log_norm);
-    case Cost::kRouterSq:
-      return w * w;
-    case Cost::kFrequency:
-      return 1.0f;
-    default:  // kRouterSum, kTop1Union
-      return w;
+    s.log_norm[j] = base_cost && u < E ? g[u] : 0.0f;
   }
 }
 
@@ -308,7 +126,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     const int local = chunk * per_chunk + static_cast<int>(rank) * NW + warp;
     if (local < B) {
       const int64_t t = first_token + local;
-      prepare_token<EPL>(p, t, lane, my_row, my_group_scratch, s);
+      load_token<EPL>(p, t, lane, s);
+      score_token<EPL>(p, lane, my_row, my_group_scratch, s);
       uint32_t key[EPL], none[EPL];
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
@@ -436,7 +255,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     if (local >= B) continue;
     const int64_t t = first_token + local;
     if (!single_chunk) {
-      prepare_token<EPL>(p, t, lane, my_row, my_group_scratch, s);
+      load_token<EPL>(p, t, lane, s);
+      score_token<EPL>(p, lane, my_row, my_group_scratch, s);
       s.slot_id = lane < k ? p.ids[t * k + lane] : E;
       s.slot_weight = lane < k ? p.weights[t * k + lane] : 0.0f;
       __syncwarp();  // every lane has read its routed slot before any lane overwrites it
@@ -495,12 +315,6 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   cuda::cluster_sync();  // keep shared memory alive until the other CTAs have read it
 }
 
-// BASE_MOE_PDL=1: programmatic dependent launch (see csrc/router_predict.cu).
-bool use_pdl() {
-  static const bool enabled = cuda::env_flag("BASE_MOE_PDL", false);
-  return enabled;
-}
-
 template <int EPL, int NW>
 void launch_select(SelectParams p, int groups, bool clusters, cudaStream_t stream) {
   const int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, 8) : 1;
@@ -512,7 +326,7 @@ void launch_select(SelectParams p, int groups, bool clusters, cudaStream_t strea
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  cuda::launch({dim3(groups * C), dim3(NW * 32), smem, stream, clusters ? C : 0, clusters && use_pdl()}, kernel, p);
+  cuda::launch({dim3(groups * C), dim3(NW * 32), smem, stream, clusters ? C : 0, clusters && cuda::selection_pdl()}, kernel, p);
 }
 
 }  // namespace

@@ -180,13 +180,6 @@ __global__ void __launch_bounds__(256) router_predict_simple_kernel(const GemvPa
   }
 }
 
-// BASE_MOE_PDL=1: launch with programmatic stream serialisation (overlaps a kernel's start with the previous
-// kernel's tail; CUDA graphs keep it as a programmatic edge).
-bool use_pdl() {
-  static const bool enabled = cuda::env_flag("BASE_MOE_PDL", false);
-  return enabled;
-}
-
 template <typename T, int MT, int NT, int WM, int WN, int WK, int U>
 void launch_mma(GemvParams p, bool clusters, cudaStream_t stream) {
   constexpr int kTM = 16 * MT * WM, kTN = 8 * NT * WN;
@@ -198,7 +191,7 @@ void launch_mma(GemvParams p, bool clusters, cudaStream_t stream) {
   p.k_per_cta = (((p.H + cluster - 1) / cluster) + 31) / 32 * 32;
 
   const dim3 grid(cluster, (p.R + kTN - 1) / kTN, (p.T + kTM - 1) / kTM);
-  cuda::launch({grid, dim3(WM * WN * WK * 32), 0, stream, clusters ? cluster : 0, clusters && use_pdl()},
+  cuda::launch({grid, dim3(WM * WN * WK * 32), 0, stream, clusters ? cluster : 0, clusters && cuda::selection_pdl()},
                router_predict_mma_kernel<T, MT, NT, WM, WN, WK, U>, p);
 }
 

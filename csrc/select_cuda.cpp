@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "base_moe/checks.h"
+#include "base_moe/ops.h"
 #include "base_moe/routing.h"
 #include "base_moe/select_kernels.h"
 
@@ -18,6 +19,11 @@ namespace {
 
 bool aligned16(const void* ptr) {
   return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+GemvDtype gemv_dtype(const Tensor& hidden) {
+  const auto dtype = hidden.scalar_type();
+  return dtype == at::kFloat ? GemvDtype::kFloat : dtype == at::kHalf ? GemvDtype::kHalf : GemvDtype::kBFloat16;
 }
 
 std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tensor& router_weight,
@@ -45,13 +51,9 @@ std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tenso
   p.H = static_cast<int>(H);
   p.E = static_cast<int>(E);
   p.R = static_cast<int>(predict ? 2 * E : E);
-  const auto dtype = hidden.scalar_type();
-  const GemvDtype kind = dtype == at::kFloat ? GemvDtype::kFloat
-                         : dtype == at::kHalf ? GemvDtype::kHalf
-                                              : GemvDtype::kBFloat16;
   const bool vectorised = H % 8 == 0 && aligned16(p.hidden) && aligned16(p.router_weight) &&
                           aligned16(p.predictor_weight);
-  router_predict_launch(p, kind, vectorised, hidden.get_device());
+  router_predict_launch(p, gemv_dtype(hidden), vectorised, hidden.get_device());
   return {logits, log_norms};
 }
 
@@ -170,6 +172,66 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
   return {ids, weights, kept, counts, D};
 }
 
+// One launch (csrc/select_experts.cu) for the shapes that kernel takes, else router_predict + route_select.
+SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
+                                        const OptTensor& predictor_weight, const OptTensor& predictor_bias,
+                                        const OptTensor& correction_bias, int64_t num_groups, int64_t top_k,
+                                        int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
+                                        double scaling, int64_t cost, int64_t budget, int64_t fill) {
+  check_select_experts(predictor_weight, cost);
+  check_router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
+  const int64_t T = hidden.size(0), H = hidden.size(1), E = router_weight.size(0);
+  const bool predict = predictor_weight.has_value();
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  Tensor logits = at::empty({T, E}, hidden.options().dtype(at::kFloat));
+  Tensor log_norms = at::empty({T, predict ? E : 0}, hidden.options().dtype(at::kFloat));
+  const RoutingParams r =
+      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
+  check_route_cost(logits, predict ? OptTensor(log_norms) : std::nullopt, num_groups, cost);
+  check_budget_fill(budget, fill);
+  check_token_count(logits);
+  const bool fusable = hidden.scalar_type() != at::kFloat && H % 8 == 0 && T > 0 && aligned16(hidden.data_ptr()) &&
+                       aligned16(router_weight.data_ptr()) &&
+                       aligned16(predict ? predictor_weight->data_ptr() : nullptr);
+  if (fusable) {
+    Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+    Tensor weights = at::empty({T, top_k}, logits.options());
+    Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
+    Tensor counts = at::empty({num_groups, E}, logits.options().dtype(at::kInt));
+    Tensor D = at::empty({num_groups, E}, logits.options());
+    FusedSelectParams f{};
+    f.gemv.hidden = hidden.data_ptr();
+    f.gemv.router_weight = router_weight.data_ptr();
+    f.gemv.predictor_weight = predict ? predictor_weight->data_ptr() : nullptr;
+    f.gemv.router_bias = router_bias.has_value() ? router_bias->data_ptr<float>() : nullptr;
+    f.gemv.predictor_bias = predict ? predictor_bias->data_ptr<float>() : nullptr;
+    f.gemv.logits = logits.data_ptr<float>();
+    f.gemv.log_norms = log_norms.data_ptr<float>();
+    f.gemv.T = static_cast<int>(T);
+    f.gemv.H = static_cast<int>(H);
+    f.gemv.E = static_cast<int>(E);
+    f.gemv.R = static_cast<int>(predict ? 2 * E : E);
+    f.predict = predict;
+    f.sel = make_params(logits, correction_bias, r, num_groups);
+    f.sel.compute_cost = true;
+    f.sel.cost = static_cast<int>(cost);
+    f.sel.ids = ids.data_ptr<int32_t>();
+    f.sel.weights = weights.data_ptr<float>();
+    f.sel.batch_cost_out = D.data_ptr<float>();
+    set_selection(f.sel, fill, kept, counts);
+    if (select_experts_launch(f, gemv_dtype(hidden), static_cast<int>(num_groups), hidden.get_device())) {
+      return {logits, log_norms, ids, weights, kept, counts, D};
+    }
+  }
+  std::tie(logits, log_norms) =
+      router_predict_cuda(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
+  const OptTensor cost_log_norms = cost == static_cast<int64_t>(Cost::kBase) ? OptTensor(log_norms) : std::nullopt;
+  auto [ids, weights, kept, counts, D] = route_select_cuda(logits, cost_log_norms, correction_bias, num_groups, top_k,
+                                                           scoring, renormalize, n_group, topk_group, scaling, cost,
+                                                           budget, fill);
+  return {logits, log_norms, ids, weights, kept, counts, D};
+}
+
 }  // namespace
 }  // namespace base_moe
 
@@ -178,5 +240,6 @@ TORCH_LIBRARY_IMPL(base_moe, CUDA, m) {
   m.impl("route_cost", &base_moe::route_cost_cuda);
   m.impl("select_fill", &base_moe::select_fill_cuda);
   m.impl("route_select", &base_moe::route_select_cuda);
+  m.impl("select_experts", &base_moe::select_experts_cuda);
 }
 #endif  // BASE_MOE_WITH_CUDA

@@ -179,6 +179,42 @@ def test_route_select_equals_its_stages(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("E,k,routing", ROUTINGS)
+@pytest.mark.parametrize("cost,fill,predict", [(Cost.BASE, Fill.BACKFILL, True), (Cost.ROUTER_SUM, Fill.DROP, False),
+                                               (Cost.TOP1_UNION, Fill.DROP_RENORM, True)])
+def test_select_experts_equals_router_predict_then_route_select(device, E, k, routing, cost, fill, predict):
+    """select_experts returns stage 1's outputs and stages 2-3 run on them (CUDA: the fused kernel's own logits)."""
+    G, B, H = 2, 9, 64
+    x = torch.randn(G * B, H, device=device).to(torch.bfloat16)
+    wr = (torch.randn(E, H, device=device) / H**0.5).to(torch.bfloat16)
+    wp = (torch.randn(E, H, device=device) / H**0.5).to(torch.bfloat16) if predict else None
+    bp = torch.randn(E, device=device) if predict else None
+    bias = torch.randn(E, device=device) * 0.1 if routing.scoring == Scoring.SIGMOID else None
+    out = ops.select_experts(x, wr, routing, budget=max(1, E // 3), num_groups=G, cost=cost, fill=fill,
+                             predictor_weight=wp, predictor_bias=bp, correction_bias=bias)
+    logits, log_norms = out[0], out[1]
+    exp_logits, exp_norms = ops.router_predict(x, wr, None, wp, bp)
+    torch.testing.assert_close(logits, exp_logits, atol=1e-4, rtol=1e-4)
+    assert log_norms.shape == exp_norms.shape
+    staged = ops.route_select(logits, routing, budget=max(1, E // 3), num_groups=G, cost=cost, fill=fill,
+                              log_norms=log_norms if cost == Cost.BASE else None, correction_bias=bias)
+    if device == "cpu":
+        for a, b in zip(out[2:], staged):
+            assert torch.equal(a, b)
+    else:  # near-ties of exp-derived costs may order differently; exact given the op's own D
+        ids, weights, kept, counts, D = out[2:]
+        torch.testing.assert_close(D, staged[4], rtol=1e-4, atol=1e-6)
+        union = ref.routed_union(ref.route(logits.cpu(), routing, None if bias is None else bias.cpu())[0], G, E)
+        assert torch.equal(kept.cpu(), ref.keep_experts(D.cpu(), union, max(1, E // 3)))
+
+
+def test_select_experts_base_cost_needs_predictor():
+    x, w = torch.randn(4, 32), torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match="predictor_weight"):
+        ops.select_experts(x, w, Routing(2), budget=4, cost=Cost.BASE)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k,routing", ROUTINGS)
 def test_no_budget_reproduces_model_routing(device, E, k, routing):
     logits = random_logits(24, E, device, ties=False)
     bias = random_bias(routing, E, device)
@@ -253,6 +289,12 @@ def opcheck_cases(device):
     yield torch.ops.base_moe.select_fill.default, (logits, D, None, *args, 5, int(Fill.BACKFILL))
     yield torch.ops.base_moe.route_select.default, (logits, log_norms, None, 2, *args, int(Cost.BASE), 5,
                                                     int(Fill.DROP))
+    bf16 = hidden.to(torch.bfloat16)
+    wr, wp = (torch.randn(16, 64, device=device).to(torch.bfloat16) for _ in range(2))
+    yield torch.ops.base_moe.select_experts.default, (bf16, wr, None, wp, torch.randn(16, device=device), None, 2,
+                                                      *args, int(Cost.BASE), 5, int(Fill.BACKFILL))
+    yield torch.ops.base_moe.select_experts.default, (bf16, wr, None, None, None, None, 1, *args,
+                                                      int(Cost.FREQUENCY), 3, int(Fill.DROP))
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down)
 
 

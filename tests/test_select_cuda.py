@@ -109,6 +109,18 @@ def check_fill(logits, bias, routing, kept, fill, ids, weights, counts, G):
     assert torch.equal(counts, reference.expert_counts(ids_ref, G, logits.shape[1]))
 
 
+def assert_gemv_close(out: torch.Tensor, hidden: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None):
+    """``out`` ~ hidden @ W.T + b within twice the error of torch computing it in the inputs' dtype (fp64 truth)."""
+    ref = hidden.double() @ W.double().T
+    in_dtype = (hidden @ W.T).float()
+    if b is not None:
+        ref, in_dtype = ref + b.double(), in_dtype + b
+    err = (out.double() - ref).abs().max().item()
+    torch_err = (in_dtype.double() - ref).abs().max().item()
+    bound = 2 * torch_err + 1e-6 * ref.abs().max().item() + 1e-7
+    assert err <= bound, f"max error {err} exceeds {bound} (torch in {hidden.dtype}: {torch_err})"
+
+
 def budgets(E: int, k: int) -> list[int]:
     return sorted({1, max(1, k - 1), k, 16, E, E + 3})
 
@@ -150,23 +162,9 @@ def test_router_predict(T, H, E, dtype, predict, router_bias):
     assert logits.dtype == torch.float32 and logits.shape == (T, E) and logits.is_contiguous()
     assert log_norms.shape == (T, E if predict else 0)
 
-    x64 = hidden.double()
-
-    def exact(W, b):
-        out = x64 @ W.double().T
-        return out + b.double() if b is not None else out
-
-    def in_dtype(W, b):  # the same computation by torch in the input dtype
-        out = (hidden @ W.T).float()
-        return out + b if b is not None else out
-
     pairs = [(logits, Wr, br)] + ([(log_norms, Wp, bp)] if predict else [])
     for out, W, b in pairs:
-        ref = exact(W, b)
-        err = (out.double() - ref).abs().max().item()
-        torch_err = (in_dtype(W, b).double() - ref).abs().max().item()
-        bound = 2 * torch_err + 1e-6 * ref.abs().max().item() + 1e-7
-        assert err <= bound, f"max error {err} exceeds {bound} (torch in {dtype}: {torch_err})"
+        assert_gemv_close(out, hidden, W, b)
 
 
 def test_router_predict_deterministic():
@@ -300,6 +298,92 @@ def test_route_select_deterministic():
         assert all(bitwise_equal(a, b) for a, b in zip(first, again))
 
 
+# ---------------------------------------------------------------------------------------------
+# Stages 1-3 in one launch: select_experts
+# ---------------------------------------------------------------------------------------------
+FUSED_CASES = [
+    # (G, B, H, E, k, routing name, dtype, predictor, router bias, duplicated router rows)
+    (1, 1, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),
+    (1, 4, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, True),
+    (1, 16, 2048, 128, 8, "softmax_renorm", torch.float16, True, True, False),
+    (1, 64, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),
+    (1, 256, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, True),
+    (3, 16, 1024, 60, 4, "softmax", torch.bfloat16, True, True, False),
+    (2, 100, 512, 64, 8, "softmax_after_topk", torch.bfloat16, False, True, False),
+    (1, 16, 7168, 256, 8, "sigmoid_groups8_4", torch.bfloat16, True, False, False),
+    (4, 64, 7168, 256, 8, "sigmoid_groups8_4", torch.bfloat16, True, False, True),
+    (1, 33, 2048, 512, 16, "sigmoid_bias_renorm", torch.bfloat16, True, False, False),
+    (5, 7, 64, 8, 2, "sigmoid", torch.float16, True, True, False),
+    (2, 3, 256, 12, 3, "softmax_renorm", torch.bfloat16, False, False, True),
+    (1, 300, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),  # > 256 tokens: two kernels
+    (2, 9, 200, 64, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # H % 8 != 0: two kernels
+    (1, 16, 512, 64, 4, "softmax_renorm", torch.float32, True, True, False),  # fp32: two kernels
+]
+
+
+def _fused_id(case):
+    G, B, H, E, k, name, dtype, predict, router_bias, dup = case
+    return f"G{G}-B{B}-H{H}-E{E}-k{k}-{name}-{str(dtype)[6:]}-{'pred' if predict else 'nopred'}" + (
+        "-rbias" if router_bias else "") + ("-dup" if dup else "")
+
+
+def fused_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(G * B, H, generator=gen).to(DEVICE, dtype)
+    Wr = torch.randn(E, H, generator=gen) / H**0.5 * 3
+    br = torch.randn(E, generator=gen) if router_bias else None
+    if dup:  # pairs of experts with equal logits: ties to the lower index
+        Wr[1::2] = Wr[0::2]
+        if br is not None:
+            br[1::2] = br[0::2]
+    Wp = (torch.randn(E, H, generator=gen) / H**0.5).to(DEVICE, dtype) if predict else None
+    bp = (torch.randn(E, generator=gen) * 0.5).to(DEVICE) if predict else None
+    bias = (torch.randn(E, generator=gen) * 0.1).to(DEVICE) if uses_bias else None
+    return hidden, Wr.to(DEVICE, dtype), None if br is None else br.to(DEVICE), Wp, bp, bias
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=_fused_id)
+def test_select_experts(case):
+    G, B, H, E, k, name, dtype, predict, router_bias, dup = case
+    routing, uses_bias = routings(E, k)[name]
+    hidden, Wr, br, Wp, bp, bias = fused_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias,
+                                                seed=zlib.crc32(repr(case).encode()) % 10_000)
+    costs = [c for c in Cost if predict or c != Cost.BASE]
+    checked_gemv = False
+    for cost in costs:
+        for budget in sorted({1, k, 16, E + 3}):
+            for fill in Fill:
+                logits, log_norms, ids, weights, kept, counts, D = ops.select_experts(
+                    hidden, Wr, routing, budget=budget, num_groups=G, cost=cost, fill=fill, router_bias=br,
+                    predictor_weight=Wp, predictor_bias=bp, correction_bias=bias,
+                )
+                if not checked_gemv:  # stage 1 against fp64, like router_predict
+                    assert_gemv_close(logits, hidden, Wr, br)
+                    if predict:
+                        assert_gemv_close(log_norms, hidden, Wp, bp)
+                    checked_gemv = True
+                # stages 2-3 against the reference on the op's own logits and log-norms
+                cost_log_norms = log_norms if cost == Cost.BASE else None
+                routed_ref, _ = reference.route(logits, routing, bias)
+                union = reference.routed_union(routed_ref, G, E)
+                _, _, D_ref = reference.route_cost(logits, cost_log_norms, bias, G, routing, cost)
+                torch.testing.assert_close(D, D_ref, rtol=1e-4, atol=1e-6)
+                assert torch.equal(kept, reference.keep_experts(D, union, budget)), f"{cost.name}: kept vs own D"
+                assert_kept_matches(kept, reference.keep_experts(D_ref, union, budget), D_ref)
+                check_fill(logits, bias, routing, kept, fill, ids, weights, counts, G)
+
+
+def test_select_experts_deterministic():
+    G, B, E, H = 2, 64, 128, 2048
+    routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
+    hidden, Wr, _, Wp, bp, _ = fused_inputs(G, B, H, E, torch.bfloat16, True, False, False, False, seed=21)
+    first = ops.select_experts(hidden, Wr, routing, budget=16, num_groups=G, predictor_weight=Wp, predictor_bias=bp)
+    for _ in range(5):
+        again = ops.select_experts(hidden, Wr, routing, budget=16, num_groups=G, predictor_weight=Wp,
+                                   predictor_bias=bp)
+        assert all(bitwise_equal(a, b) for a, b in zip(first, again))
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 @pytest.mark.parametrize("E,H,T,G", [(128, 2048, 16, 1), (256, 1024, 64, 4), (128, 512, 512, 1)])
 def test_cuda_graph_replay(E, H, T, G):
@@ -313,8 +397,11 @@ def test_cuda_graph_replay(E, H, T, G):
 
     def step():
         logits, log_norms = ops.router_predict(hidden, Wr, None, Wp, bp)
-        return (logits, log_norms) + ops.route_select(logits, routing, budget=16, num_groups=G, log_norms=log_norms,
-                                                      correction_bias=bias)
+        two_kernels = (logits, log_norms) + ops.route_select(logits, routing, budget=16, num_groups=G,
+                                                             log_norms=log_norms, correction_bias=bias)
+        fused = ops.select_experts(hidden, Wr, routing, budget=16, num_groups=G, predictor_weight=Wp,
+                                   predictor_bias=bp, correction_bias=bias)
+        return two_kernels + fused
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -329,7 +416,8 @@ def test_cuda_graph_replay(E, H, T, G):
         bias.copy_(torch.randn(E, device="cuda") * 0.1)
         graph.replay()
         eager = step()
-        for name, a, b in zip(("logits", "log_norms", "ids", "weights", "kept", "counts", "D"), static_out, eager):
+        names = ("logits", "log_norms", "ids", "weights", "kept", "counts", "D")
+        for name, a, b in zip(names + tuple(f"select_experts {n}" for n in names), static_out, eager):
             assert bitwise_equal(a, b), f"replay {trial}: {name} differs from an eager call"
 
 
@@ -353,11 +441,18 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.base_moe.route_select.default, (logits, log_norms, bias, G, *routing, 0, 6, 2))
     softmax = (k, int(Scoring.SOFTMAX), False, 1, 1, 1.0)
     torch.library.opcheck(torch.ops.base_moe.route_select.default, (logits, None, None, G, *softmax, 3, 100, 1))
+    torch.library.opcheck(torch.ops.base_moe.select_experts.default,
+                          (hidden, Wr, br, Wp, bp, bias, G, *routing, 0, 6, 0))
+    torch.library.opcheck(torch.ops.base_moe.select_experts.default,
+                          (hidden, Wr, None, None, None, None, G, *softmax, 4, 3, 2))
 
 
 _BAD_INPUTS = {
     # name: (expected message, statement run with ops, Routing, Scoring, Cost, torch, E=64, H=128, k=4 in scope)
     "router_weight_device": ("same device", "ops.router_predict(hidden, Wr.cpu())"),
+    "select_experts_weight_device": ("same device", "ops.select_experts(hidden, Wr.cpu(), softmax, budget=4, cost=Cost.FREQUENCY)"),
+    "select_experts_budget_zero": ("budget", "ops.select_experts(hidden, Wr, softmax, budget=0, cost=Cost.FREQUENCY)"),
+    "select_experts_base_without_predictor": ("predictor_weight", "ops.select_experts(hidden, Wr, softmax, budget=4)"),
     "router_weight_dtype": ("dtype", "ops.router_predict(hidden, Wr.half())"),
     "predictor_without_bias": ("predictor_bias", "ops.router_predict(hidden, Wr, None, Wr, None)"),
     "log_norms_device": ("same device", "ops.route_select(logits, softmax, budget=4, log_norms=torch.randn(4, E))"),
@@ -428,6 +523,8 @@ def _sanitize(small: bool = False):
                 for fill in Fill:
                     ops.route_select(logits, routing, budget=6, num_groups=G, fill=fill, log_norms=log_norms,
                                      correction_bias=b)
+                    ops.select_experts(hidden, Wr, routing, budget=6, num_groups=G, fill=fill, predictor_weight=Wp,
+                                       predictor_bias=bp, correction_bias=b)
                 ids, w, D = ops.route_cost(logits, routing, num_groups=G, cost=Cost.TOP1_UNION, correction_bias=b)
                 ops.select_fill(logits, D, routing, budget=20, fill=Fill.DROP_RENORM, correction_bias=b)
     if not small:

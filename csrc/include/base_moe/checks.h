@@ -28,6 +28,9 @@ void check_select_fill(const Tensor& logits, const Tensor& batch_cost, int64_t b
 // The budget and fill arguments alone (route_select, which computes its batch cost itself).
 void check_budget_fill(int64_t budget, int64_t fill);
 
+// select_experts: the BASE cost needs the predictor's rows.
+void check_select_experts(const OptTensor& predictor_weight, int64_t cost);
+
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj);
 

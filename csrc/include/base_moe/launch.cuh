@@ -26,6 +26,13 @@ inline bool env_flag(const char* name, bool fallback) {
   return v == nullptr ? fallback : std::strcmp(v, "0") != 0;
 }
 
+// Programmatic dependent launch for the selection kernels (router_predict, route_select, select_experts): on
+// unless BASE_MOE_PDL=0. Each kernel reads only constant weights before its griddepcontrol.wait.
+inline bool selection_pdl() {
+  static const bool enabled = env_flag("BASE_MOE_PDL", true);
+  return enabled;
+}
+
 struct LaunchShape {
   dim3 grid;
   dim3 block;

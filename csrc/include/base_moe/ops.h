@@ -30,6 +30,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cpu(
     int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
     int64_t cost, int64_t budget, int64_t fill);
 
+using SelectExpertsResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+SelectExpertsResult select_experts_cpu(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
+                                       const OptTensor& predictor_weight, const OptTensor& predictor_bias,
+                                       const OptTensor& correction_bias, int64_t num_groups, int64_t top_k,
+                                       int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
+                                       double scaling, int64_t cost, int64_t budget, int64_t fill);
+
 Tensor experts_cpu(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj);
 

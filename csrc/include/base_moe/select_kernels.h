@@ -1,4 +1,5 @@
-// Kernel parameters and launchers of the selection stages (csrc/router_predict.cu, csrc/route_select.cu).
+// Kernel parameters and launchers of the selection stages (csrc/router_predict.cu, csrc/route_select.cu,
+// csrc/select_experts.cu).
 // The op wrappers (argument checks, outputs, registration) live in host-compiled csrc/select_cuda.cpp: an
 // exception thrown through nvcc-compiled host frames crashed the process on the H200 machine.
 #pragma once
@@ -45,10 +46,26 @@ struct SelectParams {
   int experts_per_cta;           // experts each CTA of the cluster reduces; set by the launcher
 };
 
+// select_experts (csrc/select_experts.cu): the GEMV's inputs and logits / log-norms outputs, the selection's
+// routing parameters and outputs (sel.logits / sel.log_norms unused), and the cluster shape (set by the launcher).
+struct FusedSelectParams {
+  GemvParams gemv;
+  SelectParams sel;
+  bool predict;         // predictor rows present (required for the BASE cost)
+  int token_groups;     // TG: the group's tokens split over TG x RG CTAs of one cluster
+  int row_groups;       // RG
+  int experts_per_cta;  // EC: experts (router rows, and as many predictor rows) of each CTA's GEMV tile
+  int tokens_per_cta;   // TC: tokens of each token group
+  int owned_experts;    // EO: experts whose batch cost each CTA adds up
+  int k_slices;         // warps splitting H in the GEMV
+};
+
 enum class GemvDtype : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
 
 // Launch on the current CUDA stream of `device` (the caller holds a device guard).
 void router_predict_launch(GemvParams p, GemvDtype dtype, bool vectorised, int device);
 void route_select_launch(SelectParams p, int groups, int device);
+// False (nothing launched) when the shape does not fit the fused kernel: the caller runs the two kernels instead.
+bool select_experts_launch(const FusedSelectParams& f, GemvDtype dtype, int groups, int device);
 
 }  // namespace base_moe

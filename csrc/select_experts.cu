@@ -1,0 +1,464 @@
+// Stages 1-3 in one launch (select_experts): router + predictor GEMV, routing, batch cost, top-budget selection and
+// fill for decode batches. One thread-block cluster per group (decode batch) does everything; its CTAs exchange
+// through distributed shared memory, so there is no second launch and no round trip of the logits through HBM.
+//
+// Cluster = TG token groups x RG row groups (TG * RG <= 16 CTAs; chosen by the launcher to minimise the bytes
+// each CTA reads). CTA (tg, rg):
+//   1. GEMV: logits and log-norms of experts [rg * EC, (rg + 1) * EC) for tokens [tg * TC, (tg + 1) * TC) of the
+//      group, on tensor cores (mma.sync m16n8k16: weight rows as M, tokens as the narrow N side), operands straight
+//      from global memory in 16-byte loads; the CTA's warps split the tile and H, partial sums are added in a fixed
+//      order. Results stay in shared memory (and go to the logits / log_norms outputs).           -- cluster barrier
+//   2. Routing: one warp per token (token i of the token group goes to CTA rg = i % RG): the warp gathers the
+//      token's E logits from the RG CTAs of its token group, picks the top k (csrc/include/base_moe/
+//      routing_device.cuh), computes weights and slot costs, and writes each slot's cost into the shared memory of
+//      the CTA that owns the expert for the batch cost (EO experts per CTA), at the token's position.  -- barrier
+//   3. Batch cost: each CTA adds its owned experts' costs in token order (bitwise the reference's sequential fp32
+//      sum: absent tokens contribute nothing) and broadcasts D and the candidate flags to every CTA.  -- barrier
+//   4. Every CTA ranks the candidates (D descending, index ascending) and keeps the top W; the token warps fill
+//      their tokens' slots (still in registers) and count them into the owners' shared memory.        -- barrier
+//   5. Owners write counts and D; CTA 0 writes the kept list.
+// Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
+// does not take (fp32, H % 8 != 0, more than 16 * NW tokens per group, too much shared memory) run the two-kernel
+// path (router_predict + route_select); the op wrapper in csrc/select_cuda.cpp decides.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "base_moe/cuda_utils.cuh"
+#include "base_moe/launch.cuh"
+#include "base_moe/routing.h"
+#include "base_moe/routing_device.cuh"
+#include "base_moe/select_kernels.h"
+
+namespace base_moe {
+namespace {
+
+using cuda::kFullMask;
+using namespace routing_device;
+
+constexpr int kWarps = 16;  // 512 threads: one warp per token of the CTA in the routing and fill phases
+constexpr int kThreads = kWarps * 32;
+constexpr int kUnroll = 4;  // 32-column chunks whose loads are in flight at once per warp
+
+struct FusedLayout {
+  // Offsets in 4-byte words into dynamic shared memory.
+  int partial, logit, log_norm, own, flags, counts, batch_cost, state, kept, scratch, slots, total;
+};
+
+__host__ __device__ inline int round_up(int a, int b) { return (a + b - 1) / b * b; }
+
+__host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) {
+  const int rows = f.experts_per_cta * (f.predict ? 2 : 1);
+  const int E = f.sel.E;
+  FusedLayout s{};
+  int at = 0;
+  s.partial = at;  // [k_slices][rows rounded to 16][tokens rounded to 16]
+  at += f.k_slices * round_up(rows, 16) * round_up(f.tokens_per_cta, 16);
+  s.logit = at;  // [tokens_per_cta][experts_per_cta]
+  at += f.tokens_per_cta * f.experts_per_cta;
+  s.log_norm = at;
+  at += f.predict ? f.tokens_per_cta * f.experts_per_cta : 0;
+  s.own = at;  // [owned_experts][B]: slot costs of the owned experts, by token
+  at += f.owned_experts * f.sel.B;
+  s.flags = at;  // [owned_experts]: bit 0 routed by some token, bit 1 some token's top-1
+  at += f.owned_experts;
+  s.counts = at;  // [owned_experts]
+  at += f.owned_experts;
+  s.batch_cost = at;  // [E], every CTA
+  at += E;
+  s.state = at;  // [E]: bit 0 candidate (routed in the group), bit 1 kept
+  at += E;
+  s.kept = at;  // [W]
+  at += f.sel.W;
+  s.scratch = at;  // per warp: E + 2 * n_group floats (group limit)
+  at += kWarps * (E + 2 * f.sel.n_group);
+  s.slots = at;  // per warp: ids, logits, log-norms of the picked experts
+  at += kWarps * 3 * static_cast<int>(kMaxTopK);
+  s.total = at;
+  return s;
+}
+
+// Weight row of local GEMV row r: router rows first, then predictor rows (null past the experts).
+template <typename T>
+__device__ __forceinline__ const T* gemv_row(const FusedSelectParams& f, int rg, int r) {
+  const int EC = f.experts_per_cta;
+  const int u = rg * EC + r % EC;
+  if (r >= EC * (f.predict ? 2 : 1) || u >= f.sel.E) return nullptr;
+  const void* w = r < EC ? f.gemv.router_weight : f.gemv.predictor_weight;
+  return static_cast<const T*>(w) + static_cast<int64_t>(u) * f.gemv.H;
+}
+
+// Phase 1: this CTA's [rows x tokens] tile of the GEMV, into shared memory (and the op's outputs).
+template <typename T>
+__device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group, int tg, int rg, float* smem,
+                                          const FusedLayout& L) {
+  const GemvParams& p = f.gemv;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const int B = f.sel.B, E = f.sel.E, EC = f.experts_per_cta, TC = f.tokens_per_cta;
+  const int rows = EC * (f.predict ? 2 : 1), row_tiles = (rows + 15) / 16, token_units = (TC + 15) / 16;
+  const int units = row_tiles * token_units, KS = f.k_slices;
+  const int slice = round_up((p.H + KS - 1) / KS, 32);
+  const int rows_pad = row_tiles * 16, tokens_pad = token_units * 16;
+  const int tokens_here = min(TC, B - tg * TC);  // tokens of this token group (the last may be short)
+  float* partial = smem + L.partial;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+
+  for (int w = warp; w < units * KS; w += kWarps) {
+    const int unit = w % units, ks = w / units;
+    const int rt = unit % row_tiles, tu = unit / row_tiles;
+    const T* a_ptr[2];
+    const T* b_ptr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      a_ptr[h] = gemv_row<T>(f, rg, rt * 16 + h * 8 + g);
+      const int i = tu * 16 + h * 8 + g;
+      b_ptr[h] = i < tokens_here
+                     ? static_cast<const T*>(p.hidden) + (static_cast<int64_t>(group) * B + tg * TC + i) * p.H
+                     : nullptr;
+    }
+    const int k_begin = ks * slice, k_end = min(p.H, k_begin + slice);
+    float acc[2][4] = {};
+    for (int k0 = k_begin; k0 < k_end; k0 += 32 * kUnroll) {
+      uint4 a[kUnroll][2], b[kUnroll][2];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k = k0 + u * 32 + t4 * 8;
+        const bool ok = k < k_end;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          a[u][h] = ok && a_ptr[h] != nullptr ? cuda::load16(a_ptr[h] + k) : zero;
+          b[u][h] = ok && b_ptr[h] != nullptr ? cuda::load16(b_ptr[h] + k) : zero;
+        }
+      }
+      // k within each 32-chunk is permuted identically for A and B: lane (g, t4) holds columns [8 t4, 8 t4 + 8)
+      // and feeds them to two MMAs as logical k {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}.
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          cuda::mma_16816<T>(acc[n], a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y, b[u][n].x, b[u][n].y);
+          cuda::mma_16816<T>(acc[n], a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w, b[u][n].z, b[u][n].w);
+        }
+    }
+    // C fragment: c0, c1 at (row g, tokens 2 t4, 2 t4 + 1); c2, c3 at (row g + 8, same tokens).
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int r = rt * 16 + g + (c >> 1) * 8, i = tu * 16 + n * 8 + 2 * t4 + (c & 1);
+        partial[(ks * rows_pad + r) * tokens_pad + i] = acc[n][c];
+      }
+  }
+  __syncthreads();
+
+  // Add the k slices in order, then the biases.
+  float* logit = smem + L.logit;
+  float* log_norm = smem + L.log_norm;
+  for (int idx = threadIdx.x; idx < rows * tokens_here; idx += kThreads) {
+    const int r = idx / tokens_here, i = idx % tokens_here;
+    const int u = rg * EC + r % EC;
+    if (u >= E) continue;
+    float v = 0.0f;
+    for (int ks = 0; ks < KS; ++ks) v += partial[(ks * rows_pad + r) * tokens_pad + i];
+    const int64_t out = (static_cast<int64_t>(group) * B + tg * TC + i) * E + u;
+    if (r < EC) {
+      if (p.router_bias != nullptr) v += p.router_bias[u];
+      logit[i * EC + r] = v;
+      p.logits[out] = v;
+    } else {
+      v += p.predictor_bias[u];
+      log_norm[i * EC + r - EC] = v;
+      p.log_norms[out] = v;
+    }
+  }
+}
+
+// Phase 2 input: token i of token group tg, gathered from the RG CTAs that computed its logits.
+template <int EPL>
+__device__ __forceinline__ void gather_token(const FusedSelectParams& f, int tg, int i, int lane, float* logit_smem,
+                                             float* log_norm_smem, bool base_cost, Token<EPL>& s) {
+  const int E = f.sel.E, EC = f.experts_per_cta, RG = f.row_groups;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    const int u = lane * EPL + j;
+    const unsigned owner = static_cast<unsigned>(tg * RG + u / EC);
+    const int at = i * EC + u % EC;
+    s.logit[j] = u < E ? cuda::cluster_map(logit_smem, owner)[at] : 0.0f;
+    s.log_norm[j] = u < E && base_cost ? cuda::cluster_map(log_norm_smem, owner)[at] : 0.0f;
+  }
+}
+
+template <typename T, int EPL>
+__global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const FusedSelectParams f) {
+  extern __shared__ __align__(16) float smem[];
+  const SelectParams& p = f.sel;
+  const FusedLayout L = fused_layout(f);
+  const int E = p.E, k = p.k, B = p.B, W = p.W, C = f.token_groups * f.row_groups, EO = f.owned_experts;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned rank = cuda::cluster_rank();
+  const int group = blockIdx.x / C, tg = static_cast<int>(rank) / f.row_groups,
+            rg = static_cast<int>(rank) % f.row_groups;
+  const bool base_cost = p.cost == static_cast<int>(Cost::kBase);
+  float* own = smem + L.own;
+  int* flags = reinterpret_cast<int*>(smem + L.flags);
+  int* counts = reinterpret_cast<int*>(smem + L.counts);
+  float* batch_cost = smem + L.batch_cost;
+  int* state = reinterpret_cast<int*>(smem + L.state);
+  int* kept = reinterpret_cast<int*>(smem + L.kept);
+  float* my_scratch = smem + L.scratch + warp * (E + 2 * p.n_group);
+  float* my_slots = smem + L.slots + warp * 3 * kMaxTopK;
+
+  // The weights do not depend on the previous kernel: pull this CTA's rows into L2 while it finishes
+  // (programmatic dependent launch), then wait before touching hidden states or outputs.
+  cuda::pdl_launch_dependents();
+  {
+    const int rows = f.experts_per_cta * (f.predict ? 2 : 1), lines_per_row = (f.gemv.H * 2 + 127) / 128;
+    for (int i = tid; i < rows * lines_per_row; i += kThreads) {
+      const T* row = gemv_row<T>(f, rg, i / lines_per_row);
+      if (row != nullptr) cuda::prefetch_l2(row + (i % lines_per_row) * 64);
+    }
+  }
+  for (int i = tid; i < EO * B; i += kThreads) own[i] = 0.0f;
+  for (int i = tid; i < EO; i += kThreads) {
+    flags[i] = 0;
+    counts[i] = 0;
+  }
+  for (int i = tid; i < W; i += kThreads) kept[i] = E;
+  cuda::pdl_wait();
+
+  // ---- 1. GEMV ----
+  gemv_tile<T>(f, group, tg, rg, smem, L);
+  cuda::cluster_sync();
+
+  // ---- 2. routing, slot costs to the owners ----
+  const int TC = f.tokens_per_cta, RG = f.row_groups;
+  const int i = rg + RG * warp;  // this warp's token within the token group
+  const int t_local = tg * TC + i;
+  const bool has_token = i < TC && t_local < B;
+  const int64_t t = static_cast<int64_t>(group) * B + t_local;
+  Token<EPL> s;
+  if (has_token) {
+    gather_token<EPL>(f, tg, i, lane, smem + L.logit, smem + L.log_norm, base_cost, s);
+    score_token<EPL>(p, lane, my_scratch, my_scratch + E, s);
+    uint32_t key[EPL], none[EPL];
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      key[j] = ((s.allowed >> j) & 1u) && lane * EPL + j < E ? cuda::ordered_bits(s.choice[j]) : 0u;
+      none[j] = 0;
+    }
+    warp_top_k<EPL>(key, none, false, s, k, E, lane, my_slots);
+    float w, log_norm;
+    int32_t id;
+    slot_weights<EPL>(p, s, my_slots, lane, id, w, log_norm);
+    s.slot_id = id;
+    s.slot_weight = w;
+    if (id < E) {
+      const unsigned owner = static_cast<unsigned>(id / EO);
+      const int u = id % EO;
+      cuda::cluster_map(own, owner)[u * B + t_local] = slot_cost(p.cost, w, base_cost ? log_norm : 0.0f);
+      atomicOr(cuda::cluster_map(flags, owner) + u, lane == 0 ? 3 : 1);
+    }
+  }
+  cuda::cluster_sync();
+
+  // ---- 3. batch cost of the owned experts, in token order; broadcast with the candidate flags ----
+  for (int e = warp; e < EO; e += kWarps) {
+    const int u = static_cast<int>(rank) * EO + e;
+    if (u >= E) break;
+    float d = 0.0f;
+    for (int base = 0; base < B; base += 32) {
+      const float v = base + lane < B ? own[e * B + base + lane] : 0.0f;
+      for (unsigned m = __ballot_sync(kFullMask, v != 0.0f); m != 0; m &= m - 1) {
+        d += __shfl_sync(kFullMask, v, __ffs(m) - 1);
+      }
+    }
+    const int fl = flags[e];
+    if (p.cost == static_cast<int>(Cost::kTop1Union) && (fl & 2)) d = d + p.top1_offset;
+    if (lane < C) {
+      cuda::cluster_map(batch_cost, static_cast<unsigned>(lane))[u] = d;
+      cuda::cluster_map(state, static_cast<unsigned>(lane))[u] = fl & 1;
+    }
+    if (lane == 0) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = d;
+  }
+  cuda::cluster_sync();
+
+  // ---- 4. top-budget selection (every CTA), then the fill of this warp's token ----
+  {
+    int tpe = 1;  // threads per expert (power of two, within a warp)
+    while (tpe < 32 && tpe * 2 * E <= kThreads) tpe *= 2;
+    const int per_pass = kThreads / tpe, sub = tid % tpe;
+    for (int first = 0; first < E; first += per_pass) {
+      const int u = first + tid / tpe;
+      const bool cand = u < E && (state[u] & 1);
+      const float du = u < E ? batch_cost[u] : 0.0f;
+      int r = 0;
+      if (cand) {
+        for (int v = sub; v < E; v += tpe) {
+          const float dv = batch_cost[v];
+          r += ((state[v] & 1) && (dv > du || (dv == du && v < u))) ? 1 : 0;
+        }
+      }
+      for (int o = tpe / 2; o > 0; o >>= 1) r += __shfl_xor_sync(kFullMask, r, o);
+      if (cand && sub == 0 && r < W) kept[r] = u;
+    }
+  }
+  __syncthreads();
+  for (int j = tid; j < W; j += kThreads) {
+    if (kept[j] < E) state[kept[j]] |= 2;
+  }
+  __syncthreads();
+
+  if (has_token) {
+    auto count = [&](int32_t id) {
+      atomicAdd(cuda::cluster_map(counts, static_cast<unsigned>(id / EO)) + id % EO, 1);
+    };
+    if (p.fill == static_cast<int>(Fill::kBackfill)) {
+      uint32_t preferred[EPL], other[EPL];
+      const bool grouped = p.n_group > 1;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        const int u = lane * EPL + j;
+        const bool in_kept = u < E && (state[u] & 2);
+        const bool allowed = (s.allowed >> j) & 1u;
+        const uint32_t key = cuda::ordered_bits(s.choice[j]);
+        preferred[j] = in_kept && (allowed || !grouped) ? key : 0u;
+        other[j] = in_kept && grouped && !allowed ? key : 0u;
+      }
+      warp_top_k<EPL>(preferred, other, grouped, s, k, E, lane, my_slots);
+      int32_t id;
+      float w, unused;
+      slot_weights<EPL>(p, s, my_slots, lane, id, w, unused);
+      if (lane < k) {
+        p.ids[t * k + lane] = id;
+        p.weights[t * k + lane] = w;
+        if (id < E) count(id);
+      }
+    } else {
+      const bool in_slot = lane < k;
+      const bool survives = in_slot && s.slot_id < E && (state[s.slot_id] & 2);
+      const unsigned mask = __ballot_sync(kFullMask, survives);
+      const int survivors = __popc(mask);
+      const float total = cuda::warp_sum(in_slot ? s.slot_weight : 0.0f);
+      const float kept_total = cuda::warp_sum(survives ? s.slot_weight : 0.0f);
+      float scale = 1.0f;
+      if (p.fill == static_cast<int>(Fill::kDropRenorm)) scale = kept_total > 0.0f ? total / kept_total : 0.0f;
+      const int position = __popc(mask & ((1u << lane) - 1u));  // survivors keep their order
+      if (survives) {
+        p.ids[t * k + position] = s.slot_id;
+        p.weights[t * k + position] = s.slot_weight * scale;
+        count(s.slot_id);
+      }
+      if (lane >= survivors && lane < k) {
+        p.ids[t * k + lane] = E;
+        p.weights[t * k + lane] = 0.0f;
+      }
+    }
+  }
+  cuda::cluster_sync();
+
+  // ---- 5. counts of the owned experts, the kept list ----
+  for (int e = tid; e < EO; e += kThreads) {
+    const int u = static_cast<int>(rank) * EO + e;
+    if (u < E) p.counts[static_cast<int64_t>(group) * E + u] = counts[e];
+  }
+  if (rank == 0) {
+    for (int j = tid; j < W; j += kThreads) p.kept[static_cast<int64_t>(group) * W + j] = kept[j];
+  }
+}
+
+// Largest cluster the device can co-schedule for this kernel (16 needs the non-portable opt-in), 0 if none.
+template <typename T, int EPL>
+int max_cluster(size_t smem, int device) {
+  static int cached[64] = {0};
+  if (device < 0 || device >= 64) return 0;
+  if (cached[device] != 0) return cached[device];
+  auto kernel = select_experts_kernel<T, EPL>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  int best = 1;
+  for (int c : {16, 8}) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(c);
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = c;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0) {
+      best = c;
+      break;
+    }
+    (void)cudaGetLastError();
+  }
+  cached[device] = best;
+  return best;
+}
+
+// Picks the cluster shape: the (token groups, row groups) split that reads the fewest bytes per CTA.
+bool plan(FusedSelectParams& f, int max_c) {
+  const int B = f.sel.B, E = f.sel.E, H = f.gemv.H;
+  int64_t best_bytes = -1;
+  for (int rg = 1; rg <= max_c && rg <= std::max(1, E / 8); rg *= 2) {
+    for (int tg = 1; tg * rg <= max_c; tg *= 2) {
+      const int tc = (B + tg - 1) / tg;
+      if ((tc + rg - 1) / rg > kWarps) continue;  // one warp per token
+      const int ec = (E + rg - 1) / rg;
+      const int64_t bytes = static_cast<int64_t>(ec * (f.predict ? 2 : 1) + tc) * H * 2;
+      if (best_bytes < 0 || bytes < best_bytes) {
+        best_bytes = bytes;
+        f.token_groups = tg;
+        f.row_groups = rg;
+      }
+    }
+  }
+  if (best_bytes < 0) return false;
+  const int C = f.token_groups * f.row_groups;
+  f.experts_per_cta = (E + f.row_groups - 1) / f.row_groups;
+  f.tokens_per_cta = (B + f.token_groups - 1) / f.token_groups;
+  f.owned_experts = (E + C - 1) / C;
+  const int rows = f.experts_per_cta * (f.predict ? 2 : 1);
+  const int units = ((rows + 15) / 16) * ((f.tokens_per_cta + 15) / 16);
+  f.k_slices = 1;
+  while (units * f.k_slices * 2 <= kWarps && H / (f.k_slices * 2) >= 32 * kUnroll) f.k_slices *= 2;
+  return true;
+}
+
+template <typename T, int EPL>
+bool launch_fused(FusedSelectParams f, int groups, int device, cudaStream_t stream) {
+  const int max_c = max_cluster<T, EPL>(64 * 1024, device);
+  if (max_c < 1 || !plan(f, max_c)) return false;
+  const size_t smem = static_cast<size_t>(fused_layout(f).total) * 4;
+  if (smem > 200 * 1024) return false;
+  const int C = f.token_groups * f.row_groups;
+  cuda::launch({dim3(groups * C), dim3(kThreads), smem, stream, C, cuda::selection_pdl()}, select_experts_kernel<T, EPL>, f);
+  return true;
+}
+
+template <typename T>
+bool launch_by_experts(const FusedSelectParams& f, int groups, int device, cudaStream_t stream) {
+  const int epl = (f.sel.E + 31) / 32;
+  if (epl <= 1) return launch_fused<T, 1>(f, groups, device, stream);
+  if (epl <= 2) return launch_fused<T, 2>(f, groups, device, stream);
+  if (epl <= 4) return launch_fused<T, 4>(f, groups, device, stream);
+  if (epl <= 8) return launch_fused<T, 8>(f, groups, device, stream);
+  return launch_fused<T, 16>(f, groups, device, stream);
+}
+
+}  // namespace
+
+bool select_experts_launch(const FusedSelectParams& f, GemvDtype dtype, int groups, int device) {
+  if (!cuda::device_has_clusters(device)) return false;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+  if (dtype == GemvDtype::kBFloat16) return launch_by_experts<__nv_bfloat16>(f, groups, device, stream);
+  if (dtype == GemvDtype::kHalf) return launch_by_experts<__half>(f, groups, device, stream);
+  return false;
+}
+
+}  // namespace base_moe
