@@ -3,23 +3,23 @@
 //
 // Three launches, chained with programmatic dependent launch (PDL) so each starts streaming weights
 // while the previous one finishes:
-//   1. gate_up GEMM: CTA = (row tile of I, active expert). act[p, i] = silu(gate_i . x) * (up_i . x) for
-//      the expert's tokens, rounded to hidden's dtype; rows p are the (token, slot) pairs sorted by expert
-//      then token ("expert-sorted positions").
-//   2. down GEMM:    CTA = (row tile of H, active expert). yslot[t*k + j, h] = w_tj * (down_h . act[p]) in fp32.
+//   1. gate_up GEMM: act[p, i] = silu(gate_i . x_t) * (up_i . x_t) for every pair p = t*k + j of an expert,
+//      rounded to hidden's dtype (act is indexed by pair).
+//   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
 //   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
-// No separate routing pass: every CTA counts the ids itself (T*k ints, from L2), finds the a-th active
-// expert (blockIdx.y = a; CTAs past the number of active experts exit at once), its token count and
-// its offset in the expert-sorted order, and lists its (token, slot) pairs in token order. So the op
-// needs no host sync and allocates only buffers sized from T, k, H, I.
+// Default (v2, persist_gemm_kernel below): a persistent grid, each CTA counting the ids itself and streaming
+// its work items (expert, pass of up to NP tokens, 64-row tile) as one continuous k-step sequence through a
+// deep cp.async + mbarrier ring filled by producer warps and drained by 8 MMA warps: each expert's weights
+// are read from HBM once for up to NP (32..192, by T) tokens. The previous kernel (v1, expert_gemm_kernel:
+// one CTA per (tile, expert), tokens in the same stages, re-streamed per 32 tokens) stays as config V1 for
+// comparison (BASE_MOE_EXPERTS_CONFIG=V1; v1 indexes act by expert-sorted position).
+// So the op needs no host sync and allocates only buffers sized from T, k, H, I.
 //
-// Each CTA streams its weight tile (ROWS rows x K) from HBM exactly once, whatever the number of tokens
-// (up to NP tokens per pass; more tokens take another pass over the tile). The weight tile and the
-// tokens' inputs go through a multi-stage cp.async pipeline in shared memory, KS = 64 columns (128 bytes
-// per row) per stage. Tensor cores: mma.sync m16n8k16 with weight rows as M and tokens as the narrow N
-// side. Each lane loads 16 contiguous bytes of a row; the k order inside each 32-wide chunk is permuted
-// identically for A (weights) and B (tokens), so one 16-byte shared load feeds two MMAs' fragments.
-// Accumulation in fp32; every output element is written by one thread in a fixed order: deterministic.
+// Tensor cores: mma.sync m16n8k16 with weight rows as M and tokens as the narrow N side. Each lane loads 16
+// contiguous bytes of a row; the k order inside each 32-wide chunk is permuted identically for A (weights)
+// and B (tokens), so one 16-byte shared load feeds two MMAs' fragments. Accumulation in fp32; every output
+// element is written by one thread in a fixed order, and a token's result depends only on its own MMA
+// column: deterministic whatever the order of items or of tokens within a pass.
 //
 // Shape constraints (checked at the op boundary, csrc/experts_cuda.cpp): H and I multiples of 64, E <= 512, 16-byte aligned
 // tensors, bf16 or fp16. ids outside [0, E] are treated like the sentinel (can't be checked without a sync).
@@ -314,60 +314,64 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
 // only on its own column of the MMA, so the results are bitwise independent of the item order.
 constexpr int P_ROWS = 64;
 constexpr int P_WM = 2, P_WN = 4, P_CW = P_WM * P_WN;
-constexpr int P_THREADS = (P_CW + 1) * 32;
 
-template <int NTW, int STAGES>
+template <int NTW, int STAGES, int PW>
 struct PLayout {
-  static constexpr int NP = P_WN * NTW * 8;  // tokens per pass
+  static constexpr int THREADS = (P_CW + PW) * 32;  // consumer warps, then PW producer warps
+  static constexpr int NP = P_WN * NTW * 8;          // tokens per pass
   static constexpr int A_BYTES = P_ROWS * ROW_BYTES;
   static constexpr int STAGE_BYTES = (P_ROWS + NP) * ROW_BYTES;
   static constexpr int BAR = STAGES * STAGE_BYTES;     // full[STAGES], empty[STAGES]
   static constexpr int DESC = BAR + 16 * STAGES;       // [STAGES] int2 {row0, nv}
   static constexpr int LIST = DESC + 8 * STAGES;       // [STAGES][NP] pair t*k+j
   static constexpr int BROW = LIST + 4 * STAGES * NP;  // [STAGES][NP] row of the token operand
-  static constexpr int CNT = BROW + 4 * STAGES * NP;   // [E] tokens per expert, [E+1] first unit
+  static constexpr int NVW = BROW + 4 * STAGES * NP;   // [PW][STAGES] tokens of the item, per producer warp
+  static constexpr int CNT = NVW + 4 * PW * STAGES;    // [E] tokens per expert, [E+1] first unit
   static constexpr size_t bytes(int E) { return static_cast<size_t>(CNT) + 4 * (2 * E + 1); }
 };
 
-template <typename T, bool GATED, int NTW, int STAGES>
-__global__ void __launch_bounds__(P_THREADS, 1) persist_gemm_kernel(const GemmParams p) {
-  using L = PLayout<NTW, STAGES>;
+template <typename T, bool GATED, int NTW, int STAGES, int PW, int MINB>
+__global__ void __launch_bounds__(PLayout<NTW, STAGES, PW>::THREADS, MINB) persist_gemm_kernel(const GemmParams p) {
+  using L = PLayout<NTW, STAGES, PW>;
   constexpr int NP = L::NP;
+  constexpr int NT = L::THREADS;
+  constexpr int PT = PW * 32;  // producer threads
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t smem0 = smem_addr(smem);
   int2* s_desc = reinterpret_cast<int2*>(smem + L::DESC);
   int* s_list = reinterpret_cast<int*>(smem + L::LIST);
   int* s_brow = reinterpret_cast<int*>(smem + L::BROW);
+  int* s_nvw = reinterpret_cast<int*>(smem + L::NVW);
   int* s_cnt = reinterpret_cast<int*>(smem + L::CNT);
   const int E = p.num_experts;
   int* s_ustart = s_cnt + E;
-  __shared__ int s_scan[P_CW + 1];
+  __shared__ int s_scan[P_CW + PW];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int bid = blockIdx.x, G = gridDim.x;
   cuda::pdl_launch_dependents();
 
   // ---- routing: tokens per expert, passes, first unit of each expert -----------------------------------
-  for (int e = tid; e < E; e += P_THREADS) s_cnt[e] = 0;
+  for (int e = tid; e < E; e += NT) s_cnt[e] = 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(smem0 + L::BAR + 8 * s, 64);              // 32 cp.async arrivals + 32 plain arrivals
+      mbar_init(smem0 + L::BAR + 8 * s, 2 * PT);           // per producer thread: cp.async arrival + plain arrival
       mbar_init(smem0 + L::BAR + 8 * (STAGES + s), P_CW);  // one per consumer warp
     }
   }
   __syncthreads();
-  for (int i = tid; i < p.tk; i += P_THREADS) {
+  for (int i = tid; i < p.tk; i += NT) {
     const int u = __ldg(p.ids + i);
     if (static_cast<unsigned>(u) < static_cast<unsigned>(E)) atomicAdd(&s_cnt[u], 1);
   }
   __syncthreads();
   {
-    const int per = (E + P_THREADS - 1) / P_THREADS;
+    const int per = (E + NT - 1) / NT;
     const int e0 = min(tid * per, E), e1 = min(e0 + per, E);
     int n = 0;
     for (int e = e0; e < e1; ++e) n += (s_cnt[e] + NP - 1) / NP;
     int total;
-    int before = block_exclusive_scan<P_CW + 1>(n, s_scan, total);
+    int before = block_exclusive_scan<P_CW + PW>(n, s_scan, total);
     for (int e = e0; e < e1; ++e) {
       s_ustart[e] = before;
       before += (s_cnt[e] + NP - 1) / NP;
@@ -380,9 +384,12 @@ __global__ void __launch_bounds__(P_THREADS, 1) persist_gemm_kernel(const GemmPa
   const int nk = p.K / KS;
   const int steps = my_items * nk;
 
-  if (warp == P_CW) {
-    // ---- producer warp ---------------------------------------------------------------------------------
-    const int ch = lane & 7, r_lane = lane >> 3;
+  if (warp >= P_CW) {
+    // ---- producer warps: thread pt copies 16-byte chunk (pt & 7) of rows (pt >> 3) + 4 * PW * a ----------
+    // Each producer warp works out every item itself (no sync between producer warps); warp 0 also
+    // publishes the item's descriptor and token list to the consumers.
+    const int pw = warp - P_CW, pt = tid - P_CW * 32;
+    const int ch = lane & 7, r_lane = pt >> 3;
     const int K = p.K;
     const uint64_t policy = evict_first_policy();
     const T* wexp = static_cast<const T*>(p.w);
@@ -401,7 +408,10 @@ __global__ void __launch_bounds__(P_THREADS, 1) persist_gemm_kernel(const GemmPa
       row0 = tile * (GATED ? P_ROWS / 2 : P_ROWS);
       wexp = static_cast<const T*>(p.w) + static_cast<int64_t>(e) * p.w_expert_stride;
       const int ring = j % STAGES;
-      if (lane == 0) s_desc[ring] = make_int2(row0, nv);
+      if (lane == 0) {
+        s_nvw[pw * STAGES + ring] = nv;
+        if (pw == 0) s_desc[ring] = make_int2(row0, nv);
+      }
       int got = 0;
       for (int base = 0; base < p.tk && got < last; base += 128) {
         int v[4];
@@ -414,11 +424,11 @@ __global__ void __launch_bounds__(P_THREADS, 1) persist_gemm_kernel(const GemmPa
         for (int c = 0; c < 4; ++c) {
           const bool hit = v[c] == e;
           const unsigned m = __ballot_sync(0xffffffffu, hit);
-          const int r = got + __popc(m & ((1u << lane) - 1u));
-          if (hit && r >= first && r < last) {
+          const int r = got + __popc(m & ((1u << lane) - 1u)) - first;
+          if (hit && r >= 0 && r < nv) {
             const int i = base + c * 32 + lane;
-            s_list[ring * NP + r - first] = i;
-            s_brow[ring * NP + r - first] = GATED ? i / p.top_k : i;
+            if (pw == 0) s_list[ring * NP + r] = i;
+            if (((r >> 2) % PW) == pw) s_brow[ring * NP + r] = GATED ? i / p.top_k : i;  // rows this warp loads
           }
           got += __popc(m);
         }
@@ -437,21 +447,21 @@ __global__ void __launch_bounds__(P_THREADS, 1) persist_gemm_kernel(const GemmPa
       const uint32_t dst0 = smem0 + (i % STAGES) * L::STAGE_BYTES;
       const int col = ks * KS + ch * 8;
 #pragma unroll
-      for (int a = 0; a < P_ROWS / 4; ++a) {
-        const int r = r_lane + 4 * a;
+      for (int a = 0; a < P_ROWS / (4 * PW); ++a) {
+        const int r = r_lane + 4 * PW * a;
         int grow;
-        if (GATED) grow = a < P_ROWS / 8 ? row0 + r : p.up_row_offset + row0 + (r - P_ROWS / 2);
+        if (GATED) grow = r < P_ROWS / 2 ? row0 + r : p.up_row_offset + row0 + (r - P_ROWS / 2);
         else grow = min(row0 + r, p.R - 1);  // rows past R (last partial tile): loaded, never stored
         cp_async16_stream(dst0 + swz(r, ch), wexp + static_cast<int64_t>(grow) * K + col, policy);
       }
     };
     auto issue_tokens = [&](int i) {
       const int j = i / nk, ks = i - j * nk, ring = j % STAGES;
-      const int nv = s_desc[ring].y;
+      const int nv = s_nvw[pw * STAGES + ring];
       const uint32_t dst0 = smem0 + (i % STAGES) * L::STAGE_BYTES + L::A_BYTES;
       const T* B = static_cast<const T*>(p.b);
       const int col = ks * KS + ch * 8;
-      for (int r = r_lane; r < nv; r += 4)
+      for (int r = r_lane; r < nv; r += 4 * PW)
         cp_async16(dst0 + swz(r, ch), B + static_cast<int64_t>(s_brow[ring * NP + r]) * K + col);
     };
     auto publish = [&](int i) {
@@ -621,22 +631,22 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
 }
 
 // v2 launch: persistent grid (CTAs resident on the device, at most one per possible item).
-template <typename T, bool GATED, int NTW, int STAGES>
+template <typename T, bool GATED, int NTW, int STAGES, int PW, int MINB>
 void launch_persist(const GemmParams& p, int64_t units_max, cudaStream_t stream, bool pdl) {
-  using L = PLayout<NTW, STAGES>;
-  auto kernel = persist_gemm_kernel<T, GATED, NTW, STAGES>;
+  using L = PLayout<NTW, STAGES, PW>;
+  auto kernel = persist_gemm_kernel<T, GATED, NTW, STAGES, PW, MINB>;
   static const int resident = [&] {
     const size_t max_smem = L::bytes(kMaxE);
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)max_smem));
     int occ = 0, dev = 0, sms = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, P_THREADS, max_smem));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, L::THREADS, max_smem));
     C10_CUDA_CHECK(cudaGetDevice(&dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     return std::max(1, occ) * sms;
   }();
   const int64_t items_max = units_max * p.tiles;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items_max, resident)));
-  cuda::launch({dim3(grid), dim3(P_THREADS), L::bytes(p.num_experts), stream, 0, pdl}, kernel, p);
+  cuda::launch({dim3(grid), dim3(L::THREADS), L::bytes(p.num_experts), stream, 0, pdl}, kernel, p);
 }
 
 // Configurations, picked by the number of tokens T (a shape, so the choice is graph-safe): up to NP tokens of
@@ -653,7 +663,7 @@ Config pick_config(int64_t tokens) {
     if (!std::strcmp(forced, "L")) return Config::kL;
     if (!std::strcmp(forced, "XL")) return Config::kXL;
   }
-  if (tokens <= 32) return Config::kS;
+  if (tokens <= 32) return Config::kS2;
   if (tokens <= 64) return Config::kM;
   if (tokens <= 128) return Config::kL;
   return Config::kXL;
@@ -663,17 +673,17 @@ bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch 
   return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true);
 }
 
-template <typename T, int NTW, int STAGES>
+template <typename T, int NTW, int STAGES, int PW, int MINB>
 void run_persist(GemmParams p1, GemmParams p2, int64_t I, int64_t H, int64_t E, int64_t tk, cudaStream_t stream,
                  bool pdl) {
-  constexpr int NP = PLayout<NTW, STAGES>::NP;
+  constexpr int NP = PLayout<NTW, STAGES, PW>::NP;
   const int64_t units_max = std::min<int64_t>(E, tk) + tk / NP;
   p1.R = static_cast<int>(I);
   p1.tiles = static_cast<int>(I / (P_ROWS / 2));
   p2.R = static_cast<int>(H);
   p2.tiles = static_cast<int>((H + P_ROWS - 1) / P_ROWS);
-  launch_persist<T, true, NTW, STAGES>(p1, units_max, stream, false);
-  launch_persist<T, false, NTW, STAGES>(p2, units_max, stream, pdl);
+  launch_persist<T, true, NTW, STAGES, PW, MINB>(p1, units_max, stream, false);
+  launch_persist<T, false, NTW, STAGES, PW, MINB>(p2, units_max, stream, pdl);
 }
 
 template <typename T>
@@ -685,20 +695,20 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       launch_gemm<T, true, 32, 1, 4, 8>(p1, I / 16, grid_experts, stream, false);
       launch_gemm<T, false, 32, 1, 4, 6>(p2, H / 32, grid_experts, stream, pdl);
       break;
-    case Config::kS:  // 32 tokens per pass, 16 stages, 1 CTA/SM
-      run_persist<T, 1, 16>(p1, p2, I, H, E, tk, stream, pdl);
+    case Config::kS:  // 32 tokens per pass, 16 stages, 8 producer warps, 1 CTA/SM
+      run_persist<T, 1, 16, 8, 1>(p1, p2, I, H, E, tk, stream, pdl);
       break;
-    case Config::kS2:  // 32 tokens per pass, 8 stages, 2 CTAs/SM
-      run_persist<T, 1, 8>(p1, p2, I, H, E, tk, stream, pdl);
+    case Config::kS2:  // 32 tokens per pass, 8 stages, 4 producer warps, 2 CTAs/SM
+      run_persist<T, 1, 8, 4, 2>(p1, p2, I, H, E, tk, stream, pdl);
       break;
-    case Config::kM:  // 64 tokens per pass, 12 stages
-      run_persist<T, 2, 12>(p1, p2, I, H, E, tk, stream, pdl);
+    case Config::kM:  // 64 tokens per pass, 12 stages, 8 producer warps
+      run_persist<T, 2, 12, 8, 1>(p1, p2, I, H, E, tk, stream, pdl);
       break;
-    case Config::kL:  // 128 tokens per pass, 8 stages
-      run_persist<T, 4, 8>(p1, p2, I, H, E, tk, stream, pdl);
+    case Config::kL:  // 128 tokens per pass, 8 stages, 8 producer warps
+      run_persist<T, 4, 8, 8, 1>(p1, p2, I, H, E, tk, stream, pdl);
       break;
-    case Config::kXL:  // 256 tokens per pass, 5 stages
-      run_persist<T, 8, 5>(p1, p2, I, H, E, tk, stream, pdl);
+    case Config::kXL:  // 192 tokens per pass, 6 stages, 8 producer warps
+      run_persist<T, 6, 6, 8, 1>(p1, p2, I, H, E, tk, stream, pdl);
       break;
   }
 }
