@@ -7,12 +7,13 @@
 //      rounded to hidden's dtype (act is indexed by pair).
 //   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
 //   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
-// Default (v2, persist_gemm_kernel below): a persistent grid, each CTA counting the ids itself and streaming
+// v2 (persist_gemm_kernel below; default only for 8 < T <= 32, see pick_config): a persistent grid, each CTA
+// counting the ids itself and streaming
 // its work items (expert, pass of up to NP tokens, 64-row tile) as one continuous k-step sequence through a
 // deep cp.async + mbarrier ring filled by producer warps and drained by 8 MMA warps: each expert's weights
-// are read from HBM once for up to NP (32..192, by T) tokens. The previous kernel (v1, expert_gemm_kernel:
-// one CTA per (tile, expert), tokens in the same stages, re-streamed per 32 tokens) stays as config V1 for
-// comparison (BASE_MOE_EXPERTS_CONFIG=V1; v1 indexes act by expert-sorted position).
+// are read from HBM once for up to NP (32..192, by config) tokens. v1 (expert_gemm_kernel: one CTA per (tile,
+// expert), tokens in the same stages, re-streamed per 32 tokens; act indexed by expert-sorted position) is the
+// default for other T. BASE_MOE_EXPERTS_CONFIG=V1|S|S2|M|L|XL forces one (benchmarks, tests).
 // So the op needs no host sync and allocates only buffers sized from T, k, H, I.
 //
 // Tensor cores: mma.sync m16n8k16 with weight rows as M and tokens as the narrow N side. Each lane loads 16
@@ -663,10 +664,12 @@ Config pick_config(int64_t tokens) {
     if (!std::strcmp(forced, "L")) return Config::kL;
     if (!std::strcmp(forced, "XL")) return Config::kXL;
   }
-  if (tokens <= 32) return Config::kS2;
-  if (tokens <= 64) return Config::kM;
-  if (tokens <= 128) return Config::kL;
-  return Config::kXL;
+  // Measured on the H200 (notes/experts_kernel.md, commit 8554539): the v2 kernels keep only about one k-step in
+  // flight per CTA (~13-16 GB/s per CTA), so they beat v1 only with budgets at batch 16 (S2: b16/M16 64.4 us vs
+  // 72.3, M32 104 vs 110; dense 267 vs 231) and with ~128 tokens per expert (XL: b256/M16 230 vs 318, but
+  // b256 dense 1272 vs 511). Until the v2 pipeline keeps its ring in flight, v1 stays the default elsewhere.
+  if (tokens > 8 && tokens <= 32) return Config::kS2;
+  return Config::kV1;
 }
 
 bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch off (benchmarks)
