@@ -5,9 +5,10 @@
 // Cluster = TG token groups x RG row groups (TG * RG <= 16 CTAs; chosen by the launcher to minimise the bytes
 // each CTA reads). CTA (tg, rg):
 //   1. GEMV: logits and log-norms of experts [rg * EC, (rg + 1) * EC) for tokens [tg * TC, (tg + 1) * TC) of the
-//      group, on tensor cores (mma.sync m16n8k16: weight rows as M, tokens as the narrow N side), operands straight
-//      from global memory in 16-byte loads; the CTA's warps split the tile and H, partial sums are added in a fixed
-//      order. Results stay in shared memory (and go to the logits / log_norms outputs).           -- cluster barrier
+//      group, on tensor cores (mma.sync m16n8k16: weight rows as M, tokens as the narrow N side). The weight rows are
+//      copied to shared memory (cp.async) before the kernel waits for its predecessor (programmatic dependent
+//      launch), so their HBM read overlaps the previous kernel; hidden states come from global memory in 16-byte
+//      loads. The CTA's warps split the tile and H; partial sums are added in a fixed order.       -- cluster barrier
 //   2. Routing: one warp per token (token i of the token group goes to CTA rg = i % RG): the warp gathers the
 //      token's E logits from the RG CTAs of its token group, picks the top k (csrc/include/base_moe/
 //      routing_device.cuh), computes weights and slot costs, and writes each slot's cost into the shared memory of
@@ -15,11 +16,12 @@
 //   3. Batch cost: each CTA adds its owned experts' costs in token order (bitwise the reference's sequential fp32
 //      sum: absent tokens contribute nothing) and broadcasts D and the candidate flags to every CTA.  -- barrier
 //   4. Every CTA ranks the candidates (D descending, index ascending) and keeps the top W; the token warps fill
-//      their tokens' slots (still in registers) and count them into the owners' shared memory.        -- barrier
-//   5. Owners write counts and D; CTA 0 writes the kept list.
+//      their tokens' slots (still in registers) and count them into the owners' shared memory.  -- barrier arrive
+//   5. While the barrier completes: ids, weights, logits, log-norms, D and the kept list go to global memory (no
+//      global write precedes a barrier, so no barrier waits for HBM); after it, the owners write the counts.
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
-// does not take (fp32, H % 8 != 0, more than 16 * NW tokens per group, too much shared memory) run the two-kernel
-// path (router_predict + route_select); the op wrapper in csrc/select_cuda.cpp decides.
+// does not take (fp32, H % 8 != 0, more than 16 warps' worth of tokens per CTA, weight rows that do not fit in shared
+// memory) run the two-kernel path (router_predict + route_select); the op wrapper in csrc/select_cuda.cpp decides.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -41,19 +43,28 @@ using namespace routing_device;
 constexpr int kWarps = 16;  // 512 threads: one warp per token of the CTA in the routing and fill phases
 constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;  // 32-column chunks whose loads are in flight at once per warp
+constexpr int kSmemWeightBytes = 140 * 1024;  // stage the CTA's weight rows in shared memory up to this size
+constexpr int kMaxSmemBytes = 220 * 1024;
 
 struct FusedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
-  int partial, logit, log_norm, own, flags, counts, batch_cost, state, kept, scratch, slots, total;
+  int weights, partial, logit, log_norm, own, flags, counts, own_cost, rank_key, kept_flag, kept, scratch, slots,
+      total;
 };
 
 __host__ __device__ inline int round_up(int a, int b) { return (a + b - 1) / b * b; }
+
+// Bytes per weight row in shared memory: rows 64 bytes apart modulo 128, so the two rows a quarter warp reads with
+// 16-byte loads (lanes g, g + 1 at 4 x 16 contiguous bytes each) fall on disjoint banks.
+__host__ __device__ inline int weight_row_stride(int H) { return round_up(H * 2, 128) + 64; }
 
 __host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) {
   const int rows = f.experts_per_cta * (f.predict ? 2 : 1);
   const int E = f.sel.E;
   FusedLayout s{};
   int at = 0;
+  s.weights = at;  // [rows][weight_row_stride bytes]: the CTA's weight rows
+  at += rows * weight_row_stride(f.gemv.H) / 4;
   s.partial = at;  // [k_slices][rows rounded to 16][tokens rounded to 16]
   at += f.k_slices * round_up(rows, 16) * round_up(f.tokens_per_cta, 16);
   s.logit = at;  // [tokens_per_cta][experts_per_cta]
@@ -66,9 +77,11 @@ __host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) 
   at += f.owned_experts;
   s.counts = at;  // [owned_experts]
   at += f.owned_experts;
-  s.batch_cost = at;  // [E], every CTA
+  s.own_cost = at;  // [owned_experts]: D of the owned experts
+  at += f.owned_experts;
+  s.rank_key = at;  // [E], every CTA: D of candidates (routed in the group), -1 otherwise
   at += E;
-  s.state = at;  // [E]: bit 0 candidate (routed in the group), bit 1 kept
+  s.kept_flag = at;  // [E]
   at += E;
   s.kept = at;  // [W]
   at += f.sel.W;
@@ -90,7 +103,9 @@ __device__ __forceinline__ const T* gemv_row(const FusedSelectParams& f, int rg,
   return static_cast<const T*>(w) + static_cast<int64_t>(u) * f.gemv.H;
 }
 
-// Phase 1: this CTA's [rows x tokens] tile of the GEMV, into shared memory (and the op's outputs).
+// Phase 1: this CTA's [rows x tokens] tile of the GEMV, into shared memory (the op's outputs are written at the end).
+// The weight rows are in shared memory (copied before the kernel waited for its predecessor); the hidden states
+// stream from global memory.
 template <typename T>
 __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group, int tg, int rg, float* smem,
                                           const FusedLayout& L) {
@@ -104,6 +119,8 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
   const int tokens_here = min(TC, B - tg * TC);  // tokens of this token group (the last may be short)
   float* partial = smem + L.partial;
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int stride = weight_row_stride(p.H);
+  const char* weights = reinterpret_cast<const char*>(smem + L.weights);
 
   for (int w = warp; w < units * KS; w += kWarps) {
     const int unit = w % units, ks = w / units;
@@ -112,7 +129,8 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
     const T* b_ptr[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      a_ptr[h] = gemv_row<T>(f, rg, rt * 16 + h * 8 + g);
+      const int r = rt * 16 + h * 8 + g;
+      a_ptr[h] = gemv_row<T>(f, rg, r) != nullptr ? reinterpret_cast<const T*>(weights + r * stride) : nullptr;
       const int i = tu * 16 + h * 8 + g;
       b_ptr[h] = i < tokens_here
                      ? static_cast<const T*>(p.hidden) + (static_cast<int64_t>(group) * B + tg * TC + i) * p.H
@@ -128,7 +146,7 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
         const bool ok = k < k_end;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          a[u][h] = ok && a_ptr[h] != nullptr ? cuda::load16(a_ptr[h] + k) : zero;
+          a[u][h] = ok && a_ptr[h] != nullptr ? *reinterpret_cast<const uint4*>(a_ptr[h] + k) : zero;
           b[u][h] = ok && b_ptr[h] != nullptr ? cuda::load16(b_ptr[h] + k) : zero;
         }
       }
@@ -162,16 +180,26 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
     if (u >= E) continue;
     float v = 0.0f;
     for (int ks = 0; ks < KS; ++ks) v += partial[(ks * rows_pad + r) * tokens_pad + i];
-    const int64_t out = (static_cast<int64_t>(group) * B + tg * TC + i) * E + u;
     if (r < EC) {
       if (p.router_bias != nullptr) v += p.router_bias[u];
       logit[i * EC + r] = v;
-      p.logits[out] = v;
     } else {
-      v += p.predictor_bias[u];
-      log_norm[i * EC + r - EC] = v;
-      p.log_norms[out] = v;
+      log_norm[i * EC + r - EC] = v + p.predictor_bias[u];
     }
+  }
+}
+
+// The CTA's logits / log-norms tile to the op's outputs.
+__device__ __forceinline__ void write_gemv_tile(const FusedSelectParams& f, int group, int tg, int rg, const float* smem,
+                                                const FusedLayout& L) {
+  const int B = f.sel.B, E = f.sel.E, EC = f.experts_per_cta, TC = f.tokens_per_cta;
+  const int tokens_here = min(TC, B - tg * TC);
+  for (int idx = threadIdx.x; idx < tokens_here * EC; idx += kThreads) {
+    const int i = idx / EC, e = idx % EC, u = rg * EC + e;
+    if (u >= E) continue;
+    const int64_t out = (static_cast<int64_t>(group) * B + tg * TC + i) * E + u;
+    f.gemv.logits[out] = smem[L.logit + idx];
+    if (f.predict) f.gemv.log_norms[out] = smem[L.log_norm + idx];
   }
 }
 
@@ -204,20 +232,23 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   float* own = smem + L.own;
   int* flags = reinterpret_cast<int*>(smem + L.flags);
   int* counts = reinterpret_cast<int*>(smem + L.counts);
-  float* batch_cost = smem + L.batch_cost;
-  int* state = reinterpret_cast<int*>(smem + L.state);
+  float* own_cost = smem + L.own_cost;
+  float* rank_key = smem + L.rank_key;
+  int* kept_flag = reinterpret_cast<int*>(smem + L.kept_flag);
   int* kept = reinterpret_cast<int*>(smem + L.kept);
   float* my_scratch = smem + L.scratch + warp * (E + 2 * p.n_group);
   float* my_slots = smem + L.slots + warp * 3 * kMaxTopK;
 
-  // The weights do not depend on the previous kernel: pull this CTA's rows into L2 while it finishes
-  // (programmatic dependent launch), then wait before touching hidden states or outputs.
+  // The weights do not depend on the previous kernel: start copying this CTA's rows to shared memory while it
+  // finishes (programmatic dependent launch), then wait before touching hidden states or outputs.
   cuda::pdl_launch_dependents();
   {
-    const int rows = f.experts_per_cta * (f.predict ? 2 : 1), lines_per_row = (f.gemv.H * 2 + 127) / 128;
-    for (int i = tid; i < rows * lines_per_row; i += kThreads) {
-      const T* row = gemv_row<T>(f, rg, i / lines_per_row);
-      if (row != nullptr) cuda::prefetch_l2(row + (i % lines_per_row) * 64);
+    const int rows = f.experts_per_cta * (f.predict ? 2 : 1), chunks = f.gemv.H / 8;
+    const int stride = weight_row_stride(f.gemv.H);
+    char* weights = reinterpret_cast<char*>(smem + L.weights);
+    for (int i = tid; i < rows * chunks; i += kThreads) {
+      const T* row = gemv_row<T>(f, rg, i / chunks);
+      if (row != nullptr) cuda::cp_async16(weights + (i / chunks) * stride + (i % chunks) * 16, row + (i % chunks) * 8);
     }
   }
   for (int i = tid; i < EO * B; i += kThreads) own[i] = 0.0f;
@@ -225,10 +256,13 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     flags[i] = 0;
     counts[i] = 0;
   }
+  for (int i = tid; i < E; i += kThreads) kept_flag[i] = 0;
   for (int i = tid; i < W; i += kThreads) kept[i] = E;
   cuda::pdl_wait();
 
   // ---- 1. GEMV ----
+  cuda::cp_async_wait_all();
+  __syncthreads();
   gemv_tile<T>(f, group, tg, rg, smem, L);
   cuda::cluster_sync();
 
@@ -263,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   }
   cuda::cluster_sync();
 
-  // ---- 3. batch cost of the owned experts, in token order; broadcast with the candidate flags ----
+  // ---- 3. batch cost of the owned experts, in token order; the ranking keys to every CTA ----
   for (int e = warp; e < EO; e += kWarps) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u >= E) break;
@@ -276,95 +310,99 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     }
     const int fl = flags[e];
     if (p.cost == static_cast<int>(Cost::kTop1Union) && (fl & 2)) d = d + p.top1_offset;
-    if (lane < C) {
-      cuda::cluster_map(batch_cost, static_cast<unsigned>(lane))[u] = d;
-      cuda::cluster_map(state, static_cast<unsigned>(lane))[u] = fl & 1;
-    }
-    if (lane == 0) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = d;
+    // Costs are >= 0, so -1 ranks every expert no token routed below every candidate.
+    if (lane < C) cuda::cluster_map(rank_key, static_cast<unsigned>(lane))[u] = (fl & 1) ? d : -1.0f;
+    if (lane == 0) own_cost[e] = d;
   }
   cuda::cluster_sync();
 
-  // ---- 4. top-budget selection (every CTA), then the fill of this warp's token ----
+  // ---- 4. top-budget selection (every CTA): rank each candidate (key descending, index ascending) ----
   {
     int tpe = 1;  // threads per expert (power of two, within a warp)
     while (tpe < 32 && tpe * 2 * E <= kThreads) tpe *= 2;
     const int per_pass = kThreads / tpe, sub = tid % tpe;
     for (int first = 0; first < E; first += per_pass) {
       const int u = first + tid / tpe;
-      const bool cand = u < E && (state[u] & 1);
-      const float du = u < E ? batch_cost[u] : 0.0f;
+      const float ku = u < E ? rank_key[u] : -1.0f;
       int r = 0;
-      if (cand) {
+      if (ku >= 0.0f) {
+#pragma unroll 8
         for (int v = sub; v < E; v += tpe) {
-          const float dv = batch_cost[v];
-          r += ((state[v] & 1) && (dv > du || (dv == du && v < u))) ? 1 : 0;
+          const float kv = rank_key[v];
+          r += (kv > ku || (kv == ku && v < u)) ? 1 : 0;
         }
       }
       for (int o = tpe / 2; o > 0; o >>= 1) r += __shfl_xor_sync(kFullMask, r, o);
-      if (cand && sub == 0 && r < W) kept[r] = u;
+      if (ku >= 0.0f && sub == 0 && r < W) {
+        kept[r] = u;
+        kept_flag[u] = 1;
+      }
     }
   }
   __syncthreads();
-  for (int j = tid; j < W; j += kThreads) {
-    if (kept[j] < E) state[kept[j]] |= 2;
-  }
-  __syncthreads();
 
+  // ---- 5. fill this warp's token from the kept experts; counts to the owners ----
+  int32_t final_id = E;
+  float final_weight = 0.0f;
+  int final_slot = lane;
   if (has_token) {
-    auto count = [&](int32_t id) {
-      atomicAdd(cuda::cluster_map(counts, static_cast<unsigned>(id / EO)) + id % EO, 1);
-    };
     if (p.fill == static_cast<int>(Fill::kBackfill)) {
       uint32_t preferred[EPL], other[EPL];
       const bool grouped = p.n_group > 1;
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
         const int u = lane * EPL + j;
-        const bool in_kept = u < E && (state[u] & 2);
+        const bool in_kept = u < E && kept_flag[u] != 0;
         const bool allowed = (s.allowed >> j) & 1u;
         const uint32_t key = cuda::ordered_bits(s.choice[j]);
         preferred[j] = in_kept && (allowed || !grouped) ? key : 0u;
         other[j] = in_kept && grouped && !allowed ? key : 0u;
       }
       warp_top_k<EPL>(preferred, other, grouped, s, k, E, lane, my_slots);
-      int32_t id;
-      float w, unused;
-      slot_weights<EPL>(p, s, my_slots, lane, id, w, unused);
-      if (lane < k) {
-        p.ids[t * k + lane] = id;
-        p.weights[t * k + lane] = w;
-        if (id < E) count(id);
-      }
+      float unused;
+      slot_weights<EPL>(p, s, my_slots, lane, final_id, final_weight, unused);
     } else {
       const bool in_slot = lane < k;
-      const bool survives = in_slot && s.slot_id < E && (state[s.slot_id] & 2);
+      const bool survives = in_slot && s.slot_id < E && kept_flag[s.slot_id] != 0;
       const unsigned mask = __ballot_sync(kFullMask, survives);
-      const int survivors = __popc(mask);
       const float total = cuda::warp_sum(in_slot ? s.slot_weight : 0.0f);
       const float kept_total = cuda::warp_sum(survives ? s.slot_weight : 0.0f);
       float scale = 1.0f;
       if (p.fill == static_cast<int>(Fill::kDropRenorm)) scale = kept_total > 0.0f ? total / kept_total : 0.0f;
-      const int position = __popc(mask & ((1u << lane) - 1u));  // survivors keep their order
-      if (survives) {
-        p.ids[t * k + position] = s.slot_id;
-        p.weights[t * k + position] = s.slot_weight * scale;
-        count(s.slot_id);
-      }
-      if (lane >= survivors && lane < k) {
-        p.ids[t * k + lane] = E;
-        p.weights[t * k + lane] = 0.0f;
+      const int survivors = __popc(mask);
+      if (survives) {  // survivors keep their order; dropped slots move to the end
+        final_slot = __popc(mask & ((1u << lane) - 1u));
+        final_id = s.slot_id;
+        final_weight = s.slot_weight * scale;
+      } else {
+        // the dropped slots fill positions survivors.. k-1, in slot order
+        final_slot = survivors + __popc(~mask & ((1u << lane) - 1u));
       }
     }
+    if (lane < k && final_id < E) {
+      atomicAdd(cuda::cluster_map(counts, static_cast<unsigned>(final_id / EO)) + final_id % EO, 1);
+    }
   }
-  cuda::cluster_sync();
-
-  // ---- 5. counts of the owned experts, the kept list ----
+  // Only the count atomics must reach the owners before the barrier; the outputs are written while it completes.
+  cuda::cluster_arrive();
+  if (has_token && lane < k) {
+    p.ids[t * k + final_slot] = final_id;
+    p.weights[t * k + final_slot] = final_weight;
+  }
+  write_gemv_tile(f, group, tg, rg, smem, L);
   for (int e = tid; e < EO; e += kThreads) {
     const int u = static_cast<int>(rank) * EO + e;
-    if (u < E) p.counts[static_cast<int64_t>(group) * E + u] = counts[e];
+    if (u < E) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = own_cost[e];
   }
   if (rank == 0) {
     for (int j = tid; j < W; j += kThreads) p.kept[static_cast<int64_t>(group) * W + j] = kept[j];
+  }
+  cuda::cluster_wait();
+
+  // ---- 6. counts of the owned experts ----
+  for (int e = tid; e < EO; e += kThreads) {
+    const int u = static_cast<int>(rank) * EO + e;
+    if (u < E) p.counts[static_cast<int64_t>(group) * E + u] = counts[e];
   }
 }
 
@@ -376,7 +414,7 @@ int max_cluster(size_t smem, int device) {
   if (cached[device] != 0) return cached[device];
   auto kernel = select_experts_kernel<T, EPL>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
   int best = 1;
   for (int c : {16, 8}) {
     cudaLaunchConfig_t config = {};
@@ -401,16 +439,19 @@ int max_cluster(size_t smem, int device) {
   return best;
 }
 
-// Picks the cluster shape: the (token groups, row groups) split that reads the fewest bytes per CTA.
+// Picks the cluster shape: among the (token groups, row groups) splits whose weight rows fit in shared memory, the
+// one that reads the fewest bytes per CTA. False when none fits (large H x E): the two-kernel path is faster there,
+// since its GEMV spreads over the whole GPU.
 bool plan(FusedSelectParams& f, int max_c) {
   const int B = f.sel.B, E = f.sel.E, H = f.gemv.H;
   int64_t best_bytes = -1;
   for (int rg = 1; rg <= max_c && rg <= std::max(1, E / 8); rg *= 2) {
+    const int ec = (E + rg - 1) / rg, rows = ec * (f.predict ? 2 : 1);
+    if (rows * weight_row_stride(H) > kSmemWeightBytes) continue;
     for (int tg = 1; tg * rg <= max_c; tg *= 2) {
       const int tc = (B + tg - 1) / tg;
       if ((tc + rg - 1) / rg > kWarps) continue;  // one warp per token
-      const int ec = (E + rg - 1) / rg;
-      const int64_t bytes = static_cast<int64_t>(ec * (f.predict ? 2 : 1) + tc) * H * 2;
+      const int64_t bytes = static_cast<int64_t>(rows + tc) * H * 2;
       if (best_bytes < 0 || bytes < best_bytes) {
         best_bytes = bytes;
         f.token_groups = tg;
@@ -435,7 +476,7 @@ bool launch_fused(FusedSelectParams f, int groups, int device, cudaStream_t stre
   const int max_c = max_cluster<T, EPL>(64 * 1024, device);
   if (max_c < 1 || !plan(f, max_c)) return false;
   const size_t smem = static_cast<size_t>(fused_layout(f).total) * 4;
-  if (smem > 200 * 1024) return false;
+  if (smem > static_cast<size_t>(kMaxSmemBytes)) return false;
   const int C = f.token_groups * f.row_groups;
   cuda::launch({dim3(groups * C), dim3(kThreads), smem, stream, C, cuda::selection_pdl()}, select_experts_kernel<T, EPL>, f);
   return true;

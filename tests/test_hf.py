@@ -486,17 +486,24 @@ def test_cuda_graph_captures_a_decode_step(family):
 
 @pytest.mark.cuda
 def test_cuda_generate_static_cache_compiled():
-    """generate() with a static cache and torch.compile(mode="reduce-overhead") (CUDA graphs) under a budget
-    gives the tokens of the uncompiled budgeted model (the first new token exactly; later ones may follow a
-    near-tie of the random model's logits differently)."""
+    """generate() with a static cache compiles the decode step (Hugging Face's auto-compile:
+    torch.compile(mode="reduce-overhead"), CUDA graphs) through base_moe's ops under a budget, and gives the tokens of
+    the uncompiled budgeted model (the first new token exactly; later ones may follow a near-tie of the random model's
+    logits differently)."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
     model = fresh("qwen3_moe", dtype=torch.bfloat16, device="cuda")
     _set_experts_implementation(model, "grouped_mm")
     base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy="base")
     prompt = prompt_ids(batch=8, length=5).cuda()
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    torch._dynamo.reset()
+    counters.clear()
     with torch.no_grad():
         eager = model.generate(prompt, disable_compile=True, **kwargs)
-        model.forward = torch.compile(model.forward, mode="reduce-overhead")
-        compiled = model.generate(prompt, **kwargs)
+        assert counters["stats"]["unique_graphs"] == 0
+        compiled = model.generate(prompt, compile_config=CompileConfig(mode="reduce-overhead"), **kwargs)
+    assert counters["stats"]["unique_graphs"] >= 1, "generate() did not compile the decode step"
     assert compiled.shape == eager.shape and torch.equal(compiled[:, :6], eager[:, :6])
     assert (compiled == eager).float().mean() >= 0.75
