@@ -277,9 +277,18 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   if (has_token) {
     gather_token<EPL>(f, tg, i, lane, smem + L.logit, smem + L.log_norm, base_cost, s);
     score_token<EPL>(p, lane, my_scratch, my_scratch + E, s);
+    uint32_t key[EPL], none[EPL];
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      key[j] = ((s.allowed >> j) & 1u) && lane * EPL + j < E ? cuda::ordered_bits(s.choice[j]) : 0u;
+      none[j] = 0;
+    }
+    warp_top_k<EPL>(key, none, false, s, k, E, lane, my_slots);
     float w, log_norm;
     int32_t id;
-    route_token<EPL>(p, s, lane, my_slots, id, w, log_norm);
+    slot_weights<EPL>(p, s, my_slots, lane, id, w, log_norm);
+    s.slot_id = id;
+    s.slot_weight = w;
     if (id < E) {
       const unsigned owner = static_cast<unsigned>(id / EO);
       const int u = id % EO;
@@ -338,8 +347,39 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   float final_weight = 0.0f;
   int final_slot = lane;
   if (has_token) {
-    fill_token<EPL>(p, s, lane, my_slots, [&](int u) { return kept_flag[u] != 0; }, final_slot, final_id,
-                    final_weight);
+    if (p.fill == static_cast<int>(Fill::kBackfill)) {
+      uint32_t preferred[EPL], other[EPL];
+      const bool grouped = p.n_group > 1;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        const int u = lane * EPL + j;
+        const bool in_kept = u < E && kept_flag[u] != 0;
+        const bool allowed = (s.allowed >> j) & 1u;
+        const uint32_t key = cuda::ordered_bits(s.choice[j]);
+        preferred[j] = in_kept && (allowed || !grouped) ? key : 0u;
+        other[j] = in_kept && grouped && !allowed ? key : 0u;
+      }
+      warp_top_k<EPL>(preferred, other, grouped, s, k, E, lane, my_slots);
+      float unused;
+      slot_weights<EPL>(p, s, my_slots, lane, final_id, final_weight, unused);
+    } else {
+      const bool in_slot = lane < k;
+      const bool survives = in_slot && s.slot_id < E && kept_flag[s.slot_id] != 0;
+      const unsigned mask = __ballot_sync(kFullMask, survives);
+      const float total = cuda::warp_sum(in_slot ? s.slot_weight : 0.0f);
+      const float kept_total = cuda::warp_sum(survives ? s.slot_weight : 0.0f);
+      float scale = 1.0f;
+      if (p.fill == static_cast<int>(Fill::kDropRenorm)) scale = kept_total > 0.0f ? total / kept_total : 0.0f;
+      const int survivors = __popc(mask);
+      if (survives) {  // survivors keep their order; dropped slots move to the end
+        final_slot = __popc(mask & ((1u << lane) - 1u));
+        final_id = s.slot_id;
+        final_weight = s.slot_weight * scale;
+      } else {
+        // the dropped slots fill positions survivors.. k-1, in slot order
+        final_slot = survivors + __popc(~mask & ((1u << lane) - 1u));
+      }
+    }
     if (lane < k && final_id < E) {
       atomicAdd(cuda::cluster_map(counts, static_cast<unsigned>(final_id / EO)) + final_id % EO, 1);
     }
