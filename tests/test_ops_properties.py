@@ -118,3 +118,28 @@ def test_top_budget_minimises_the_dropped_cost(p):
         left_out = sum(D[g, u].item() for u in union if u not in kept_set)
         best_possible = sum(sorted(D[g, union].tolist())[: max(0, len(union) - p["budget"])])
         assert left_out <= best_possible * (1 + 1e-6) + 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(selection_problems(), st.integers(1, 48), st.booleans())
+def test_select_experts_is_router_predict_then_route_select(p, H, router_bias):
+    """The fused op returns stage 1's outputs and stages 2-3 computed on them, for every routing, cost and fill."""
+    T, E = p["logits"].shape
+    gen = torch.Generator().manual_seed(H)
+    hidden = torch.randn(T, H, generator=gen)
+    wr, wp = torch.randn(E, H, generator=gen), torch.randn(E, H, generator=gen)
+    br = torch.randn(E, generator=gen) if router_bias else None
+    bp = torch.randn(E, generator=gen)
+    predict = p["cost"] == Cost.BASE or H % 2 == 0  # the predictor is optional for the other costs
+    out = ops.select_experts(
+        hidden, wr, p["routing"], budget=p["budget"], num_groups=p["G"], cost=p["cost"], fill=p["fill"],
+        router_bias=br, predictor_weight=wp if predict else None, predictor_bias=bp if predict else None,
+        correction_bias=p["bias"],
+    )
+    logits, log_norms = ops.router_predict(hidden, wr, br, wp if predict else None, bp if predict else None)
+    staged = ops.route_select(
+        logits, p["routing"], budget=p["budget"], num_groups=p["G"], cost=p["cost"], fill=p["fill"],
+        log_norms=log_norms if p["cost"] == Cost.BASE else None, correction_bias=p["bias"],
+    )
+    for got, expected in zip(out, (logits, log_norms, *staged)):
+        assert torch.equal(got, expected)
