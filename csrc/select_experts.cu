@@ -20,8 +20,8 @@
 //   5. While the barrier completes: ids, weights, logits, log-norms, D and the kept list go to global memory (no
 //      global write precedes a barrier, so no barrier waits for HBM); after it, the owners write the counts.
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
-// does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
-// the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
+// does not take (fp32, H % 8 != 0, more than 16 warps' worth of tokens per CTA, weight rows that do not fit in shared
+// memory) run the two-kernel path (router_predict + route_select); the op wrapper in csrc/select_cuda.cpp decides.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -45,7 +45,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;  // 32-column chunks whose loads are in flight at once per warp
 constexpr int kSmemWeightBytes = 140 * 1024;  // stage the CTA's weight rows in shared memory up to this size
 constexpr int kMaxSmemBytes = 220 * 1024;
-constexpr int kMaxFusedTokens = 64;  // tokens per group up to which one launch beats the two-kernel path
 
 struct FusedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
@@ -441,12 +440,10 @@ int max_cluster(size_t smem, int device) {
 }
 
 // Picks the cluster shape: among the (token groups, row groups) splits whose weight rows fit in shared memory, the
-// one that reads the fewest bytes per CTA. False when none fits (large H x E) or the batch is large: the two-kernel
-// path is faster there, its GEMV spreading over the whole GPU (H200, Qwen3 shape: one launch 17.8 us vs two 26.3
-// at 64 tokens, but 38.0 vs 29.3 at 256; benchmarks/results/bench_select.json).
+// one that reads the fewest bytes per CTA. False when none fits (large H x E): the two-kernel path is faster there,
+// since its GEMV spreads over the whole GPU.
 bool plan(FusedSelectParams& f, int max_c) {
   const int B = f.sel.B, E = f.sel.E, H = f.gemv.H;
-  if (B > kMaxFusedTokens) return false;
   int64_t best_bytes = -1;
   for (int rg = 1; rg <= max_c && rg <= std::max(1, E / 8); rg *= 2) {
     const int ec = (E + rg - 1) / rg, rows = ec * (f.predict ? 2 : 1);
