@@ -121,6 +121,17 @@ def assert_gemv_close(out: torch.Tensor, hidden: torch.Tensor, W: torch.Tensor, 
     assert err <= bound, f"max error {err} exceeds {bound} (torch in {hidden.dtype}: {torch_err})"
 
 
+def check_selection(outputs, logits, bias, routing, G, cost, budget, fill, union, D_ref):
+    """An op's (ids, weights, kept, counts, D) on ``logits`` against the reference: D close to the reference's,
+    kept exactly the ranking of the op's own D over the routed union and the reference's kept set up to near-ties
+    of the reference D, and the fill exact given the op's kept set."""
+    ids, weights, kept, counts, D = outputs
+    torch.testing.assert_close(D, D_ref, rtol=1e-4, atol=1e-6)
+    assert torch.equal(kept, reference.keep_experts(D, union, budget)), f"{cost.name}: kept vs own D"
+    assert_kept_matches(kept, reference.keep_experts(D_ref, union, budget), D_ref)
+    check_fill(logits, bias, routing, kept, fill, ids, weights, counts, G)
+
+
 def budgets(E: int, k: int) -> list[int]:
     return sorted({1, max(1, k - 1), k, 16, E, E + 3})
 
@@ -265,16 +276,11 @@ def test_route_select(case):
         _, _, D_ref = reference.route_cost(logits, log_norms, bias, G, routing, cost)
         for budget in budgets(E, k):
             for fill in Fill:
-                ids, weights, kept, counts, D = ops.route_select(
+                outputs = ops.route_select(
                     logits, routing, budget=budget, num_groups=G, cost=cost, fill=fill, log_norms=log_norms,
                     correction_bias=bias,
                 )
-                torch.testing.assert_close(D, D_ref, rtol=1e-4, atol=1e-6)
-                # kept is exactly the ranking of the kernel's own D over the routed union ...
-                assert torch.equal(kept, reference.keep_experts(D, union, budget)), f"{cost.name}: kept vs own D"
-                # ... and the reference's kept set up to near-ties of the reference D
-                assert_kept_matches(kept, reference.keep_experts(D_ref, union, budget), D_ref)
-                check_fill(logits, bias, routing, kept, fill, ids, weights, counts, G)
+                check_selection(outputs, logits, bias, routing, G, cost, budget, fill, union, D_ref)
 
 
 def test_route_select_broadcast_log_norms():
@@ -354,7 +360,7 @@ def test_select_experts(case):
     for cost in costs:
         for budget in sorted({1, k, 16, E + 3}):
             for fill in Fill:
-                logits, log_norms, ids, weights, kept, counts, D = ops.select_experts(
+                logits, log_norms, *outputs = ops.select_experts(
                     hidden, Wr, routing, budget=budget, num_groups=G, cost=cost, fill=fill, router_bias=br,
                     predictor_weight=Wp, predictor_bias=bp, correction_bias=bias,
                 )
@@ -368,10 +374,7 @@ def test_select_experts(case):
                 routed_ref, _ = reference.route(logits, routing, bias)
                 union = reference.routed_union(routed_ref, G, E)
                 _, _, D_ref = reference.route_cost(logits, cost_log_norms, bias, G, routing, cost)
-                torch.testing.assert_close(D, D_ref, rtol=1e-4, atol=1e-6)
-                assert torch.equal(kept, reference.keep_experts(D, union, budget)), f"{cost.name}: kept vs own D"
-                assert_kept_matches(kept, reference.keep_experts(D_ref, union, budget), D_ref)
-                check_fill(logits, bias, routing, kept, fill, ids, weights, counts, G)
+                check_selection(outputs, logits, bias, routing, G, cost, budget, fill, union, D_ref)
 
 
 def test_select_experts_deterministic():
