@@ -5,10 +5,17 @@ bf16: about 61 GB) with random weights, so routing is close to uniform (real rou
 The decode loop is a minimal loop over the model's own modules (embedding, norms, attention projections,
 rotary embedding, MoE blocks, LM head) with a static KV cache of ``prompt + decode`` positions; one decode
 step, greedy next token included, is captured in one CUDA graph and replayed. Prompts of ``--prompt`` random
-tokens are prefilled (dense routing) and ``--decode`` tokens decoded.
+tokens are prefilled (dense routing, eager) and ``--decode`` tokens decoded.
+
+The non-MoE part of each layer (norms, attention, KV-cache update; ``attention_block``) is the same code for
+every variant: by default it runs through one ``torch.compile`` (inductor kernels inside the step's CUDA graph,
+as HF's generate with a static cache and compile, or a serving engine, would run it); ``--non-moe eager`` runs
+it op by op instead, which makes every variant's step slower by the same amount.
 
 Compared in the same run, per batch size:
-  * ``hf_grouped_mm``: the model's own MoE blocks with ``experts_implementation="grouped_mm"``;
+  * ``hf_grouped_mm``: the model's own MoE blocks with ``experts_implementation="grouped_mm"``, eager inside
+    the CUDA graph;
+  * ``hf_grouped_mm_compiled``: the same blocks through ``torch.compile`` (fuses HF's routing ops);
   * ``base_moe_dense``: base_moe's kernels (router GEMV, selection, expert kernel) with no effective budget
     (budget = E, which reproduces the model's own routing exactly);
   * ``base_M{10,16,32}``: BASE with budget M (predictors are random: quality is not measured here, and the
@@ -27,6 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 from common import run_metadata, write_json
+from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 import base_moe
 
@@ -63,65 +71,92 @@ def random_predictors(model):
     )
 
 
+def attention_block(layer, h, moe_out, cos, sin, positions, mask, k_cache, v_cache):
+    """The non-MoE part of one decoder layer with the layer's own modules, over a static KV cache.
+
+    Adds the previous layer's MoE output to the residual stream (``moe_out``, None for the first layer), runs the
+    input norm, self-attention (q/k norms, rotary, KV-cache update, SDPA) and o_proj, and returns the new residual
+    stream and the post-attention norm of it (the MoE block's input). Written as one function so that one
+    ``torch.compile`` of it serves every layer and every variant (layers differ only in their weights).
+    """
+    if moe_out is not None:
+        h = h + moe_out
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    B, S, _ = x.shape
+    q = attn.q_norm(attn.q_proj(x).view(B, S, -1, attn.head_dim)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).view(B, S, -1, attn.head_dim)).transpose(1, 2)
+    v = attn.v_proj(x).view(B, S, -1, attn.head_dim).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    k_cache.index_copy_(2, positions[0], k)
+    v_cache.index_copy_(2, positions[0], v)
+    o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    h = h + attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+    return h, layer.post_attention_layernorm(h)
+
+
+def moe_block(layer, x):
+    """The MoE block of one decoder layer (the layer's own module: HF's, or base_moe's once applied)."""
+    out = layer.mlp(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
 class DecodeLoop:
-    """A static-KV-cache decode loop over the model's own modules; ``step`` is graph-capturable."""
+    """A static-KV-cache decode loop over the model's own modules; ``step`` is graph-capturable.
 
-    def __init__(self, model, batch: int, max_len: int, skip_moe: bool = False):
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
+    ``compile_attention`` runs the non-MoE part of each decode step (``attention_block``) through one
+    ``torch.compile`` (inductor, no CUDA graphs of its own: the caller captures the whole step), the same compiled
+    code for every layer and every variant. ``compile_moe`` does the same for the MoE blocks (``moe_block``);
+    otherwise they run as they are (eager modules inside the step's CUDA graph). Prefill always runs eagerly.
+    """
 
-        self.apply_rotary = apply_rotary_pos_emb
+    def __init__(self, model, batch: int, max_len: int, skip_moe: bool = False, compile_attention: bool = False,
+                 compile_moe: bool = False):
         self.model, self.batch, self.max_len, self.skip_moe = model, batch, max_len, skip_moe
-        cfg = model.config
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
-        self.v_cache = torch.zeros_like(self.k_cache)
-        self.position = torch.zeros((), device="cuda", dtype=torch.long)
-        self.tokens = torch.zeros(batch, device="cuda", dtype=torch.long)
+        cfg, device, dtype = model.config, model.device, model.dtype
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.position = torch.zeros((), device=device, dtype=torch.long)
+        self.tokens = torch.zeros(batch, device=device, dtype=torch.long)
+        self.decode_attention = torch.compile(attention_block, dynamic=False) if compile_attention else attention_block
+        self.decode_moe = torch.compile(moe_block, dynamic=False) if compile_moe else moe_block
 
-    def _attention(self, layer, i, x, positions, mask):
-        attn = self.model.model.layers[i].self_attn
-        B, S, _ = x.shape
-        q = attn.q_norm(attn.q_proj(x).view(B, S, -1, attn.head_dim)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(B, S, -1, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(x).view(B, S, -1, attn.head_dim).transpose(1, 2)
-        cos, sin = self.model.model.rotary_emb(x, positions)
-        q, k = self.apply_rotary(q, k, cos, sin)
-        self.k_cache[i].index_copy_(2, positions[0], k)
-        self.v_cache[i].index_copy_(2, positions[0], v)
-        o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask, scale=attn.scaling,
-                                           enable_gqa=True)
-        return attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention=attention_block, moe=moe_block):
         """tokens [B, S] at positions [1, S] (device tensors) -> logits of the last position [B, V]."""
         m = self.model.model
-        slots = torch.arange(self.max_len, device="cuda")
+        slots = torch.arange(self.max_len, device=tokens.device)
         mask = slots[None, :] <= positions[0][:, None]  # [S, max_len]: causal over the static cache
         h = m.embed_tokens(tokens)
+        cos, sin = m.rotary_emb(h, positions)  # once per step, shared by the layers (as the HF model does)
+        moe_out = None
         for i, layer in enumerate(m.layers):
-            h = h + self._attention(layer, i, layer.input_layernorm(h), positions, mask)
+            h, x = attention(layer, h, moe_out, cos, sin, positions, mask, self.k_cache[i], self.v_cache[i])
             if not self.skip_moe:
-                out = layer.mlp(layer.post_attention_layernorm(h))
-                h = h + (out[0] if isinstance(out, tuple) else out)
+                moe_out = moe(layer, x)
+        if moe_out is not None:
+            h = h + moe_out
         return self.model.lm_head(m.norm(h[:, -1]))
 
     def prefill(self, prompt: torch.Tensor) -> None:
         S = prompt.shape[1]
-        logits = self.forward(prompt, torch.arange(S, device="cuda")[None])
+        logits = self.forward(prompt, torch.arange(S, device=prompt.device)[None])
         self.tokens.copy_(logits.argmax(-1))
         self.position.fill_(S)
 
-    def step(self) -> None:
-        """One decode step: the current tokens at the current position; greedy next tokens."""
-        logits = self.forward(self.tokens[:, None], self.position.view(1, 1))
+    def step(self) -> torch.Tensor:
+        """One decode step: the current tokens at the current position; greedy next tokens. Returns the logits."""
+        logits = self.forward(self.tokens[:, None], self.position.view(1, 1), self.decode_attention,
+                              self.decode_moe)
         self.tokens.copy_(logits.argmax(-1))
         self.position.add_(1)
+        return logits
 
 
 @torch.no_grad()
-def time_decode(model, batch: int, prompt_len: int, decode_len: int, repeats: int, skip_moe: bool = False):
+def time_decode(model, batch: int, prompt_len: int, decode_len: int, repeats: int, **loop_options):
     """Median seconds of one decode step over ``repeats`` runs of ``decode_len`` graph replays."""
-    loop = DecodeLoop(model, batch, prompt_len + decode_len, skip_moe)
+    loop = DecodeLoop(model, batch, prompt_len + decode_len, **loop_options)
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(batch))
     loop.prefill(prompt)
@@ -129,7 +164,7 @@ def time_decode(model, batch: int, prompt_len: int, decode_len: int, repeats: in
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up outside capture (allocations, lazy init)
+        for _ in range(2):  # warm-up outside capture (allocations, lazy init, torch.compile)
             loop.step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -151,7 +186,7 @@ def time_decode(model, batch: int, prompt_len: int, decode_len: int, repeats: in
 
 
 def configure_variant(model, name: str, predictors) -> None:
-    if name == "hf_grouped_mm":
+    if name.startswith("hf_grouped_mm"):
         if base_moe.hf.is_applied(model):
             base_moe.restore(model)
         model.set_experts_implementation("grouped_mm")
@@ -165,11 +200,17 @@ def configure_variant(model, name: str, predictors) -> None:
         base_moe.configure(model, budget=int(name.removeprefix("base_M")), policy="base")
 
 
+VARIANTS = ("hf_grouped_mm", "hf_grouped_mm_compiled", "base_moe_dense")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--budgets", default="10,16,32")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="baselines to run (BASE rows: --budgets)")
+    parser.add_argument("--non-moe", choices=("compiled", "eager"), default="compiled",
+                        help="run the non-MoE part of each decode step through torch.compile, or eagerly")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -177,39 +218,47 @@ def main() -> None:
     args = parser.parse_args()
     if not base_moe.cuda_available():
         sys.exit("bench_e2e needs a CUDA GPU and base_moe built with its CUDA kernels")
+    torch._dynamo.config.recompile_limit = 64  # one graph per batch size and per first/other layer
 
     t0 = time.time()
     model = build_model(args.layers)
     print(f"model: {args.layers} layers, {sum(p.numel() for p in model.parameters()) * 2 / 1e9:.1f} GB bf16, "
           f"built in {time.time() - t0:.0f} s", flush=True)
     predictors = random_predictors(model)
-    variants = ["hf_grouped_mm", "base_moe_dense"] + [f"base_M{m}" for m in args.budgets.split(",")]
+    variants = [v for v in args.variants.split(",") if v] + [f"base_M{m}" for m in args.budgets.split(",") if m]
+    compile_attention = args.non_moe == "compiled"
     rows = []
     for batch in map(int, args.batches.split(",")):
         configure_variant(model, "hf_grouped_mm", predictors)
-        attention_only = time_decode(model, batch, args.prompt, args.decode, args.repeats, skip_moe=True)
+        attention_only = time_decode(model, batch, args.prompt, args.decode, args.repeats, skip_moe=True,
+                                     compile_attention=compile_attention)
         for name in variants:
             configure_variant(model, name, predictors)
-            step = time_decode(model, batch, args.prompt, args.decode, args.repeats)
+            step = time_decode(model, batch, args.prompt, args.decode, args.repeats,
+                               compile_attention=compile_attention, compile_moe=name == "hf_grouped_mm_compiled")
             row = dict(batch=batch, variant=name, step_ms=step * 1e3, tokens_per_s=batch / step,
                        moe_share=max(0.0, 1.0 - attention_only / step), non_moe_step_ms=attention_only * 1e3)
             rows.append(row)
-            print(f"batch {batch:3d} {name:15s} step {step * 1e3:7.2f} ms  {batch / step:9.1f} tok/s  "
+            print(f"batch {batch:3d} {name:23s} step {step * 1e3:7.2f} ms  {batch / step:9.1f} tok/s  "
                   f"MoE share {row['moe_share']:.0%}", flush=True)
 
     by = {(r["batch"], r["variant"]): r for r in rows}
-    print("\n| batch | variant | ms / step | tokens / s | MoE share | vs base_moe dense | vs HF grouped_mm |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    baselines = [v for v in ("base_moe_dense", "hf_grouped_mm", "hf_grouped_mm_compiled") if v in variants]
+    print("\n| batch | variant | ms / step | tokens / s | MoE share | "
+          + " | ".join(f"vs {b}" for b in baselines) + " |")
+    print("| --- " * (5 + len(baselines)) + "|")
     for r in rows:
-        dense, hf = by[(r["batch"], "base_moe_dense")], by[(r["batch"], "hf_grouped_mm")]
-        r["speedup_vs_dense"] = r["tokens_per_s"] / dense["tokens_per_s"]
-        r["speedup_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
+        ratios = []
+        for b in baselines:
+            r[f"speedup_vs_{b}"] = r["tokens_per_s"] / by[(r["batch"], b)]["tokens_per_s"]
+            ratios.append(f"{r[f'speedup_vs_{b}']:.2f}x")
         print(f"| {r['batch']} | {r['variant']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
-              f"{r['moe_share']:.0%} | {r['speedup_vs_dense']:.2f}x | {r['speedup_vs_hf']:.2f}x |")
+              f"{r['moe_share']:.0%} | " + " | ".join(ratios) + " |")
     result = run_metadata(
         benchmark="bench_e2e",
         config=dict(layers=args.layers, hidden=2048, experts=128, top_k=8, intermediate=768, dtype="bfloat16",
-                    prompt=args.prompt, decode=args.decode, repeats=args.repeats, weights="random"),
+                    prompt=args.prompt, decode=args.decode, repeats=args.repeats, weights="random",
+                    non_moe=args.non_moe),
         rows=rows,
     )
     write_json(args.json, result)

@@ -1,0 +1,42 @@
+"""bench_e2e's decode loop computes what the model computes: greedy decode logits equal the HF forward's."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench_e2e  # noqa: E402
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+
+def tiny_model() -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("compile_attention,compile_moe", [(False, False), (True, True)])
+@torch.no_grad()
+def test_decode_loop_matches_model_forward(compile_attention, compile_moe):
+    model = tiny_model()
+    batch, prompt_len, decode_len = 3, 5, 4
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    loop = bench_e2e.DecodeLoop(model, batch, prompt_len + decode_len, compile_attention=compile_attention,
+                                compile_moe=compile_moe)
+    loop.prefill(prompt)
+    sequence = torch.cat([prompt, loop.tokens[:, None]], 1)
+    assert torch.equal(loop.tokens, model(prompt).logits[:, -1].argmax(-1))
+    for _ in range(decode_len - 1):
+        logits = loop.step()
+        torch.testing.assert_close(logits, model(sequence).logits[:, -1], rtol=1e-5, atol=1e-5)
+        sequence = torch.cat([sequence, loop.tokens[:, None]], 1)
+    assert int(loop.position) == prompt_len + decode_len - 1
