@@ -128,18 +128,9 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       const int64_t t = first_token + local;
       load_token<EPL>(p, t, lane, s);
       score_token<EPL>(p, lane, my_row, my_group_scratch, s);
-      uint32_t key[EPL], none[EPL];
-#pragma unroll
-      for (int j = 0; j < EPL; ++j) {
-        key[j] = ((s.allowed >> j) & 1u) && lane * EPL + j < E ? cuda::ordered_bits(s.choice[j]) : 0u;
-        none[j] = 0;
-      }
-      warp_top_k<EPL>(key, none, false, s, k, E, lane, my_slots);
       float w, log_norm;
       int32_t id;
-      slot_weights<EPL>(p, s, my_slots, lane, id, w, log_norm);
-      s.slot_id = id;
-      s.slot_weight = w;
+      route_token<EPL>(p, s, lane, my_slots, id, w, log_norm);
       if (p.compute_cost) {
         for (int u = lane; u < E; u += 32) my_row[u] = 0.0f;
         __syncwarp();
@@ -261,47 +252,14 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       s.slot_weight = lane < k ? p.weights[t * k + lane] : 0.0f;
       __syncwarp();  // every lane has read its routed slot before any lane overwrites it
     }
-    if (p.fill == static_cast<int>(Fill::kBackfill)) {
-      uint32_t preferred[EPL], other[EPL];
-      const bool grouped = p.n_group > 1;
-#pragma unroll
-      for (int j = 0; j < EPL; ++j) {
-        const int u = lane * EPL + j;
-        const bool in_kept = u < E && (state[u] & 2);
-        const bool allowed = (s.allowed >> j) & 1u;
-        const uint32_t key = cuda::ordered_bits(s.choice[j]);
-        preferred[j] = in_kept && (allowed || !grouped) ? key : 0u;
-        other[j] = in_kept && grouped && !allowed ? key : 0u;
-      }
-      warp_top_k<EPL>(preferred, other, grouped, s, k, E, lane, my_slots);
-      int32_t id;
-      float w, unused;
-      slot_weights<EPL>(p, s, my_slots, lane, id, w, unused);
-      if (lane < k) {
-        p.ids[t * k + lane] = id;
-        p.weights[t * k + lane] = w;
-        if (id < E) atomicAdd(&counts[id], 1);
-      }
-    } else {
-      const bool in_slot = lane < k;
-      const bool survives = in_slot && s.slot_id < E && (state[s.slot_id] & 2);
-      const unsigned mask = __ballot_sync(kFullMask, survives);
-      const int survivors = __popc(mask);
-      const float total = cuda::warp_sum(in_slot ? s.slot_weight : 0.0f);
-      const float kept_total = cuda::warp_sum(survives ? s.slot_weight : 0.0f);
-      float scale = 1.0f;
-      if (p.fill == static_cast<int>(Fill::kDropRenorm)) scale = kept_total > 0.0f ? total / kept_total : 0.0f;
-      // survivors keep their order; dropped slots move to the end
-      const int position = __popc(mask & ((1u << lane) - 1u));
-      if (survives) {
-        p.ids[t * k + position] = s.slot_id;
-        p.weights[t * k + position] = s.slot_weight * scale;
-        atomicAdd(&counts[s.slot_id], 1);
-      }
-      if (lane >= survivors && lane < k) {
-        p.ids[t * k + lane] = E;
-        p.weights[t * k + lane] = 0.0f;
-      }
+    int slot;
+    int32_t id;
+    float w;
+    fill_token<EPL>(p, s, lane, my_slots, [&](int u) { return (state[u] & 2) != 0; }, slot, id, w);
+    if (lane < k) {
+      p.ids[t * k + slot] = id;
+      p.weights[t * k + slot] = w;
+      if (id < E) atomicAdd(&counts[id], 1);
     }
   }
 

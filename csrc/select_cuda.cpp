@@ -26,6 +26,26 @@ GemvDtype gemv_dtype(const Tensor& hidden) {
   return dtype == at::kFloat ? GemvDtype::kFloat : dtype == at::kHalf ? GemvDtype::kHalf : GemvDtype::kBFloat16;
 }
 
+// The GEMV's operands and outputs (logits [T, E], log_norms [T, E] or [T, 0]) for the kernels.
+GemvParams make_gemv_params(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
+                            const OptTensor& predictor_weight, const OptTensor& predictor_bias, const Tensor& logits,
+                            const Tensor& log_norms) {
+  const bool predict = predictor_weight.has_value();
+  GemvParams p{};
+  p.hidden = hidden.data_ptr();
+  p.router_weight = router_weight.data_ptr();
+  p.predictor_weight = predict ? predictor_weight->data_ptr() : nullptr;
+  p.router_bias = router_bias.has_value() ? router_bias->data_ptr<float>() : nullptr;
+  p.predictor_bias = predict ? predictor_bias->data_ptr<float>() : nullptr;
+  p.logits = logits.data_ptr<float>();
+  p.log_norms = log_norms.data_ptr<float>();
+  p.T = static_cast<int>(hidden.size(0));
+  p.H = static_cast<int>(hidden.size(1));
+  p.E = static_cast<int>(router_weight.size(0));
+  p.R = static_cast<int>(predict ? 2 * p.E : p.E);
+  return p;
+}
+
 std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tensor& router_weight,
                                                const OptTensor& router_bias, const OptTensor& predictor_weight,
                                                const OptTensor& predictor_bias) {
@@ -39,18 +59,8 @@ std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tenso
   Tensor log_norms = at::empty({T, predict ? E : 0}, hidden.options().dtype(at::kFloat));
   if (T == 0) return {logits, log_norms};
 
-  GemvParams p{};
-  p.hidden = hidden.data_ptr();
-  p.router_weight = router_weight.data_ptr();
-  p.predictor_weight = predict ? predictor_weight->data_ptr() : nullptr;
-  p.router_bias = router_bias.has_value() ? router_bias->data_ptr<float>() : nullptr;
-  p.predictor_bias = predict ? predictor_bias->data_ptr<float>() : nullptr;
-  p.logits = logits.data_ptr<float>();
-  p.log_norms = log_norms.data_ptr<float>();
-  p.T = static_cast<int>(T);
-  p.H = static_cast<int>(H);
-  p.E = static_cast<int>(E);
-  p.R = static_cast<int>(predict ? 2 * E : E);
+  const GemvParams p = make_gemv_params(hidden, router_weight, router_bias, predictor_weight, predictor_bias,
+                                      logits, log_norms);
   const bool vectorised = H % 8 == 0 && aligned16(p.hidden) && aligned16(p.router_weight) &&
                           aligned16(p.predictor_weight);
   router_predict_launch(p, gemv_dtype(hidden), vectorised, hidden.get_device());
@@ -92,6 +102,24 @@ void set_selection(SelectParams& p, int64_t fill, const Tensor& kept, const Tens
   p.fill = static_cast<int>(fill);
   p.kept = kept.data_ptr<int32_t>();
   p.counts = counts.data_ptr<int32_t>();
+}
+
+// route_select's outputs: ids, weights [T, k], kept [G, min(budget, E)], counts [G, E], batch cost [G, E]; the
+// kernel parameters point at them.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> selection_outputs(SelectParams& p, const Tensor& logits,
+                                                                     int64_t top_k, int64_t num_groups, int64_t budget,
+                                                                     int64_t fill) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  Tensor weights = at::empty({T, top_k}, logits.options());
+  Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
+  Tensor counts = at::empty({num_groups, E}, logits.options().dtype(at::kInt));
+  Tensor D = at::empty({num_groups, E}, logits.options());
+  p.ids = ids.data_ptr<int32_t>();
+  p.weights = weights.data_ptr<float>();
+  p.batch_cost_out = D.data_ptr<float>();
+  set_selection(p, fill, kept, counts);
+  return {ids, weights, kept, counts, D};
 }
 
 void check_token_count(const Tensor& logits) {
@@ -155,21 +183,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
   check_route_cost(logits, log_norms, num_groups, cost);
   check_budget_fill(budget, fill);
   check_token_count(logits);
-  const int64_t T = logits.size(0), E = logits.size(1);
   const c10::cuda::CUDAGuard guard(logits.device());
-  Tensor D = at::empty({num_groups, E}, logits.options());
-  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-  Tensor weights = at::empty({T, top_k}, logits.options());
-  Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
-  Tensor counts = at::empty({num_groups, E}, logits.options().dtype(at::kInt));
   SelectParams p = make_params(logits, correction_bias, r, num_groups);
   set_cost(p, log_norms, cost);
-  p.ids = ids.data_ptr<int32_t>();
-  p.weights = weights.data_ptr<float>();
-  p.batch_cost_out = D.data_ptr<float>();
-  set_selection(p, fill, kept, counts);
+  auto outputs = selection_outputs(p, logits, top_k, num_groups, budget, fill);
   route_select_launch(p, static_cast<int>(num_groups), logits.get_device());
-  return {ids, weights, kept, counts, D};
+  return outputs;
 }
 
 // One launch (csrc/select_experts.cu) for the shapes that kernel takes, else router_predict + route_select.
@@ -194,31 +213,12 @@ SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& rout
                        aligned16(router_weight.data_ptr()) &&
                        aligned16(predict ? predictor_weight->data_ptr() : nullptr);
   if (fusable) {
-    Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-    Tensor weights = at::empty({T, top_k}, logits.options());
-    Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
-    Tensor counts = at::empty({num_groups, E}, logits.options().dtype(at::kInt));
-    Tensor D = at::empty({num_groups, E}, logits.options());
     FusedSelectParams f{};
-    f.gemv.hidden = hidden.data_ptr();
-    f.gemv.router_weight = router_weight.data_ptr();
-    f.gemv.predictor_weight = predict ? predictor_weight->data_ptr() : nullptr;
-    f.gemv.router_bias = router_bias.has_value() ? router_bias->data_ptr<float>() : nullptr;
-    f.gemv.predictor_bias = predict ? predictor_bias->data_ptr<float>() : nullptr;
-    f.gemv.logits = logits.data_ptr<float>();
-    f.gemv.log_norms = log_norms.data_ptr<float>();
-    f.gemv.T = static_cast<int>(T);
-    f.gemv.H = static_cast<int>(H);
-    f.gemv.E = static_cast<int>(E);
-    f.gemv.R = static_cast<int>(predict ? 2 * E : E);
+    f.gemv = make_gemv_params(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms);
     f.predict = predict;
     f.sel = make_params(logits, correction_bias, r, num_groups);
-    f.sel.compute_cost = true;
-    f.sel.cost = static_cast<int>(cost);
-    f.sel.ids = ids.data_ptr<int32_t>();
-    f.sel.weights = weights.data_ptr<float>();
-    f.sel.batch_cost_out = D.data_ptr<float>();
-    set_selection(f.sel, fill, kept, counts);
+    set_cost(f.sel, predict ? OptTensor(log_norms) : std::nullopt, cost);  // the kernel keeps log-norms on chip
+    auto [ids, weights, kept, counts, D] = selection_outputs(f.sel, logits, top_k, num_groups, budget, fill);
     if (select_experts_launch(f, gemv_dtype(hidden), static_cast<int>(num_groups), hidden.get_device())) {
       return {logits, log_norms, ids, weights, kept, counts, D};
     }

@@ -20,8 +20,8 @@
 //   5. While the barrier completes: ids, weights, logits, log-norms, D and the kept list go to global memory (no
 //      global write precedes a barrier, so no barrier waits for HBM); after it, the owners write the counts.
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
-// does not take (fp32, H % 8 != 0, more than 16 warps' worth of tokens per CTA, weight rows that do not fit in shared
-// memory) run the two-kernel path (router_predict + route_select); the op wrapper in csrc/select_cuda.cpp decides.
+// does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
+// the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -45,6 +45,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;  // 32-column chunks whose loads are in flight at once per warp
 constexpr int kSmemWeightBytes = 140 * 1024;  // stage the CTA's weight rows in shared memory up to this size
 constexpr int kMaxSmemBytes = 220 * 1024;
+constexpr int kMaxFusedTokens = 64;  // tokens per group up to which one launch beats the two-kernel path
 
 struct FusedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
@@ -276,18 +277,9 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   if (has_token) {
     gather_token<EPL>(f, tg, i, lane, smem + L.logit, smem + L.log_norm, base_cost, s);
     score_token<EPL>(p, lane, my_scratch, my_scratch + E, s);
-    uint32_t key[EPL], none[EPL];
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      key[j] = ((s.allowed >> j) & 1u) && lane * EPL + j < E ? cuda::ordered_bits(s.choice[j]) : 0u;
-      none[j] = 0;
-    }
-    warp_top_k<EPL>(key, none, false, s, k, E, lane, my_slots);
     float w, log_norm;
     int32_t id;
-    slot_weights<EPL>(p, s, my_slots, lane, id, w, log_norm);
-    s.slot_id = id;
-    s.slot_weight = w;
+    route_token<EPL>(p, s, lane, my_slots, id, w, log_norm);
     if (id < E) {
       const unsigned owner = static_cast<unsigned>(id / EO);
       const int u = id % EO;
@@ -346,39 +338,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   float final_weight = 0.0f;
   int final_slot = lane;
   if (has_token) {
-    if (p.fill == static_cast<int>(Fill::kBackfill)) {
-      uint32_t preferred[EPL], other[EPL];
-      const bool grouped = p.n_group > 1;
-#pragma unroll
-      for (int j = 0; j < EPL; ++j) {
-        const int u = lane * EPL + j;
-        const bool in_kept = u < E && kept_flag[u] != 0;
-        const bool allowed = (s.allowed >> j) & 1u;
-        const uint32_t key = cuda::ordered_bits(s.choice[j]);
-        preferred[j] = in_kept && (allowed || !grouped) ? key : 0u;
-        other[j] = in_kept && grouped && !allowed ? key : 0u;
-      }
-      warp_top_k<EPL>(preferred, other, grouped, s, k, E, lane, my_slots);
-      float unused;
-      slot_weights<EPL>(p, s, my_slots, lane, final_id, final_weight, unused);
-    } else {
-      const bool in_slot = lane < k;
-      const bool survives = in_slot && s.slot_id < E && kept_flag[s.slot_id] != 0;
-      const unsigned mask = __ballot_sync(kFullMask, survives);
-      const float total = cuda::warp_sum(in_slot ? s.slot_weight : 0.0f);
-      const float kept_total = cuda::warp_sum(survives ? s.slot_weight : 0.0f);
-      float scale = 1.0f;
-      if (p.fill == static_cast<int>(Fill::kDropRenorm)) scale = kept_total > 0.0f ? total / kept_total : 0.0f;
-      const int survivors = __popc(mask);
-      if (survives) {  // survivors keep their order; dropped slots move to the end
-        final_slot = __popc(mask & ((1u << lane) - 1u));
-        final_id = s.slot_id;
-        final_weight = s.slot_weight * scale;
-      } else {
-        // the dropped slots fill positions survivors.. k-1, in slot order
-        final_slot = survivors + __popc(~mask & ((1u << lane) - 1u));
-      }
-    }
+    fill_token<EPL>(p, s, lane, my_slots, [&](int u) { return kept_flag[u] != 0; }, final_slot, final_id,
+                    final_weight);
     if (lane < k && final_id < E) {
       atomicAdd(cuda::cluster_map(counts, static_cast<unsigned>(final_id / EO)) + final_id % EO, 1);
     }
@@ -440,10 +401,12 @@ int max_cluster(size_t smem, int device) {
 }
 
 // Picks the cluster shape: among the (token groups, row groups) splits whose weight rows fit in shared memory, the
-// one that reads the fewest bytes per CTA. False when none fits (large H x E): the two-kernel path is faster there,
-// since its GEMV spreads over the whole GPU.
+// one that reads the fewest bytes per CTA. False when none fits (large H x E) or the batch is large: the two-kernel
+// path is faster there, its GEMV spreading over the whole GPU (H200, Qwen3 shape: one launch 17.8 us vs two 26.3
+// at 64 tokens, but 38.0 vs 29.3 at 256; benchmarks/results/bench_select.json).
 bool plan(FusedSelectParams& f, int max_c) {
   const int B = f.sel.B, E = f.sel.E, H = f.gemv.H;
+  if (B > kMaxFusedTokens) return false;
   int64_t best_bytes = -1;
   for (int rg = 1; rg <= max_c && rg <= std::max(1, E / 8); rg *= 2) {
     const int ec = (E + rg - 1) / rg, rows = ec * (f.predict ? 2 : 1);

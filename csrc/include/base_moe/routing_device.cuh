@@ -203,5 +203,68 @@ __device__ __forceinline__ float slot_cost(int cost, float w, float log_norm) {
   }
 }
 
+// The model's routing of a scored token: lane r < k gets slot r's expert id, weight and log-norm (other lanes
+// (E, 0, 0)); the token remembers its routed slot.
+template <int EPL>
+__device__ __forceinline__ void route_token(const SelectParams& p, Token<EPL>& s, int lane, float* slots, int32_t& id,
+                                            float& weight, float& log_norm) {
+  uint32_t key[EPL], none[EPL];
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    key[j] = ((s.allowed >> j) & 1u) && lane * EPL + j < p.E ? cuda::ordered_bits(s.choice[j]) : 0u;
+    none[j] = 0;
+  }
+  warp_top_k<EPL>(key, none, false, s, p.k, p.E, lane, slots);
+  slot_weights<EPL>(p, s, slots, lane, id, weight, log_norm);
+  s.slot_id = id;
+  s.slot_weight = weight;
+}
+
+// The token's final slots once the kept set is known (is_kept(u) for u < E): lane r < k gets the expert id and
+// weight of final slot `slot`. Backfill: the top k of the kept experts (group-allowed ones first), slot = lane. The
+// drop fills: the routed slots whose expert is kept, in their order, then the sentinel (E, 0).
+template <int EPL, typename IsKept>
+__device__ __forceinline__ void fill_token(const SelectParams& p, Token<EPL>& s, int lane, float* slots,
+                                           IsKept is_kept, int& slot, int32_t& id, float& weight) {
+  const int E = p.E, k = p.k;
+  if (p.fill == static_cast<int>(Fill::kBackfill)) {
+    // Every routed expert kept: the top k of the kept experts are the routed ones, in the same order, with the same
+    // weights (the weight rule sees the same slots), so the second top-k can be skipped.
+    if (__all_sync(kFullMask, lane >= k || (s.slot_id < E && is_kept(s.slot_id)))) {
+      slot = lane;
+      id = s.slot_id;
+      weight = s.slot_weight;
+      return;
+    }
+    uint32_t preferred[EPL], other[EPL];
+    const bool grouped = p.n_group > 1;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      const int u = lane * EPL + j;
+      const bool in_kept = u < E && is_kept(u);
+      const bool allowed = (s.allowed >> j) & 1u;
+      const uint32_t key = cuda::ordered_bits(s.choice[j]);
+      preferred[j] = in_kept && (allowed || !grouped) ? key : 0u;
+      other[j] = in_kept && grouped && !allowed ? key : 0u;
+    }
+    warp_top_k<EPL>(preferred, other, grouped, s, k, E, lane, slots);
+    float unused;
+    slot_weights<EPL>(p, s, slots, lane, id, weight, unused);
+    slot = lane;
+    return;
+  }
+  const bool in_slot = lane < k;
+  const bool survives = in_slot && s.slot_id < E && is_kept(s.slot_id);
+  const unsigned mask = __ballot_sync(kFullMask, survives);
+  const float total = cuda::warp_sum(in_slot ? s.slot_weight : 0.0f);
+  const float kept_total = cuda::warp_sum(survives ? s.slot_weight : 0.0f);
+  float scale = 1.0f;
+  if (p.fill == static_cast<int>(Fill::kDropRenorm)) scale = kept_total > 0.0f ? total / kept_total : 0.0f;
+  const unsigned below = (1u << lane) - 1u;
+  slot = survives ? __popc(mask & below) : __popc(mask) + __popc(~mask & below);
+  id = survives ? s.slot_id : E;
+  weight = survives ? s.slot_weight * scale : 0.0f;
+}
+
 }  // namespace routing_device
 }  // namespace base_moe
