@@ -7,13 +7,13 @@
 //      rounded to hidden's dtype (act is indexed by pair).
 //   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
 //   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
-// v2 (persist_gemm_kernel below; default only for 8 < T <= 32, see pick_config): a persistent grid, each CTA
-// counting the ids itself and streaming
-// its work items (expert, pass of up to NP tokens, 64-row tile) as one continuous k-step sequence through a
-// deep cp.async + mbarrier ring filled by producer warps and drained by 8 MMA warps: each expert's weights
-// are read from HBM once for up to NP (32..192, by config) tokens. v1 (expert_gemm_kernel: one CTA per (tile,
-// expert), tokens in the same stages, re-streamed per 32 tokens; act indexed by expert-sorted position) is the
-// default for other T. BASE_MOE_EXPERTS_CONFIG=V1|S|S2|M|L|XL forces one (benchmarks, tests).
+// v1 (expert_gemm_kernel, the default except for 8 < T <= 32): a grid of resident CTAs strides over the work items
+// (64-column-step stream over a row tile of one active expert, tokens in the same cp.async stages, re-streamed per
+// 32 tokens; act indexed by expert-sorted position). v2 (persist_gemm_kernel below; the default for 8 < T <= 32, see
+// pick_config): a persistent grid, each CTA counting the ids itself and streaming its work items (expert, pass of
+// up to NP tokens, 64-row tile) as one continuous k-step sequence through a deep cp.async + mbarrier ring filled by
+// producer warps and drained by 8 MMA warps: each expert's weights are read from HBM once for up to NP (32..192,
+// by config) tokens. BASE_MOE_EXPERTS_CONFIG=V1|S|S2|M|L|XL forces one (benchmarks, tests).
 // So the op needs no host sync and allocates only buffers sized from T, k, H, I.
 //
 // Tensor cores: mma.sync m16n8k16 with weight rows as M and tokens as the narrow N side. Each lane loads 16
@@ -62,18 +62,21 @@ struct GemmParams {
   void* out;               // gated: act [T*k, I] (input dtype); else yslot [T*k, H] fp32
   int out_stride;
   int R;                   // v2: output rows per expert (I for gate_up: gate rows; H for down)
-  int tiles;               // v2: row tiles per expert
+  int tiles;               // row tiles per expert
 };
 
 // Byte offset of 16-byte chunk `ch` (0..7) of stage row `r`: odd rows swap halves so that the 8 lanes of a
 // quarter warp (two rows x 64 bytes) hit all 32 banks.
 __device__ __forceinline__ uint32_t swz(int r, int ch) { return r * ROW_BYTES + ((ch ^ ((r & 1) << 2)) << 4); }
 
-// GATED: gate_up GEMM + SiLU * up (ROWS = gate rows + up rows, half each); else the down GEMM.
-// WARPS warps split the tokens of a pass (n-tile of 8 tokens j belongs to warp j % WARPS), each warp covers
-// every weight row of the tile: NP = WARPS * NTW * 8 tokens per pass.
+// One work item of expert_gemm_kernel: output rows [tile * ROWS_out, (tile + 1) * ROWS_out) of expert u, whose
+// tokens start at expert-sorted position off, in passes of NP tokens. GATED: gate_up GEMM + SiLU * up (ROWS = gate
+// rows + up rows, half each; ROWS_out = ROWS / 2); else the down GEMM (ROWS_out = ROWS). WARPS warps split the
+// tokens of a pass (n-tile of 8 tokens j belongs to warp j % WARPS), each warp covers every weight row of the
+// tile: NP = WARPS * NTW * 8 tokens per pass.
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParams p) {
+__device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, int* s_list, int* s_scan, int u,
+                                            int off, int tile) {
   constexpr int NT = WARPS * 32;
   constexpr int NP = WARPS * NTW * 8;
   constexpr int RT = ROWS / 16;
@@ -81,62 +84,13 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
   constexpr int STAGE_BYTES = (ROWS + NP) * ROW_BYTES;
   constexpr int A_PER_THREAD = ROWS * 8 / NT;
   constexpr int B_PER_THREAD = (NP * 8 + NT - 1) / NT;
-  static_assert(ROWS * 8 % NT == 0, "A tile must split evenly over the threads");
-  static_assert(!GATED || RT % 2 == 0, "gated tiles hold as many gate rows as up rows");
-
-  extern __shared__ __align__(128) uint8_t smem[];
-  int* s_cnt = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);  // [kMaxE] tokens per expert
-  int* s_list = s_cnt + kMaxE;                                      // [NP] flat (t*k+j) of this pass's tokens
-  __shared__ int s_scan[WARPS];
-  __shared__ int s_info[3];  // expert, offset in expert-sorted order, token count
-
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, q = lane & 3;
-  const int E = p.num_experts;
-
-  cuda::pdl_launch_dependents();  // the next kernel may be scheduled once all our CTAs are
-
-  // ---- routing: count the ids, find the a-th active expert ---------------------------------------------
-  for (int e = tid; e < E; e += NT) s_cnt[e] = 0;
-  if (tid == 0) s_info[0] = -1;
-  __syncthreads();
-  for (int i = tid; i < p.tk; i += NT) {
-    const int u = p.ids[i];
-    if (static_cast<unsigned>(u) < static_cast<unsigned>(E)) atomicAdd(&s_cnt[u], 1);
-  }
-  __syncthreads();
-  {
-    const int per = (E + NT - 1) / NT;
-    const int e0 = min(tid * per, E), e1 = min(e0 + per, E);
-    int n_active = 0, n_tok = 0;
-    for (int e = e0; e < e1; ++e) {
-      n_active += s_cnt[e] > 0;
-      n_tok += s_cnt[e];
-    }
-    int total;
-    int active_before = block_exclusive_scan<WARPS>(n_active, s_scan, total);
-    int tok_before = block_exclusive_scan<WARPS>(n_tok, s_scan, total);
-    const int a = blockIdx.y;
-    if (a >= active_before && a < active_before + n_active) {
-      for (int e = e0; e < e1; ++e) {
-        const int c = s_cnt[e];
-        if (c > 0 && active_before == a) {
-          s_info[0] = e;
-          s_info[1] = tok_before;
-          s_info[2] = c;
-        }
-        active_before += c > 0;
-        tok_before += c;
-      }
-    }
-  }
-  __syncthreads();
-  const int u = s_info[0];
-  if (u < 0) return;  // fewer active experts than grid rows
-  const int off = s_info[1], cnt = s_info[2];
+  const int* s_cnt = reinterpret_cast<const int*>(smem + STAGES * STAGE_BYTES);
+  const int cnt = s_cnt[u];
 
   const T* wexp = static_cast<const T*>(p.w) + static_cast<int64_t>(u) * p.w_expert_stride;
-  const int row0 = blockIdx.x * (GATED ? ROWS / 2 : ROWS);
+  const int row0 = tile * (GATED ? ROWS / 2 : ROWS);
   const int K = p.K;
   const int nk = K / KS;
   const uint64_t policy = evict_first_policy();
@@ -300,6 +254,69 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
   }
 }
 
+
+// v1: a grid of resident CTAs (csrc launch_gemm) strides over the work items (row tile, active expert), so no CTA
+// is spent on the experts no token uses (their number is only known on the device).
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParams p) {
+  constexpr int NT = WARPS * 32;
+  constexpr int NP = WARPS * NTW * 8;
+  constexpr int STAGE_BYTES = (ROWS + NP) * ROW_BYTES;
+  static_assert(ROWS * 8 % NT == 0, "A tile must split evenly over the threads");
+  static_assert(!GATED || ROWS % 32 == 0, "gated tiles hold as many gate rows as up rows");
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  int* s_cnt = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);  // [kMaxE] tokens per expert
+  int* s_list = s_cnt + kMaxE;                                      // [NP] flat (t*k+j) of this pass's tokens
+  int* s_active = s_list + NP;                                      // [kMaxE] active experts, ascending
+  int* s_offset = s_active + kMaxE;                                 // [kMaxE] their first expert-sorted position
+  __shared__ int s_scan[WARPS];
+  __shared__ int s_num_active;
+
+  const int tid = threadIdx.x;
+  const int E = p.num_experts;
+
+  cuda::pdl_launch_dependents();  // the next kernel may be scheduled once all our CTAs are
+
+  // ---- routing: count the ids, list the active experts and their offsets in expert-sorted order ----------
+  for (int e = tid; e < E; e += NT) s_cnt[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < p.tk; i += NT) {
+    const int u = p.ids[i];
+    if (static_cast<unsigned>(u) < static_cast<unsigned>(E)) atomicAdd(&s_cnt[u], 1);
+  }
+  __syncthreads();
+  {
+    const int per = (E + NT - 1) / NT;
+    const int e0 = min(tid * per, E), e1 = min(e0 + per, E);
+    int n_active = 0, n_tok = 0;
+    for (int e = e0; e < e1; ++e) {
+      n_active += s_cnt[e] > 0;
+      n_tok += s_cnt[e];
+    }
+    int total;
+    int active_before = block_exclusive_scan<WARPS>(n_active, s_scan, total);
+    if (tid == 0) s_num_active = total;
+    int tok_before = block_exclusive_scan<WARPS>(n_tok, s_scan, total);
+    for (int e = e0; e < e1; ++e) {
+      if (s_cnt[e] > 0) {
+        s_active[active_before] = e;
+        s_offset[active_before] = tok_before;
+        ++active_before;
+        tok_before += s_cnt[e];
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- work items (row tile, active expert), strided over a grid of resident CTAs --------------------------
+  const int items = p.tiles * s_num_active;
+#pragma unroll 1
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES>(p, smem, s_list, s_scan, s_active[item / p.tiles],
+                                                    s_offset[item / p.tiles], item % p.tiles);
+  }
+}
 
 // ==== v2: persistent, warp-specialised, one pass over each expert's weights =============================
 // Grid = CTAs resident on the device (1 per SM with the ~200 KB rings). Each CTA counts the ids itself
@@ -619,16 +636,22 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 
 // ---- host side ------------------------------------------------------------------------------------------
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
-void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
+void launch_gemm(GemmParams p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
   constexpr int NP = WARPS * NTW * 8;
-  constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (kMaxE + NP) * sizeof(int);
+  // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
+  constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int);
   auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES>;
-  static bool configured = [&] {
+  static const int resident = [&] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    return true;
+    int occupancy = 0, device = 0, sms = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, WARPS * 32, smem));
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return std::max(1, occupancy) * sms;
   }();
-  (void)configured;
-  cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
+  p.tiles = row_tiles;
+  const int grid = std::max(1, std::min(resident, row_tiles * grid_experts));
+  cuda::launch({dim3(grid), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
 // v2 launch: persistent grid (CTAs resident on the device, at most one per possible item).
