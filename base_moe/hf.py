@@ -397,7 +397,10 @@ class _BlockState:
             and _experts_kernel_fits(x, ex.gate_up_proj)
         )
         if use_ops:
-            return ops.experts(x, sel.ids.contiguous(), sel.weights.contiguous(), ex.gate_up_proj, ex.down_proj)
+            # the final ids lie in the kept sets: at most G * M distinct experts
+            bound = sel.kept.numel() if sel.kept is not None else None
+            return ops.experts(x, sel.ids.contiguous(), sel.weights.contiguous(), ex.gate_up_proj, ex.down_proj,
+                               max_active_experts=bound)
         fallback = None
         if sel.kept is not None:  # the group's first kept expert: loaded anyway, used with weight 0
             T = x.shape[0]

@@ -99,10 +99,16 @@ def experts(
     expert_weights: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    *,
+    max_active_experts: int | None = None,
 ) -> torch.Tensor:
     """Stage 4: ``sum_j w_tj * down(silu(gate x_t) * up x_t)`` over each token's non-sentinel slots, in
-    ``hidden``'s dtype; HF v5 layout ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``."""
-    return _ops.experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj)
+    ``hidden``'s dtype; HF v5 layout ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``.
+
+    ``max_active_experts``: the most distinct experts ``expert_ids`` can hold, when the caller knows it (a
+    budget: ``num_groups * M``); the CUDA kernels launch work for that many experts instead of
+    ``min(E, T * k)``. The result is the same for any value (a smaller one only costs time)."""
+    return _ops.experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, max_active_experts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,5 +161,5 @@ def _select_experts_fake(hidden, router_weight, router_bias, predictor_weight, p
 
 
 @torch.library.register_fake("base_moe::experts")
-def _experts_fake(hidden, expert_ids, expert_weights, gate_up_proj, down_proj):
+def _experts_fake(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, max_active_experts=None):
     return torch.empty_like(hidden)

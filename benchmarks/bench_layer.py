@@ -2,9 +2,10 @@
 
 Qwen3-30B-A3B (H=2048, E=128, k=8, I=768) and OLMoE-1B-7B (H=2048, E=64, k=8, I=1024) layers, bf16, batch in
 {1, 4, 16, 64, 256}, dense random softmax routing and budgets M in {8, 16, 32, 64}. Budgets are applied to the
-expert op and to HF by restricting the random routing to M random experts (every token's top-k among them);
-the BASE layer runs its own selection (router_predict + route_select with budget M, or M = E when dense) on
-random router and predictor weights. Times: median of CUDA-graph replays, each graph holding several calls
+expert op and to HF by restricting the random routing to M random experts (every token's top-k among them),
+and M is passed to our op as its bound on active experts (``max_active_experts``), as the BASE layer does; the
+BASE layer runs its own selection (``select_experts`` with budget M, or M = E when dense) on random router and
+predictor weights. Times: median of CUDA-graph replays, each graph holding several calls
 that rotate among copies of the layer's expert weights so the 60 MB L2 never holds them; a device-to-device
 copy measured in the same run gives the bandwidth ceiling (2 x bytes / time).
 
@@ -84,7 +85,7 @@ def main():
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
-    selection = "base_moe CUDA router_predict + route_select"
+    selection = "base_moe CUDA select_experts (one launch for T <= 64, else router_predict + route_select)"
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     print("budget rows: expert op and HF use random routing restricted to M random experts; "
           "the BASE layer selects with its own kernels (budget M)")
@@ -112,17 +113,17 @@ def main():
             for M in BUDGETS:
                 ids, w = random_routing(T, E, k, M, cfg["renormalize"], gen)
                 active = int(torch.unique(ids[ids < E]).numel())
-                ours = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp)
+                # a budget M is passed to the op as the bound on active experts, as the BASE layer does
+                ours = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp, M)
                                    for gu, dp in copies])
                 budget = E if M is None else M
 
                 def select():
-                    logits, g = torch.ops.base_moe.router_predict(x, wr, None, wp, bp)
-                    return torch.ops.base_moe.route_select(
-                        logits, g, None, 1, k, 0, cfg["renormalize"], 1, 1, 1.0, 0, budget, 0)[:2]
+                    return torch.ops.base_moe.select_experts(
+                        x, wr, None, wp, bp, None, 1, k, 0, cfg["renormalize"], 1, 1, 1.0, 0, budget, 0)[2:4]
 
                 def layer(gu, dp):
-                    return torch.ops.base_moe.experts(x, *select(), gu, dp)
+                    return torch.ops.base_moe.experts(x, *select(), gu, dp, M)
 
                 base_us = base_active = None
                 try:  # the selection ops are developed elsewhere: report a failure, keep the expert-op numbers
@@ -164,7 +165,7 @@ def main():
                         os.environ["BASE_MOE_EXPERTS_PDL"] = "0"
                     elif var != "default":
                         os.environ["BASE_MOE_EXPERTS_CONFIG"] = var
-                    res[var] = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp)
+                    res[var] = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp, M)
                                            for gu, dp in copies])
                 os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
                 os.environ.pop("BASE_MOE_EXPERTS_PDL", None)

@@ -130,7 +130,7 @@ void check_select_experts(const OptTensor& predictor_weight, int64_t cost) {
 }
 
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
-                   const Tensor& gate_up_proj, const Tensor& down_proj) {
+                   const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts) {
   BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
   BASE_MOE_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
               hidden.scalar_type());
@@ -156,6 +156,8 @@ void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor&
               "gate_up_proj and down_proj must have hidden's dtype (", hidden.scalar_type(), "), got ",
               gate_up_proj.scalar_type(), " and ", down_proj.scalar_type());
   BASE_MOE_CHECK(gate_up_proj.is_contiguous() && down_proj.is_contiguous(), "gate_up_proj and down_proj must be contiguous");
+  BASE_MOE_CHECK(!max_active_experts.has_value() || *max_active_experts >= 1,
+              "max_active_experts must be at least 1 (or None), got ", max_active_experts.value_or(0));
   check_same_device(expert_ids, hidden, "expert_ids", "hidden");
   check_same_device(expert_weights, hidden, "expert_weights", "hidden");
   check_same_device(gate_up_proj, hidden, "gate_up_proj", "hidden");

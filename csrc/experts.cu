@@ -7,13 +7,13 @@
 //      rounded to hidden's dtype (act is indexed by pair).
 //   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
 //   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
-// v1 (expert_gemm_kernel, the default except for 8 < T <= 32): a grid of resident CTAs strides over the work items
-// (64-column-step stream over a row tile of one active expert, tokens in the same cp.async stages, re-streamed per
-// 32 tokens; act indexed by expert-sorted position). v2 (persist_gemm_kernel below; the default for 8 < T <= 32, see
-// pick_config): a persistent grid, each CTA counting the ids itself and streaming its work items (expert, pass of
-// up to NP tokens, 64-row tile) as one continuous k-step sequence through a deep cp.async + mbarrier ring filled by
-// producer warps and drained by 8 MMA warps: each expert's weights are read from HBM once for up to NP (32..192,
-// by config) tokens. BASE_MOE_EXPERTS_CONFIG=V1|S|S2|M|L|XL forces one (benchmarks, tests).
+// v1 (expert_gemm_kernel, the default): CTA (x, y) streams row tile x of active experts y, y + gridDim.y, ... in
+// 64-column steps (tokens in the same cp.async stages, re-streamed per 32 tokens; act indexed by expert-sorted
+// position); the grid has min(E, T*k, max_active_experts) rows. v2 (persist_gemm_kernel below; only when forced
+// with BASE_MOE_EXPERTS_CONFIG=S|S2|M|L|XL, for experiments): a persistent grid, each CTA counting the ids itself
+// and streaming its work items (expert, pass of up to NP tokens, 64-row tile) as one continuous k-step sequence
+// through a cp.async + mbarrier ring filled by producer warps and drained by 8 MMA warps: each expert's weights are
+// read from HBM once for up to NP (32..192, by config) tokens.
 // So the op needs no host sync and allocates only buffers sized from T, k, H, I.
 //
 // Tensor cores: mma.sync m16n8k16 with weight rows as M and tokens as the narrow N side. Each lane loads 16
@@ -62,7 +62,7 @@ struct GemmParams {
   void* out;               // gated: act [T*k, I] (input dtype); else yslot [T*k, H] fp32
   int out_stride;
   int R;                   // v2: output rows per expert (I for gate_up: gate rows; H for down)
-  int tiles;               // row tiles per expert
+  int tiles;               // v2: row tiles per expert
 };
 
 // Byte offset of 16-byte chunk `ch` (0..7) of stage row `r`: odd rows swap halves so that the 8 lanes of a
@@ -255,8 +255,9 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
 }
 
 
-// v1: a grid of resident CTAs (csrc launch_gemm) strides over the work items (row tile, active expert), so no CTA
-// is spent on the experts no token uses (their number is only known on the device).
+// v1: CTA (x, y) computes row tile x of the active experts y, y + gridDim.y, ... (in ascending expert order). The
+// grid has min(E, T*k, max_active_experts) rows: with the caller's bound on the active experts (a budget), no CTA is
+// spent on experts no token uses; more active experts than rows are still all computed.
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParams p) {
   constexpr int NT = WARPS * 32;
@@ -309,12 +310,9 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
   }
   __syncthreads();
 
-  // ---- work items (row tile, active expert), strided over a grid of resident CTAs --------------------------
-  const int items = p.tiles * s_num_active;
 #pragma unroll 1
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES>(p, smem, s_list, s_scan, s_active[item / p.tiles],
-                                                    s_offset[item / p.tiles], item % p.tiles);
+  for (int a = blockIdx.y; a < s_num_active; a += gridDim.y) {
+    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES>(p, smem, s_list, s_scan, s_active[a], s_offset[a], blockIdx.x);
   }
 }
 
@@ -636,22 +634,17 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 
 // ---- host side ------------------------------------------------------------------------------------------
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
-void launch_gemm(GemmParams p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
+void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
   constexpr int NP = WARPS * NTW * 8;
   // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
   constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int);
   auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES>;
-  static const int resident = [&] {
+  static bool configured = [&] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    int occupancy = 0, device = 0, sms = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, WARPS * 32, smem));
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return std::max(1, occupancy) * sms;
+    return true;
   }();
-  p.tiles = row_tiles;
-  const int grid = std::max(1, std::min(resident, row_tiles * grid_experts));
-  cuda::launch({dim3(grid), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
+  (void)configured;
+  cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
 // v2 launch: persistent grid (CTAs resident on the device, at most one per possible item).
@@ -673,11 +666,11 @@ void launch_persist(const GemmParams& p, int64_t units_max, cudaStream_t stream,
   cuda::launch({dim3(grid), dim3(L::THREADS), L::bytes(p.num_experts), stream, 0, pdl}, kernel, p);
 }
 
-// Configurations, picked by the number of tokens T (a shape, so the choice is graph-safe): up to NP tokens of
-// one expert run in one pass over its weights. V1 is the previous (non-persistent) kernel, for comparison.
+// Kernel configurations: V1 (the default) and the v2 ones, up to NP tokens of one expert per pass over its weights,
+// reachable only through BASE_MOE_EXPERTS_CONFIG (a process-wide setting, so the choice is graph-safe).
 enum class Config { kV1, kS, kS2, kM, kL, kXL };
 
-Config pick_config(int64_t tokens) {
+Config pick_config() {
   const char* forced = std::getenv("BASE_MOE_EXPERTS_CONFIG");  // for benchmarks
   if (forced != nullptr) {
     if (!std::strcmp(forced, "V1")) return Config::kV1;
@@ -687,11 +680,9 @@ Config pick_config(int64_t tokens) {
     if (!std::strcmp(forced, "L")) return Config::kL;
     if (!std::strcmp(forced, "XL")) return Config::kXL;
   }
-  // Measured on the H200 (notes/experts_kernel.md, commit 8554539): the v2 kernels keep only about one k-step in
-  // flight per CTA (~13-16 GB/s per CTA), so they beat v1 only with budgets at batch 16 (S2: b16/M16 64.4 us vs
-  // 72.3, M32 104 vs 110; dense 267 vs 231) and with ~128 tokens per expert (XL: b256/M16 230 vs 318, but
-  // b256 dense 1272 vs 511). Until the v2 pipeline keeps its ring in flight, v1 stays the default elsewhere.
-  if (tokens > 8 && tokens <= 32) return Config::kS2;
+  // Measured on the H200 (notes/experts_kernel.md): the v2 kernels keep only about one k-step in flight per CTA,
+  // and their one win (S2 at batch 16 with a budget: 64 us vs v1's 72) came from v1 launching CTAs for expert
+  // slots no token used; with max_active_experts v1 no longer does (57 us at f374510).
   return Config::kV1;
 }
 
@@ -744,7 +735,7 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
 // Called by experts_cuda (csrc/experts_cuda.cpp) after every argument check: errors are raised from
 // host-compiled code only (an exception thrown from this nvcc-compiled file crashed torch 2.11 on the device).
 Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
-                           const Tensor& gate_up_proj, const Tensor& down_proj) {
+                           const Tensor& gate_up_proj, const Tensor& down_proj, int64_t max_active_experts) {
   const int64_t T = hidden.size(0), H = hidden.size(1), k = expert_ids.size(1);
   const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
   Tensor y = at::empty_like(hidden);
@@ -755,7 +746,7 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   const int64_t tk = T * k;
   Tensor act = at::empty({tk, I}, hidden.options());
   Tensor yslot = at::empty({tk, H}, hidden.options().dtype(at::kFloat));
-  const int grid_experts = static_cast<int>(std::min<int64_t>(E, tk));
+  const int grid_experts = static_cast<int>(std::min({E, tk, max_active_experts}));
 
   GemmParams p1{};
   p1.ids = expert_ids.data_ptr<int32_t>();
@@ -779,7 +770,7 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out = yslot.data_ptr();
   p2.out_stride = static_cast<int>(H);
 
-  const Config cfg = pick_config(T);
+  const Config cfg = pick_config();
   const int64_t n8 = T * (H / 8);
   const dim3 sum_grid(static_cast<unsigned>((n8 + 255) / 256));
   if (hidden.scalar_type() == at::kBFloat16) {

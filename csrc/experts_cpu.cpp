@@ -9,15 +9,14 @@
 namespace base_moe {
 
 Tensor experts_cpu(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
-                   const Tensor& gate_up_proj, const Tensor& down_proj) {
-  check_experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj);
+                   const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts) {
+  check_experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, max_active_experts);
   // The op has no backward: the ATen calls below must not record an autograd graph (they would
   // save index tensors that live only during this call).
   at::AutoDispatchBelowAutograd no_autograd;
   const int64_t T = hidden.size(0), k = expert_ids.size(1), E = gate_up_proj.size(0);
   const int64_t I = gate_up_proj.size(1) / 2;
   const int32_t* ids = expert_ids.data_ptr<int32_t>();
-  const float* w = expert_weights.data_ptr<float>();
 
   // token and slot lists per expert, in token order
   std::vector<std::vector<int64_t>> tokens(E), slots(E);

@@ -10,13 +10,15 @@
 namespace base_moe {
 
 Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
-                           const Tensor& gate_up_proj, const Tensor& down_proj);  // csrc/experts.cu
+                           const Tensor& gate_up_proj, const Tensor& down_proj,
+                           int64_t max_active_experts);  // csrc/experts.cu
 
 namespace {
 
 Tensor experts_cuda(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
-                    const Tensor& gate_up_proj, const Tensor& down_proj) {
-  check_experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj);
+                    const Tensor& gate_up_proj, const Tensor& down_proj,
+                    const std::optional<int64_t>& max_active_experts) {
+  check_experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, max_active_experts);
   BASE_MOE_CHECK(hidden.scalar_type() == at::kBFloat16 || hidden.scalar_type() == at::kHalf,
               "experts on CUDA takes bfloat16 or float16 hidden states and weights, got ", hidden.scalar_type(),
               " (cast the inputs, or run the op on the CPU)");
@@ -31,7 +33,8 @@ Tensor experts_cuda(const Tensor& hidden, const Tensor& expert_ids, const Tensor
     BASE_MOE_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
                 "experts on CUDA needs 16-byte aligned hidden, gate_up_proj and down_proj");
   }
-  return experts_cuda_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj);
+  return experts_cuda_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj,
+                             max_active_experts.value_or(E));
 }
 
 }  // namespace

@@ -33,9 +33,11 @@ TORCH_LIBRARY(base_moe, m) {
       "int n_group, int topk_group, float scaling, int cost, int budget, int fill) -> (Tensor logits, "
       "Tensor log_norms, Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, Tensor batch_cost)");
   // Stage 4: the routed experts' output for the final ids and weights (SiLU-gated, HF v5 layout).
+  // max_active_experts: an upper bound on the distinct experts in expert_ids that the caller knows (a budget);
+  // the CUDA kernels size their grid by it (results are the same for any value: it is not a promise).
   m.def(
-      "experts(Tensor hidden, Tensor expert_ids, Tensor expert_weights, Tensor gate_up_proj, Tensor down_proj) "
-      "-> Tensor");
+      "experts(Tensor hidden, Tensor expert_ids, Tensor expert_weights, Tensor gate_up_proj, Tensor down_proj, "
+      "int? max_active_experts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(base_moe, CPU, m) {

@@ -116,6 +116,18 @@ def test_configs(config, T, shape, used, monkeypatch):
     check_accuracy(T, shape, torch.bfloat16, used=used, drop=0.1, seed=T)
 
 
+@pytest.mark.parametrize("config", ["default", "V1"])
+@pytest.mark.parametrize("T,used,bound", [(16, 16, 16), (16, 16, 3), (16, 16, 1), (64, 40, 7), (5, 5, 100)])
+def test_max_active_experts(config, T, used, bound, monkeypatch):
+    """The bound on active experts sizes the grid only: any value, even below the true count, gives the same bits."""
+    if config != "default":
+        monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
+    hidden, ids, w, gate_up, down = make_problem(T, dtype=torch.bfloat16, **QWEN3, used=used, seed=T + bound)
+    expected = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
+    poison_allocator()
+    assert torch.equal(torch.ops.base_moe.experts(hidden, ids, w, gate_up, down, bound), expected)
+
+
 def test_deterministic():
     hidden, ids, w, gate_up, down = make_problem(256, dtype=torch.bfloat16, **QWEN3, used=16)
     first = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)

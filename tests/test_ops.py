@@ -296,6 +296,7 @@ def opcheck_cases(device):
     yield torch.ops.base_moe.select_experts.default, (bf16, wr, None, None, None, None, 1, *args,
                                                       int(Cost.FREQUENCY), 3, int(Fill.DROP))
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down)
+    yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down, 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -330,6 +331,8 @@ def test_bad_arguments_raise_clear_errors(device):
          "router_weight must have shape"),
         (lambda: ops.router_predict(torch.randn(4, 32, device=device), torch.randn(16, 32, device=device),
                                     predictor_weight=torch.randn(16, 32, device=device)), "together"),
+        (lambda: ops.experts(*random_expert_problem(3, 64, 64, 4, 2, device, torch.bfloat16), max_active_experts=0),
+         "max_active_experts"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):

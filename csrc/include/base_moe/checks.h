@@ -32,6 +32,6 @@ void check_budget_fill(int64_t budget, int64_t fill);
 void check_select_experts(const OptTensor& predictor_weight, int64_t cost);
 
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
-                   const Tensor& gate_up_proj, const Tensor& down_proj);
+                   const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts);
 
 }  // namespace base_moe

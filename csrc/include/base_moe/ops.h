@@ -39,6 +39,6 @@ SelectExpertsResult select_experts_cpu(const Tensor& hidden, const Tensor& route
                                        double scaling, int64_t cost, int64_t budget, int64_t fill);
 
 Tensor experts_cpu(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
-                   const Tensor& gate_up_proj, const Tensor& down_proj);
+                   const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts);
 
 }  // namespace base_moe
