@@ -8,7 +8,7 @@
 //   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
 //   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
 // v1 (expert_gemm_kernel, the default): CTA (x, y) streams row tile x of active experts y, y + gridDim.y, ... in
-// 64-column steps (tokens in the same cp.async stages, re-streamed per 32 tokens; act indexed by expert-sorted
+// 64-column steps (tokens in the same cp.async stages, re-streamed per 32 tokens, or 128 for V1L; act indexed by expert-sorted
 // position); the grid has min(E, T*k, max_active_experts) rows. v2 (persist_gemm_kernel below; only when forced
 // with BASE_MOE_EXPERTS_CONFIG=S|S2|M|L|XL, for experiments): a persistent grid, each CTA counting the ids itself
 // and streaming its work items (expert, pass of up to NP tokens, 64-row tile) as one continuous k-step sequence
@@ -668,12 +668,15 @@ void launch_persist(const GemmParams& p, int64_t units_max, cudaStream_t stream,
 
 // Kernel configurations: V1 (the default) and the v2 ones, up to NP tokens of one expert per pass over its weights,
 // reachable only through BASE_MOE_EXPERTS_CONFIG (a process-wide setting, so the choice is graph-safe).
-enum class Config { kV1, kS, kS2, kM, kL, kXL };
+enum class Config { kV1, kV1L, kS, kS2, kM, kL, kXL };
 
-Config pick_config() {
+// tokens_per_expert: T * k over the most experts that can be active (min(E, T * k, max_active_experts)), a lower
+// bound on the busiest expert's tokens that the host knows without a sync.
+Config pick_config(int64_t tokens_per_expert) {
   const char* forced = std::getenv("BASE_MOE_EXPERTS_CONFIG");  // for benchmarks
   if (forced != nullptr) {
     if (!std::strcmp(forced, "V1")) return Config::kV1;
+    if (!std::strcmp(forced, "V1L")) return Config::kV1L;
     if (!std::strcmp(forced, "S")) return Config::kS;
     if (!std::strcmp(forced, "S2")) return Config::kS2;
     if (!std::strcmp(forced, "M")) return Config::kM;
@@ -682,8 +685,10 @@ Config pick_config() {
   }
   // Measured on the H200 (notes/experts_kernel.md): the v2 kernels keep only about one k-step in flight per CTA,
   // and their one win (S2 at batch 16 with a budget: 64 us vs v1's 72) came from v1 launching CTAs for expert
-  // slots no token used; with max_active_experts v1 no longer does (57 us at f374510).
-  return Config::kV1;
+  // slots no token used; with max_active_experts v1 no longer does (53 us at 88e3edd). V1L (128 tokens per pass)
+  // reads each expert's weights once for up to 128 tokens where V1 re-reads them per 32, but keeps fewer weight
+  // bytes in flight (v1 configs of session 1: b256/M16 236 us vs 318, b64/M16 145 vs 102, b256 dense 933 vs 511).
+  return tokens_per_expert >= 96 ? Config::kV1L : Config::kV1;
 }
 
 bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch off (benchmarks)
@@ -711,6 +716,10 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
     case Config::kV1:  // v1 S: gate_up 16+16 rows, 32 tokens per pass; down 32 rows
       launch_gemm<T, true, 32, 1, 4, 8>(p1, I / 16, grid_experts, stream, false);
       launch_gemm<T, false, 32, 1, 4, 6>(p2, H / 32, grid_experts, stream, pdl);
+      break;
+    case Config::kV1L:  // v1 L: gate_up 32+32 rows, 128 tokens per pass; down 64 rows; 4 stages
+      launch_gemm<T, true, 64, 4, 4, 4>(p1, I / 32, grid_experts, stream, false);
+      launch_gemm<T, false, 64, 4, 4, 4>(p2, H / 64, grid_experts, stream, pdl);
       break;
     case Config::kS:  // 32 tokens per pass, 16 stages, 8 producer warps, 1 CTA/SM
       run_persist<T, 1, 16, 8, 1>(p1, p2, I, H, E, tk, stream, pdl);
@@ -770,7 +779,7 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out = yslot.data_ptr();
   p2.out_stride = static_cast<int>(H);
 
-  const Config cfg = pick_config();
+  const Config cfg = pick_config(tk / grid_experts);
   const int64_t n8 = T * (H / 8);
   const dim3 sum_grid(static_cast<unsigned>((n8 + 255) / 256));
   if (hidden.scalar_type() == at::kBFloat16) {
