@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import zlib
 
 import torch
 from common import copy_bandwidth, graph_time_us, median, run_metadata, write_json
@@ -38,6 +39,12 @@ CALLS_PER_COPY = 4
 def time_graph(calls, reps=25):
     """Median microseconds per call: one graph runs CALLS_PER_COPY rounds over `calls` (one per weight copy)."""
     return median(graph_time_us(calls, reps, rounds=CALLS_PER_COPY))
+
+
+def point_generator(name, T, M):
+    """A generator seeded by the measurement point, so every section of a run (and every run) draws the same
+    routing and hidden states for the same (model, T, M): how many experts need a second pass depends on the draw."""
+    return torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}/{T}/{M}".encode()))
 
 
 def random_routing(T, E, k, budget, renormalize, gen):
@@ -109,9 +116,10 @@ def main():
             except Exception as exc:  # report, don't die
                 print(f"HF grouped_mm experts unavailable: {exc!r}")
         for T in ([] if args.variants_only else BATCHES):
-            x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
             for M in BUDGETS:
-                ids, w = random_routing(T, E, k, M, cfg["renormalize"], gen)
+                point = point_generator(name, T, M)
+                x = torch.randn(T, H, device="cuda", generator=point).to(torch.bfloat16)
+                ids, w = random_routing(T, E, k, M, cfg["renormalize"], point)
                 active = int(torch.unique(ids[ids < E]).numel())
                 # a budget M is passed to the op as the bound on active experts, as the BASE layer does
                 ours = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp, M)
@@ -154,8 +162,9 @@ def main():
         if name == "qwen3-30b-a3b" and not args.no_variants:
             # tile configurations and PDL, on the acceptance points
             for T, M in [(1, None), (16, None), (16, 16), (64, 16), (64, 32), (64, None), (256, 16), (256, None)]:
-                ids, w = random_routing(T, E, k, M, cfg["renormalize"], gen)
-                x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+                point = point_generator(name, T, M)
+                x = torch.randn(T, H, device="cuda", generator=point).to(torch.bfloat16)
+                ids, w = random_routing(T, E, k, M, cfg["renormalize"], point)
                 active = int(torch.unique(ids[ids < E]).numel())
                 res = {}
                 for var in args.variants.split(","):

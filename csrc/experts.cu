@@ -670,8 +670,9 @@ void launch_persist(const GemmParams& p, int64_t units_max, cudaStream_t stream,
 // reachable only through BASE_MOE_EXPERTS_CONFIG (a process-wide setting, so the choice is graph-safe).
 enum class Config { kV1, kV1L, kS, kS2, kM, kL, kXL };
 
-// tokens_per_expert: T * k over the most experts that can be active (min(E, T * k, max_active_experts)), a lower
-// bound on the busiest expert's tokens that the host knows without a sync.
+// tokens_per_expert: T * k over the most experts that can be active (min(E, T * k, max_active_experts)): the
+// average load per active expert when no slot is empty and the bound is exact (empty slots or a loose bound make it
+// an overestimate), the best the host knows without a sync. Measured at 32 (V1 wins) and 128 (V1L wins) only.
 Config pick_config(int64_t tokens_per_expert) {
   const char* forced = std::getenv("BASE_MOE_EXPERTS_CONFIG");  // for benchmarks
   if (forced != nullptr) {

@@ -403,7 +403,7 @@ int max_cluster(size_t smem, int device) {
 // Picks the cluster shape: among the (token groups, row groups) splits whose weight rows fit in shared memory, the
 // one that reads the fewest bytes per CTA. False when none fits (large H x E) or the batch is large: the two-kernel
 // path is faster there, its GEMV spreading over the whole GPU (H200, Qwen3 shape: one launch 17.8 us vs two 26.3
-// at 64 tokens, but 38.0 vs 29.3 at 256; benchmarks/results/bench_select.json).
+// at 64 tokens, but 38.0 vs 29.3 at 256; bench_select.json at commit 03e8031).
 bool plan(FusedSelectParams& f, int max_c) {
   const int B = f.sel.B, E = f.sel.E, H = f.gemv.H;
   if (B > kMaxFusedTokens) return false;
