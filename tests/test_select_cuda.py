@@ -313,16 +313,16 @@ FUSED_CASES = [
     (1, 4, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, True),
     (1, 16, 2048, 128, 8, "softmax_renorm", torch.float16, True, True, False),
     (1, 64, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),
-    (1, 256, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, True),
+    (1, 256, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, True),  # > 64 tokens per group: two kernels
     (3, 16, 1024, 60, 4, "softmax", torch.bfloat16, True, True, False),
-    (2, 100, 512, 64, 8, "softmax_after_topk", torch.bfloat16, False, True, False),
+    (2, 100, 512, 64, 8, "softmax_after_topk", torch.bfloat16, False, True, False),  # > 64 tokens: two kernels
     (1, 16, 1024, 256, 8, "sigmoid_groups8_4", torch.bfloat16, True, False, False),
     (4, 64, 1024, 256, 8, "sigmoid_groups8_4", torch.bfloat16, True, False, True),
     (1, 33, 512, 512, 16, "sigmoid_bias_renorm", torch.bfloat16, True, False, False),
     (4, 64, 7168, 256, 8, "sigmoid_groups8_4", torch.bfloat16, True, False, True),  # weights too big: two kernels
     (5, 7, 64, 8, 2, "sigmoid", torch.float16, True, True, False),
     (2, 3, 256, 12, 3, "softmax_renorm", torch.bfloat16, False, False, True),
-    (1, 300, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),  # > 16 tokens per CTA: two kernels
+    (1, 300, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),  # > 64 tokens per group: two kernels
     (2, 9, 200, 64, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # H % 8 != 0: two kernels
     (1, 16, 512, 64, 4, "softmax_renorm", torch.float32, True, True, False),  # fp32: two kernels
 ]
