@@ -87,7 +87,7 @@ def main():
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--variants-only", action="store_true", help="only the Qwen3 configuration variants")
-    ap.add_argument("--variants", default="default,V1,S,S2,M,L,XL,nopdl")
+    ap.add_argument("--variants", default="default,V1,V1L,nopdl")
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)

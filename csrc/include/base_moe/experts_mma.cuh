@@ -86,39 +86,5 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int& to
   return before + incl - v;
 }
 
-
-// ---- mbarrier pipeline (sm_80+ cp.async completion tracked on an mbarrier) --------------------------------
-__device__ __forceinline__ void mbar_init(uint32_t mbar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(mbar), "r"(count) : "memory");
-}
-
-// Regular arrive (release semantics at CTA scope).
-__device__ __forceinline__ void mbar_arrive(uint32_t mbar) {
-  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(mbar) : "memory");
-}
-
-// The arrive is triggered once all prior cp.async of this thread have completed; it counts against the
-// barrier's expected arrivals (.noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t mbar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(mbar) : "memory");
-}
-
-// Wait (acquire) until the phase with parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t mbar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(mbar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-// 16-byte cp.async without a cache hint (token rows: small, L2-resident).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-
 }  // namespace experts_detail
 }  // namespace base_moe
