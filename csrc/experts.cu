@@ -351,9 +351,10 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
   cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
-// Kernel configurations of v1: V1 (32 tokens per pass) and V1L (128), picked on the host; BASE_MOE_EXPERTS_CONFIG=V1|V1L
-// forces one (a process-wide setting, so the choice is graph-safe).
-enum class Config { kV1, kV1L };
+// Kernel configurations of v1: V1 (32 tokens per pass), V1W (64-row tiles), V1M (64 tokens per pass) and V1L (128),
+// picked on the host; BASE_MOE_EXPERTS_CONFIG=V1|V1W|V1M|V1L forces one (a process-wide setting, so the choice is
+// graph-safe).
+enum class Config { kV1, kV1W, kV1M, kV1L };
 
 // tokens_per_expert: T * k over the most experts that can be active (min(E, T * k, max_active_experts)): the
 // average load per active expert when no slot is empty and the bound is exact (empty slots or a loose bound make it
@@ -363,6 +364,8 @@ Config pick_config(int64_t tokens_per_expert) {
   if (forced != nullptr) {
     if (!std::strcmp(forced, "V1")) return Config::kV1;
     if (!std::strcmp(forced, "V1L")) return Config::kV1L;
+    if (!std::strcmp(forced, "V1W")) return Config::kV1W;
+    if (!std::strcmp(forced, "V1M")) return Config::kV1M;
   }
   // Measured on the H200 (notes/experts_kernel.md): V1L reads each expert's weights once for up to 128 tokens where
   // V1 re-reads them per 32, but keeps fewer weight bytes in flight (b256/M16 243 us vs 328, b64/M16 135 vs 84,
@@ -382,6 +385,14 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
     case Config::kV1:  // v1 S: gate_up 16+16 rows, 32 tokens per pass; down 32 rows
       launch_gemm<T, true, 32, 1, 4, 8>(p1, I / 16, grid_experts, stream, false);
       launch_gemm<T, false, 32, 1, 4, 6>(p2, H / 32, grid_experts, stream, pdl);
+      break;
+    case Config::kV1W:  // v1 wide (experiment): 32+32 gate_up rows, 64 down rows, 32 tokens per pass, 8 stages
+      launch_gemm<T, true, 64, 1, 4, 8>(p1, I / 32, grid_experts, stream, false);
+      launch_gemm<T, false, 64, 1, 4, 8>(p2, H / 64, grid_experts, stream, pdl);
+      break;
+    case Config::kV1M:  // v1 middle (experiment): 16+16 gate_up rows, 32 down rows, 64 tokens per pass, 6 stages
+      launch_gemm<T, true, 32, 2, 4, 6>(p1, I / 16, grid_experts, stream, false);
+      launch_gemm<T, false, 32, 2, 4, 6>(p2, H / 32, grid_experts, stream, pdl);
       break;
     case Config::kV1L:  // v1 L: gate_up 32+32 rows, 128 tokens per pass; down 64 rows; 4 stages
       launch_gemm<T, true, 64, 4, 4, 4>(p1, I / 32, grid_experts, stream, false);
