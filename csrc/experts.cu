@@ -311,8 +311,8 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
   }
 }
 
-// y[t, h..h+8) = sum over slots j (in order) of yslot[t*k + j, h..h+8), skipping sentinel slots.
-template <typename T>
+// y[t, h..h+8) = sum over slots j (in order) of yslot[t*k + j, h..h+8), skipping sentinel slots; top_k <= KMAX.
+template <typename T, int KMAX>
 __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict__ ids,
                                                        const float* __restrict__ yslot, T* __restrict__ y,
                                                        int tokens, int top_k, int num_experts, int H) {
@@ -322,13 +322,27 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
   const int t = static_cast<int>(idx / h8), h = static_cast<int>(idx % h8) * 8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   cuda::pdl_wait();
-  for (int j = 0; j < top_k; ++j) {
-    const int u = ids[t * top_k + j];
-    if (static_cast<unsigned>(u) >= static_cast<unsigned>(num_experts)) continue;
-    const float4* src = reinterpret_cast<const float4*>(yslot + (static_cast<int64_t>(t) * top_k + j) * H + h);
-    const float4 a = src[0], b = src[1];
-    acc[0] += a.x; acc[1] += a.y; acc[2] += a.z; acc[3] += a.w;
-    acc[4] += b.x; acc[5] += b.y; acc[6] += b.z; acc[7] += b.w;
+  // Every slot's row is loaded at once (rows of empty slots exist, unwritten): no load waits for the previous id.
+  // An empty slot adds +0, which leaves the sum's bits unchanged (a sum that starts at +0 is never -0), so the
+  // result equals skipping it.
+  float4 row[KMAX][2];
+#pragma unroll
+  for (int j = 0; j < KMAX; ++j) {
+    if (j < top_k) {
+      const float4* src = reinterpret_cast<const float4*>(yslot + (static_cast<int64_t>(t) * top_k + j) * H + h);
+      row[j][0] = src[0];
+      row[j][1] = src[1];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < KMAX; ++j) {
+    if (j < top_k) {
+      const bool used = static_cast<unsigned>(ids[t * top_k + j]) < static_cast<unsigned>(num_experts);
+      const float4 a = used ? row[j][0] : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4 b = used ? row[j][1] : make_float4(0.f, 0.f, 0.f, 0.f);
+      acc[0] += a.x; acc[1] += a.y; acc[2] += a.z; acc[3] += a.w;
+      acc[4] += b.x; acc[5] += b.y; acc[6] += b.z; acc[7] += b.w;
+    }
   }
   alignas(16) T out[8];
 #pragma unroll
@@ -399,6 +413,17 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       launch_gemm<T, false, 64, 4, 4, 4>(p2, H / 64, grid_experts, stream, pdl);
       break;
   }
+}
+
+// The slot sum with every slot's row loaded at once: KMAX = 8 covers most models (registers: 2 float4 per slot).
+template <typename T>
+void launch_slot_sum(const int32_t* ids, const float* yslot, Tensor& y, int64_t T_, int64_t k, int64_t E, int64_t H,
+                     cudaStream_t stream) {
+  const int64_t n8 = T_ * (H / 8);
+  const dim3 grid(static_cast<unsigned>((n8 + 255) / 256));
+  auto kernel = k <= 8 ? slot_sum_kernel<T, 8> : slot_sum_kernel<T, kMaxTopK>;
+  cuda::launch({grid, dim3(256), 0, stream, 0, use_pdl()}, kernel, ids, yslot, static_cast<T*>(y.data_ptr()),
+               static_cast<int>(T_), static_cast<int>(k), static_cast<int>(E), static_cast<int>(H));
 }
 
 }  // namespace
