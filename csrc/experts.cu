@@ -467,18 +467,12 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out_stride = static_cast<int>(H);
 
   const Config cfg = pick_config(tk / grid_experts);
-  const int64_t n8 = T * (H / 8);
-  const dim3 sum_grid(static_cast<unsigned>((n8 + 255) / 256));
   if (hidden.scalar_type() == at::kBFloat16) {
     run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, cfg, stream);
-    cuda::launch({sum_grid, dim3(256), 0, stream, 0, use_pdl()}, slot_sum_kernel<__nv_bfloat16>, p1.ids,
-           static_cast<const float*>(p2.out), static_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<int>(T),
-           static_cast<int>(k), static_cast<int>(E), static_cast<int>(H));
+    launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
   } else {
     run_experts<__half>(p1, p2, I, H, grid_experts, cfg, stream);
-    cuda::launch({sum_grid, dim3(256), 0, stream, 0, use_pdl()}, slot_sum_kernel<__half>, p1.ids,
-           static_cast<const float*>(p2.out), static_cast<__half*>(y.data_ptr()), static_cast<int>(T),
-           static_cast<int>(k), static_cast<int>(E), static_cast<int>(H));
+    launch_slot_sum<__half>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
   }
   return y;
 }
