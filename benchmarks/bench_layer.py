@@ -88,6 +88,8 @@ def main():
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--variants-only", action="store_true", help="only the Qwen3 configuration variants")
     ap.add_argument("--variants", default="default,V1,V1L,nopdl")
+    ap.add_argument("--variant-points", choices=["acceptance", "all"], default="acceptance",
+                    help="time the variants on the acceptance points of issue 8, or on every (batch, budget)")
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -161,7 +163,9 @@ def main():
                       f"vllm={row['vllm_us']}", flush=True)
         if name == "qwen3-30b-a3b" and not args.no_variants:
             # tile configurations and PDL, on the acceptance points
-            for T, M in [(1, None), (16, None), (16, 16), (64, 16), (64, 32), (64, None), (256, 16), (256, None)]:
+            points = ([(1, None), (16, None), (16, 16), (64, 16), (64, 32), (64, None), (256, 16), (256, None)]
+                      if args.variant_points == "acceptance" else [(T, M) for T in BATCHES for M in BUDGETS])
+            for T, M in points:
                 point = point_generator(name, T, M)
                 x = torch.randn(T, H, device="cuda", generator=point).to(torch.bfloat16)
                 ids, w = random_routing(T, E, k, M, cfg["renormalize"], point)

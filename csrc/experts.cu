@@ -66,21 +66,33 @@ __device__ __forceinline__ uint32_t swz(int r, int ch) { return r * ROW_BYTES + 
 
 // One work item of expert_gemm_kernel: output rows [tile * ROWS_out, (tile + 1) * ROWS_out) of expert u, whose
 // tokens start at expert-sorted position off, in passes of NP tokens. GATED: gate_up GEMM + SiLU * up (ROWS = gate
-// rows + up rows, half each; ROWS_out = ROWS / 2); else the down GEMM (ROWS_out = ROWS). WARPS warps split the
-// tokens of a pass (n-tile of 8 tokens j belongs to warp j % WARPS), each warp covers every weight row of the
-// tile: NP = WARPS * NTW * 8 tokens per pass.
-template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
+// rows + up rows, half each; ROWS_out = ROWS / 2); else the down GEMM (ROWS_out = ROWS). The WARPS warps form a
+// WR x WN grid: warp (wr, wn) covers row group wr (gated: the same share of the gate rows and of the up rows, so
+// each warp's epilogue pairs its own gate and up accumulators) and the n-tiles of 8 tokens j with j % WN == wn:
+// NP = WN * NTW * 8 tokens per pass. More row groups read the token rows (from L2) once for more weight rows.
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR>
 __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, int* s_list, int* s_scan, int u,
                                             int off, int tile) {
   constexpr int NT = WARPS * 32;
-  constexpr int NP = WARPS * NTW * 8;
-  constexpr int RT = ROWS / 16;
+  constexpr int WN = WARPS / WR;
+  constexpr int NP = WN * NTW * 8;
+  constexpr int RTW = ROWS / 16 / WR;  // 16-row MMA tiles per warp
+  constexpr int HALF = RTW / 2;         // gated: the warp's gate tiles, then as many up tiles
+  static_assert(WARPS % WR == 0 && ROWS % (16 * WR) == 0 && (!GATED || RTW % 2 == 0), "row groups must tile ROWS");
   constexpr int A_BYTES = ROWS * ROW_BYTES;
   constexpr int STAGE_BYTES = (ROWS + NP) * ROW_BYTES;
   constexpr int A_PER_THREAD = ROWS * 8 / NT;
   constexpr int B_PER_THREAD = (NP * 8 + NT - 1) / NT;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wr = warp / WN, wn = warp % WN;
   const int g = lane >> 2, q = lane & 3;
+  // first stage row of the warp's MMA tile rt
+  auto tile_row = [&](int rt) {
+    if constexpr (GATED)
+      return (rt < HALF ? 0 : ROWS / 2) + wr * (ROWS / 2 / WR) + (rt % HALF) * 16;
+    else
+      return wr * (ROWS / WR) + rt * 16;
+  };
   const int* s_cnt = reinterpret_cast<const int*>(smem + STAGES * STAGE_BYTES);
   const int cnt = s_cnt[u];
 
@@ -162,15 +174,15 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       cp_async_commit();
     }
 
-    float acc[RT][NTW][4];
+    float acc[RTW][NTW][4];
 #pragma unroll
-    for (int r = 0; r < RT; ++r)
+    for (int r = 0; r < RTW; ++r)
 #pragma unroll
       for (int j = 0; j < NTW; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
 
-    const bool warp_has_tokens = warp * 8 < nv;
+    const bool warp_has_tokens = wn * 8 < nv;
 
 #pragma unroll 1
     for (int ks = 0; ks < nk; ++ks) {
@@ -193,16 +205,16 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
           uint4 bf[NTW];
 #pragma unroll
           for (int j = 0; j < NTW; ++j) {
-            const int nt = warp + j * WARPS;
+            const int nt = wn + j * WN;
             if (nt * 8 < nv) bf[j] = lds128(sb + swz(nt * 8 + g, ch));
           }
 #pragma unroll
-          for (int rt = 0; rt < RT; ++rt) {
-            const uint4 lo = lds128(sa + swz(rt * 16 + g, ch));
-            const uint4 hi = lds128(sa + swz(rt * 16 + g + 8, ch));
+          for (int rt = 0; rt < RTW; ++rt) {
+            const uint4 lo = lds128(sa + swz(tile_row(rt) + g, ch));
+            const uint4 hi = lds128(sa + swz(tile_row(rt) + g + 8, ch));
 #pragma unroll
             for (int j = 0; j < NTW; ++j) {
-              const int nt = warp + j * WARPS;
+              const int nt = wn + j * WN;
               if (nt * 8 < nv) {
                 cuda::mma_16816<T>(acc[rt][j], lo.x, hi.x, lo.y, hi.y, bf[j].x, bf[j].y);
                 cuda::mma_16816<T>(acc[rt][j], lo.z, hi.z, lo.w, hi.w, bf[j].z, bf[j].w);
@@ -217,7 +229,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
     if (warp_has_tokens) {
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
-        const int nt = warp + j * WARPS;
+        const int nt = wn + j * WN;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int tok = nt * 8 + 2 * q + e;
@@ -225,11 +237,11 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
           if constexpr (GATED) {
             T* act = static_cast<T*>(p.out) + static_cast<int64_t>(off + c0 + tok) * p.out_stride + row0;
 #pragma unroll
-            for (int rt = 0; rt < RT / 2; ++rt) {
+            for (int rt = 0; rt < HALF; ++rt) {
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
-                const float gv = acc[rt][j][2 * h + e], uv = acc[rt + RT / 2][j][2 * h + e];
-                act[rt * 16 + g + 8 * h] = from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+                const float gv = acc[rt][j][2 * h + e], uv = acc[rt + HALF][j][2 * h + e];
+                act[tile_row(rt) + g + 8 * h] = from_float<T>(gv / (1.f + __expf(-gv)) * uv);
               }
             }
           } else {
@@ -237,9 +249,9 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
             const float wv = p.weights[flat];
             float* y = static_cast<float*>(p.out) + static_cast<int64_t>(flat) * p.out_stride + row0;
 #pragma unroll
-            for (int rt = 0; rt < RT; ++rt) {
+            for (int rt = 0; rt < RTW; ++rt) {
 #pragma unroll
-              for (int h = 0; h < 2; ++h) y[rt * 16 + g + 8 * h] = wv * acc[rt][j][2 * h + e];
+              for (int h = 0; h < 2; ++h) y[tile_row(rt) + g + 8 * h] = wv * acc[rt][j][2 * h + e];
             }
           }
         }
@@ -253,10 +265,11 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
 // v1: CTA (x, y) computes row tile x of the active experts y, y + gridDim.y, ... (in ascending expert order). The
 // grid has min(E, T*k, max_active_experts) rows: with the caller's bound on the active experts (a budget), no CTA is
 // spent on experts no token uses; more active experts than rows are still all computed.
-template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParams p) {
+// 8-warp configurations are sized for 2 CTAs per SM: at most 128 registers per thread.
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR>
+__global__ void __launch_bounds__(WARPS * 32, WARPS == 8 ? 2 : 1) expert_gemm_kernel(const GemmParams p) {
   constexpr int NT = WARPS * 32;
-  constexpr int NP = WARPS * NTW * 8;
+  constexpr int NP = WARPS / WR * NTW * 8;
   constexpr int STAGE_BYTES = (ROWS + NP) * ROW_BYTES;
   static_assert(ROWS * 8 % NT == 0, "A tile must split evenly over the threads");
   static_assert(!GATED || ROWS % 32 == 0, "gated tiles hold as many gate rows as up rows");
@@ -307,7 +320,7 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
 
 #pragma unroll 1
   for (int a = blockIdx.y; a < s_num_active; a += gridDim.y) {
-    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES>(p, smem, s_list, s_scan, s_active[a], s_offset[a], blockIdx.x);
+    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR>(p, smem, s_list, s_scan, s_active[a], s_offset[a], blockIdx.x);
   }
 }
 
@@ -351,12 +364,12 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 }
 
 // ---- host side ------------------------------------------------------------------------------------------
-template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES>
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR = 1>
 void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
-  constexpr int NP = WARPS * NTW * 8;
+  constexpr int NP = WARPS / WR * NTW * 8;
   // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
   constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int);
-  auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES>;
+  auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR>;
   static bool configured = [&] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     return true;
@@ -365,10 +378,10 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
   cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
-// Kernel configurations of v1: V1 (32 tokens per pass), V1W (64-row tiles), V1M (64 tokens per pass) and V1L (128),
-// picked on the host; BASE_MOE_EXPERTS_CONFIG=V1|V1W|V1M|V1L forces one (a process-wide setting, so the choice is
+// Kernel configurations of v1: V1 (32 tokens per pass), V1W (64-row tiles), V1X / V1Y (128-row tiles, 128 / 64
+// tokens per pass) and V1L (128), picked on the host; BASE_MOE_EXPERTS_CONFIG=V1|V1W|V1X|V1Y|V1L forces one (a process-wide setting, so the choice is
 // graph-safe).
-enum class Config { kV1, kV1W, kV1M, kV1L };
+enum class Config { kV1, kV1W, kV1X, kV1Y, kV1L };
 
 // tokens_per_expert: T * k over the most experts that can be active (min(E, T * k, max_active_experts)): the
 // average load per active expert when no slot is empty and the bound is exact (empty slots or a loose bound make it
@@ -379,7 +392,8 @@ Config pick_config(int64_t tokens_per_expert) {
     if (!std::strcmp(forced, "V1")) return Config::kV1;
     if (!std::strcmp(forced, "V1L")) return Config::kV1L;
     if (!std::strcmp(forced, "V1W")) return Config::kV1W;
-    if (!std::strcmp(forced, "V1M")) return Config::kV1M;
+    if (!std::strcmp(forced, "V1X")) return Config::kV1X;
+    if (!std::strcmp(forced, "V1Y")) return Config::kV1Y;
   }
   // Measured on the H200 (notes/experts_kernel.md): V1L reads each expert's weights once for up to 128 tokens where
   // V1 re-reads them per 32, but keeps fewer weight bytes in flight (b256/M16 243 us vs 328, b64/M16 135 vs 84,
@@ -404,9 +418,13 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       launch_gemm<T, true, 64, 1, 4, 8>(p1, I / 32, grid_experts, stream, false);
       launch_gemm<T, false, 64, 1, 4, 8>(p2, H / 64, grid_experts, stream, pdl);
       break;
-    case Config::kV1M:  // v1 middle (experiment): 16+16 gate_up rows, 32 down rows, 64 tokens per pass, 6 stages
-      launch_gemm<T, true, 32, 2, 4, 6>(p1, I / 16, grid_experts, stream, false);
-      launch_gemm<T, false, 32, 2, 4, 6>(p2, H / 32, grid_experts, stream, pdl);
+    case Config::kV1X:  // (experiment) 64+64 gate_up rows, 128 down rows, 8 warps as 2 row groups x 4, 128 tokens
+      launch_gemm<T, true, 128, 4, 8, 3, 2>(p1, I / 64, grid_experts, stream, false);
+      launch_gemm<T, false, 128, 4, 8, 3, 2>(p2, H / 128, grid_experts, stream, pdl);
+      break;
+    case Config::kV1Y:  // (experiment) as V1X with 64 tokens per pass, 4 stages
+      launch_gemm<T, true, 128, 2, 8, 4, 2>(p1, I / 64, grid_experts, stream, false);
+      launch_gemm<T, false, 128, 2, 8, 4, 2>(p2, H / 128, grid_experts, stream, pdl);
       break;
     case Config::kV1L:  // v1 L: gate_up 32+32 rows, 128 tokens per pass; down 64 rows; 4 stages
       launch_gemm<T, true, 64, 4, 4, 4>(p1, I / 32, grid_experts, stream, false);
