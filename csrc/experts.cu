@@ -117,7 +117,8 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
   auto load_a = [&](int slot, int ks) {
 #pragma unroll
     for (int i = 0; i < A_PER_THREAD; ++i)
-      cp_async16_stream(smem0 + slot * STAGE_BYTES + a_dst[i], a_src[i] + ks * KS, policy);
+      if constexpr (WR == 1) cp_async16_stream(smem0 + slot * STAGE_BYTES + a_dst[i], a_src[i] + ks * KS, policy);
+      else cp_async16_nohint(smem0 + slot * STAGE_BYTES + a_dst[i], a_src[i] + ks * KS);
   };
 
   for (int c0 = 0; c0 < cnt; c0 += NP) {

@@ -29,6 +29,13 @@ __device__ __forceinline__ void cp_async16_stream(uint32_t dst, const void* src,
                : "memory");
 }
 
+// The same without the L2 policy. ptxas (CUDA 13.0) miscompiles the policy form in the kernels with several row
+// groups (expert_item with WR > 1): their SASS reads uninitialised uniform registers for the address offset and
+// the policy, an illegal instruction at run time.
+__device__ __forceinline__ void cp_async16_nohint(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
 // 16 bytes, or 16 zero bytes when !valid (src is then not read).
 __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
   const int n = valid ? 16 : 0;
