@@ -382,7 +382,7 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
 // Kernel configurations of v1: V1 (32 tokens per pass), V1W (64-row tiles), V1X / V1Y (128-row tiles, 128 / 64
 // tokens per pass) and V1L (128), picked on the host; BASE_MOE_EXPERTS_CONFIG=V1|V1W|V1X|V1Y|V1L forces one (a process-wide setting, so the choice is
 // graph-safe).
-enum class Config { kV1, kV1W, kV1X, kV1Y, kV1D, kV1L };
+enum class Config { kV1, kV1W, kV1X, kV1Y, kV1D, kV1E, kV1L };
 
 // tokens_per_expert: T * k over the most experts that can be active (min(E, T * k, max_active_experts)): the
 // average load per active expert when no slot is empty and the bound is exact (empty slots or a loose bound make it
@@ -396,6 +396,7 @@ Config pick_config(int64_t tokens_per_expert) {
     if (!std::strcmp(forced, "V1X")) return Config::kV1X;
     if (!std::strcmp(forced, "V1Y")) return Config::kV1Y;
     if (!std::strcmp(forced, "V1D")) return Config::kV1D;
+    if (!std::strcmp(forced, "V1E")) return Config::kV1E;
   }
   // Measured on the H200 (notes/experts_kernel.md): V1L reads each expert's weights once for up to 128 tokens where
   // V1 re-reads them per 32, but keeps fewer weight bytes in flight (b256/M16 243 us vs 328, b64/M16 135 vs 84,
@@ -434,6 +435,11 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
     case Config::kV1D:  // 4 warps, one row group each (16+16 gate_up rows, 32 down rows), 16 tokens per pass
       launch_gemm<T, true, 128, 2, 4, 5, 4>(p1, I / 64, grid_experts, stream, false);
       if (H % 128 == 0) launch_gemm<T, false, 128, 2, 4, 5, 4>(p2, H / 128, grid_experts, stream, pdl);
+      else launch_gemm<T, false, 64, 1, 4, 8>(p2, H / 64, grid_experts, stream, pdl);
+      break;
+    case Config::kV1E:  // as V1D with 32 tokens per pass
+      launch_gemm<T, true, 128, 4, 4, 5, 4>(p1, I / 64, grid_experts, stream, false);
+      if (H % 128 == 0) launch_gemm<T, false, 128, 4, 4, 5, 4>(p2, H / 128, grid_experts, stream, pdl);
       else launch_gemm<T, false, 64, 1, 4, 8>(p2, H / 64, grid_experts, stream, pdl);
       break;
     case Config::kV1L:  // v1 L: gate_up 32+32 rows, 128 tokens per pass; down 64 rows; 4 stages
