@@ -8,8 +8,8 @@
 //   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
 //   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
 // expert_gemm_kernel: CTA (x, y) streams row tile x of active experts y, y + gridDim.y, ... in 64-column steps
-// (tokens in the same cp.async stages, re-streamed per 32 tokens, or per 128 for V1L; act indexed by expert-sorted
-// position); the grid has min(E, T*k, max_active_experts) rows. (A persistent warp-specialised kernel, "v2", lost to
+// (tokens in the same cp.async stages, re-streamed per pass of 16 to 128 tokens depending on the tile configuration;
+// act indexed by expert-sorted position); the grid has min(E, T*k, max_active_experts) rows. (A persistent warp-specialised kernel, "v2", lost to
 // it everywhere once it stopped launching CTAs for unused expert slots, and was removed: notes/experts_kernel.md.)
 // So the op needs no host sync and allocates only buffers sized from T, k, H, I.
 //
@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 }
 
 // ---- host side ------------------------------------------------------------------------------------------
-template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR = 1>
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR>
 void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
   constexpr int NP = WARPS / WR * NTW * 8;
   // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
@@ -379,72 +379,65 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
   cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
-// Kernel configurations of v1: V1 (32 tokens per pass), V1W (64-row tiles), V1X / V1Y (128-row tiles, 128 / 64
-// tokens per pass) and V1L (128), picked on the host; BASE_MOE_EXPERTS_CONFIG=V1|V1W|V1X|V1Y|V1L forces one (a process-wide setting, so the choice is
-// graph-safe).
-enum class Config { kV1, kV1W, kV1X, kV1Y, kV1D, kV1E, kV1L };
+// Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights; picked on the
+// host (pick_config), BASE_MOE_EXPERTS_CONFIG=T16|T32|T64|T128 forces one (a process-wide setting, so the choice
+// is graph-safe).
+enum class Config { kT16, kT32, kT64, kT128 };
 
 // tokens_per_expert: T * k over the most experts that can be active (min(E, T * k, max_active_experts)): the
 // average load per active expert when no slot is empty and the bound is exact (empty slots or a loose bound make it
-// an overestimate), the best the host knows without a sync. Measured at 32 (V1 wins) and 128 (V1L wins) only.
+// an overestimate), the best the host knows without a sync.
 Config pick_config(int64_t tokens_per_expert) {
   const char* forced = std::getenv("BASE_MOE_EXPERTS_CONFIG");  // for benchmarks
   if (forced != nullptr) {
-    if (!std::strcmp(forced, "V1")) return Config::kV1;
-    if (!std::strcmp(forced, "V1L")) return Config::kV1L;
-    if (!std::strcmp(forced, "V1W")) return Config::kV1W;
-    if (!std::strcmp(forced, "V1X")) return Config::kV1X;
-    if (!std::strcmp(forced, "V1Y")) return Config::kV1Y;
-    if (!std::strcmp(forced, "V1D")) return Config::kV1D;
-    if (!std::strcmp(forced, "V1E")) return Config::kV1E;
+    if (!std::strcmp(forced, "T16")) return Config::kT16;
+    if (!std::strcmp(forced, "T32")) return Config::kT32;
+    if (!std::strcmp(forced, "T64")) return Config::kT64;
+    if (!std::strcmp(forced, "T128")) return Config::kT128;
   }
-  // Measured on the H200 (notes/experts_kernel.md): V1L reads each expert's weights once for up to 128 tokens where
-  // V1 re-reads them per 32, but keeps fewer weight bytes in flight (b256/M16 243 us vs 328, b64/M16 135 vs 84,
-  // b16 dense 489 vs 220 at 1628b07).
-  return tokens_per_expert >= 96 ? Config::kV1L : Config::kV1;
+  // Measured on the H200 at every batch x budget point of bench_layer.py (notes/experts_kernel.md, session 4): a
+  // pass that holds an expert's busiest token count avoids re-reading its weights, but wider passes keep fewer
+  // weight bytes in flight per shared-memory byte. T16 is best up to 8 tokens per expert (b16 dense 187 us, b16/M16
+  // 45 us), T32 at 16 (b64/M32 97, b256 dense 347), T64 from 32 to 128 (b64/M16 67, b256/M16 184) and T128 at 256
+  // (b256/M8 152).
+  if (tokens_per_expert <= 8) return Config::kT16;
+  if (tokens_per_expert <= 16) return Config::kT32;
+  if (tokens_per_expert < 192) return Config::kT64;
+  return Config::kT128;
 }
 
 bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch off (benchmarks)
   return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true);
 }
 
+// gate_up then down with the same tile shape (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
+// gate_up); the down GEMM falls back to 64-row tiles when ROWS does not divide H (H is a multiple of 64).
+template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR>
+void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
+                 cudaStream_t stream) {
+  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR>(p1, I / (ROWS / 2), grid_experts, stream, false);
+  const bool pdl = use_pdl();
+  if (H % ROWS == 0)
+    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR>(p2, H / ROWS, grid_experts, stream, pdl);
+  else
+    launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, stream, pdl);
+}
+
 template <typename T>
 void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts, Config cfg,
                  cudaStream_t stream) {
-  const bool pdl = use_pdl();
   switch (cfg) {
-    case Config::kV1:  // v1 S: gate_up 16+16 rows, 32 tokens per pass; down 32 rows
-      launch_gemm<T, true, 32, 1, 4, 8>(p1, I / 16, grid_experts, stream, false);
-      launch_gemm<T, false, 32, 1, 4, 6>(p2, H / 32, grid_experts, stream, pdl);
+    case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM
+      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, stream);
       break;
-    case Config::kV1W:  // v1 wide (experiment): 32+32 gate_up rows, 64 down rows, 32 tokens per pass, 8 stages
-      launch_gemm<T, true, 64, 1, 4, 8>(p1, I / 32, grid_experts, stream, false);
-      launch_gemm<T, false, 64, 1, 4, 8>(p2, H / 64, grid_experts, stream, pdl);
+    case Config::kT32:  // as T16 with 32 tokens per pass
+      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, stream);
       break;
-    // 128-row tiles (experiments). The down GEMM takes 128-row tiles only when they tile H (else V1W's down).
-    case Config::kV1X:  // 64+64 gate_up rows, 128 down rows, 8 warps as 2 row groups x 4, 128 tokens per pass
-      launch_gemm<T, true, 128, 4, 8, 3, 2>(p1, I / 64, grid_experts, stream, false);
-      if (H % 128 == 0) launch_gemm<T, false, 128, 4, 8, 3, 2>(p2, H / 128, grid_experts, stream, pdl);
-      else launch_gemm<T, false, 64, 1, 4, 8>(p2, H / 64, grid_experts, stream, pdl);
+    case Config::kT64:  // 128-row tiles, 8 warps as 2 row groups x 4 token groups, 4 stages, 2 CTAs/SM
+      launch_pair<T, 128, 2, 8, 4, 2>(p1, p2, I, H, grid_experts, stream);
       break;
-    case Config::kV1Y:  // as V1X with 64 tokens per pass, 4 stages
-      launch_gemm<T, true, 128, 2, 8, 4, 2>(p1, I / 64, grid_experts, stream, false);
-      if (H % 128 == 0) launch_gemm<T, false, 128, 2, 8, 4, 2>(p2, H / 128, grid_experts, stream, pdl);
-      else launch_gemm<T, false, 64, 1, 4, 8>(p2, H / 64, grid_experts, stream, pdl);
-      break;
-    case Config::kV1D:  // 4 warps, one row group each (16+16 gate_up rows, 32 down rows), 16 tokens per pass
-      launch_gemm<T, true, 128, 2, 4, 5, 4>(p1, I / 64, grid_experts, stream, false);
-      if (H % 128 == 0) launch_gemm<T, false, 128, 2, 4, 5, 4>(p2, H / 128, grid_experts, stream, pdl);
-      else launch_gemm<T, false, 64, 1, 4, 8>(p2, H / 64, grid_experts, stream, pdl);
-      break;
-    case Config::kV1E:  // as V1D with 32 tokens per pass
-      launch_gemm<T, true, 128, 4, 4, 5, 4>(p1, I / 64, grid_experts, stream, false);
-      if (H % 128 == 0) launch_gemm<T, false, 128, 4, 4, 5, 4>(p2, H / 128, grid_experts, stream, pdl);
-      else launch_gemm<T, false, 64, 1, 4, 8>(p2, H / 64, grid_experts, stream, pdl);
-      break;
-    case Config::kV1L:  // v1 L: gate_up 32+32 rows, 128 tokens per pass; down 64 rows; 4 stages
-      launch_gemm<T, true, 64, 4, 4, 4>(p1, I / 32, grid_experts, stream, false);
-      launch_gemm<T, false, 64, 4, 4, 4>(p2, H / 64, grid_experts, stream, pdl);
+    case Config::kT128:  // 64-row tiles, 4 warps splitting the tokens, 4 stages
+      launch_pair<T, 64, 4, 4, 4, 1>(p1, p2, I, H, grid_experts, stream);
       break;
   }
 }
