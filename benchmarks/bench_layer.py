@@ -162,7 +162,7 @@ def main():
                       f"(|A|={base_active}) hf={hf_us if hf_us is None else round(hf_us, 1)} "
                       f"vllm={row['vllm_us']}", flush=True)
         if name == "qwen3-30b-a3b" and not args.no_variants:
-            # tile configurations and PDL, on the acceptance points
+            # tile configurations and PDL, on the acceptance points of issue 8 or on every (batch, budget)
             points = ([(1, None), (16, None), (16, 16), (64, 16), (64, 32), (64, None), (256, 16), (256, None)]
                       if args.variant_points == "acceptance" else [(T, M) for T in BATCHES for M in BUDGETS])
             for T, M in points:

@@ -11,7 +11,9 @@ for config in os.environ.get("SANITIZE_CONFIGS", "default,T16,T32,T64,T128").spl
         os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
     else:
         os.environ["BASE_MOE_EXPERTS_CONFIG"] = config
-    for T, H, I, E, k, used in [(1, 128, 64, 4, 2, 4), (37, 256, 128, 8, 3, 5), (150, 128, 64, 3, 2, 2)]:
+    # H = 320: the down GEMM's 64-row fallback of the 128-row configurations; k = 12: the slot sum's 16-slot instance
+    for T, H, I, E, k, used in [(1, 128, 64, 4, 2, 4), (37, 256, 128, 8, 3, 5), (150, 128, 64, 3, 2, 2),
+                                (20, 320, 192, 10, 3, 6), (9, 128, 64, 24, 12, 20)]:
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         gu = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.05
         dp = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.05

@@ -263,7 +263,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
 }
 
 
-// v1: CTA (x, y) computes row tile x of the active experts y, y + gridDim.y, ... (in ascending expert order). The
+// CTA (x, y) computes row tile x of the active experts y, y + gridDim.y, ... (in ascending expert order). The
 // grid has min(E, T*k, max_active_experts) rows: with the caller's bound on the active experts (a budget), no CTA is
 // spent on experts no token uses; more active experts than rows are still all computed.
 // 8-warp configurations are sized for 2 CTAs per SM: at most 128 registers per thread.
@@ -395,11 +395,12 @@ Config pick_config(int64_t tokens_per_expert) {
     if (!std::strcmp(forced, "T64")) return Config::kT64;
     if (!std::strcmp(forced, "T128")) return Config::kT128;
   }
-  // Measured on the H200 at every batch x budget point of bench_layer.py (notes/experts_kernel.md, session 4): a
-  // pass that holds an expert's busiest token count avoids re-reading its weights, but wider passes keep fewer
-  // weight bytes in flight per shared-memory byte. T16 is best up to 8 tokens per expert (b16 dense 187 us, b16/M16
-  // 45 us), T32 at 16 (b64/M32 97, b256 dense 347), T64 from 32 to 128 (b64/M16 67, b256/M16 184) and T128 at 256
-  // (b256/M8 152).
+  // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
+  // notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
+  // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 is best up to 8 tokens per expert
+  // (b16 dense 187 us, b16/M16 45), T32 at 16 where experts exceed 16 tokens by chance (b64/M32 97 vs T16 129,
+  // b256 dense 347; but b16/M8, exactly 16 per expert, 31.3 vs T16 28.9), T64 from 32 to 128 (b64/M16 67,
+  // b256/M16 184) and T128 at 256 (b256/M8 152).
   if (tokens_per_expert <= 8) return Config::kT16;
   if (tokens_per_expert <= 16) return Config::kT32;
   if (tokens_per_expert < 192) return Config::kT64;
@@ -410,8 +411,9 @@ bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch 
   return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true);
 }
 
-// gate_up then down with the same tile shape (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
-// gate_up); the down GEMM falls back to 64-row tiles when ROWS does not divide H (H is a multiple of 64).
+// gate_up then down with the same tile configuration (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
+// gate_up). When ROWS does not divide H (H is a multiple of 64), the down GEMM takes another configuration instead:
+// 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages.
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
                  cudaStream_t stream) {
