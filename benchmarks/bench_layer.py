@@ -47,6 +47,42 @@ def point_generator(name, T, M):
     return torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}/{T}/{M}".encode()))
 
 
+def draw_point(name, cfg, T, M):
+    """The inputs of a measurement point, drawn from its own generator: hidden [T, H] bf16, random routing (ids,
+    weights) restricted to M experts, and the number of experts the routing uses."""
+    point = point_generator(name, T, M)
+    x = torch.randn(T, cfg["H"], device="cuda", generator=point).to(torch.bfloat16)
+    ids, w = random_routing(T, cfg["E"], cfg["k"], M, cfg["renormalize"], point)
+    return x, ids, w, int(torch.unique(ids[ids < cfg["E"]]).numel())
+
+
+def expert_weights(cfg, gen):
+    """gate_up_proj [E, 2I, H] and down_proj [E, H, I], bf16, scaled so every output has about unit variance."""
+    E, H, I = cfg["E"], cfg["H"], cfg["I"]
+    gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
+    down = (torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5).to(torch.bfloat16)
+    return gate_up, down
+
+
+def router_weights(cfg, gen):
+    """Router and predictor weights [E, H] bf16 (random: speed only) and a zero predictor bias [E] fp32."""
+    E, H = cfg["E"], cfg["H"]
+    router = (torch.randn(E, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
+    predictor = (torch.randn(E, H, device="cuda", generator=gen) * 0.1 * H**-0.5).to(torch.bfloat16)
+    return router, predictor, torch.zeros(E, device="cuda")
+
+
+def select_experts(x, cfg, router, predictor, predictor_bias, budget):
+    """The BASE selection (select_experts: softmax routing, BASE cost, backfill) with budget M -> ids, weights."""
+    return torch.ops.base_moe.select_experts(x, router, None, predictor, predictor_bias, None, 1, cfg["k"], 0,
+                                             cfg["renormalize"], 1, 1, 1.0, 0, budget, 0)[2:4]
+
+
+def expert_op_us(x, ids, w, copies, M):
+    """Median microseconds of the expert op, M passed as its bound on active experts (as the BASE layer does)."""
+    return time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp, M) for gu, dp in copies])
+
+
 def random_routing(T, E, k, budget, renormalize, gen):
     """ids [T, k] int32, weights [T, k] fp32: softmax routing, restricted to `budget` random experts."""
     logits = torch.randn(T, E, device="cuda", generator=gen)
@@ -101,16 +137,10 @@ def main():
     rows, variants = [], []
     for name in args.models.split(","):
         cfg = MODELS[name]
-        H, E, k, I = cfg["H"], cfg["E"], cfg["k"], cfg["I"]
-        expert_bytes = 3 * H * I * 2
-        copies = []
-        for _ in range(COPIES):
-            gu = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
-            dp = (torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5).to(torch.bfloat16)
-            copies.append((gu, dp))
-        wr = (torch.randn(E, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
-        wp = (torch.randn(E, H, device="cuda", generator=gen) * 0.1 * H**-0.5).to(torch.bfloat16)
-        bp = torch.zeros(E, device="cuda")
+        E = cfg["E"]
+        expert_bytes = 3 * cfg["H"] * cfg["I"] * 2
+        copies = [expert_weights(cfg, gen) for _ in range(COPIES)]
+        wr, wp, bp = router_weights(cfg, gen)
         hf = None
         if not args.no_hf:
             try:
@@ -119,18 +149,12 @@ def main():
                 print(f"HF grouped_mm experts unavailable: {exc!r}")
         for T in ([] if args.variants_only else BATCHES):
             for M in BUDGETS:
-                point = point_generator(name, T, M)
-                x = torch.randn(T, H, device="cuda", generator=point).to(torch.bfloat16)
-                ids, w = random_routing(T, E, k, M, cfg["renormalize"], point)
-                active = int(torch.unique(ids[ids < E]).numel())
-                # a budget M is passed to the op as the bound on active experts, as the BASE layer does
-                ours = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp, M)
-                                   for gu, dp in copies])
+                x, ids, w, active = draw_point(name, cfg, T, M)
+                ours = expert_op_us(x, ids, w, copies, M)
                 budget = E if M is None else M
 
                 def select():
-                    return torch.ops.base_moe.select_experts(
-                        x, wr, None, wp, bp, None, 1, k, 0, cfg["renormalize"], 1, 1, 1.0, 0, budget, 0)[2:4]
+                    return select_experts(x, cfg, wr, wp, bp, budget)
 
                 def layer(gu, dp):
                     return torch.ops.base_moe.experts(x, *select(), gu, dp, M)
@@ -166,10 +190,7 @@ def main():
             points = ([(1, None), (16, None), (16, 16), (64, 16), (64, 32), (64, None), (256, 16), (256, None)]
                       if args.variant_points == "acceptance" else [(T, M) for T in BATCHES for M in BUDGETS])
             for T, M in points:
-                point = point_generator(name, T, M)
-                x = torch.randn(T, H, device="cuda", generator=point).to(torch.bfloat16)
-                ids, w = random_routing(T, E, k, M, cfg["renormalize"], point)
-                active = int(torch.unique(ids[ids < E]).numel())
+                x, ids, w, active = draw_point(name, cfg, T, M)
                 res = {}
                 for var in args.variants.split(","):
                     os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
@@ -178,8 +199,7 @@ def main():
                         os.environ["BASE_MOE_EXPERTS_PDL"] = "0"
                     elif var != "default":
                         os.environ["BASE_MOE_EXPERTS_CONFIG"] = var
-                    res[var] = time_graph([lambda gu=gu, dp=dp: torch.ops.base_moe.experts(x, ids, w, gu, dp, M)
-                                           for gu, dp in copies])
+                    res[var] = expert_op_us(x, ids, w, copies, M)
                 os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
                 os.environ.pop("BASE_MOE_EXPERTS_PDL", None)
                 variants.append(dict(batch=T, budget=M, active=active, us=res))

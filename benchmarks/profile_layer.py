@@ -1,7 +1,7 @@
 """A few calls of one MoE-layer op on a bench_layer.py point, for profilers (ncu, nsys, compute-sanitizer).
 
-Same weights, routing and hidden states as bench_layer.py draws for (model, batch, budget). Example, the expert
-kernels' DRAM throughput and stall reasons at batch 64 with 16 experts:
+The hidden states and routing are bench_layer.py's for (model, batch, budget); the weights are drawn the same way.
+Example, the expert kernels' DRAM throughput and stall reasons at batch 64 with 16 experts:
 
     ncu --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\\
 sm__warps_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_barrier_per_warp_active.pct \\
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_layer import MODELS, point_generator, random_routing
+from bench_layer import MODELS, draw_point, expert_weights, router_weights, select_experts
 
 import base_moe.ops  # noqa: F401
 
@@ -31,23 +31,16 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("profile_layer.py needs a CUDA device")
     cfg = MODELS[args.model]
-    H, E, k, I = cfg["H"], cfg["E"], cfg["k"], cfg["I"]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    point = point_generator(args.model, args.batch, args.budget)
-    x = torch.randn(args.batch, H, device="cuda", generator=point).to(torch.bfloat16)
+    x, ids, w, _ = draw_point(args.model, cfg, args.batch, args.budget)
     if args.op == "experts":
-        gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
-        down = (torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5).to(torch.bfloat16)
-        ids, w = random_routing(args.batch, E, k, args.budget, cfg["renormalize"], point)
+        gate_up, down = expert_weights(cfg, gen)
         for _ in range(args.calls):
             torch.ops.base_moe.experts(x, ids, w, gate_up, down, args.budget)
     else:
-        router = (torch.randn(E, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
-        predictor = (torch.randn(E, H, device="cuda", generator=gen) * 0.1 * H**-0.5).to(torch.bfloat16)
-        bias = torch.zeros(E, device="cuda")
+        router, predictor, predictor_bias = router_weights(cfg, gen)
         for _ in range(args.calls):
-            torch.ops.base_moe.select_experts(x, router, None, predictor, bias, None, 1, k, 0, cfg["renormalize"], 1, 1,
-                                              1.0, 0, args.budget or E, 0)
+            select_experts(x, cfg, router, predictor, predictor_bias, args.budget or cfg["E"])
     torch.cuda.synchronize()
 
 
