@@ -209,15 +209,19 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       if constexpr (WG) {
         const uint32_t sa = smem0 + (ks % STAGES) * STAGE_BYTES;
         const uint32_t sb = sa + A_BYTES;
+        fence_registers<RTW * NTW * 4>(&acc[0][0][0]);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KS / 16; ++kk) {
           const uint64_t db = wgmma_desc(sb + kk * 32);
 #pragma unroll
-          for (int rt = 0; rt < RTW; ++rt) wgmma_m64k16<T, NP>(&acc[rt][0][0], wgmma_desc(sa + rt * 64 * ROW_BYTES + kk * 32), db);
+          for (int rt = 0; rt < RTW; ++rt)
+            wgmma_m64k16<T, NP>(&acc[rt][0][0], wgmma_desc(sa + rt * 64 * ROW_BYTES + kk * 32), db);
         }
         wgmma_commit();
-        wgmma_wait_all();  // the stage is overwritten STAGES - 1 steps later, after the next barrier
+        // Complete before the next barrier: this stage's slot is refilled right after it (next step's loads).
+        wgmma_wait_all();
+        fence_registers<RTW * NTW * 4>(&acc[0][0][0]);
       } else if (warp_has_tokens) {
         const uint32_t sa = smem0 + (ks % STAGES) * STAGE_BYTES;
         const uint32_t sb = sa + A_BYTES;

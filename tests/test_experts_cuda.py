@@ -102,6 +102,13 @@ def test_fp16(T, shape):
     check_accuracy(T, shape, torch.float16, used=min(12, shape["E"] - 1))
 
 
+@pytest.mark.parametrize("config", ["W64", "W128"])
+def test_fp16_wgmma(config, monkeypatch):
+    """The fp16 instances of the wgmma configurations (test_configs runs bf16)."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
+    check_accuracy(100, dict(H=256, I=128, E=8, k=4), torch.float16, used=4)
+
+
 def test_all_dropped_and_one_expert():
     shape = dict(H=128, I=64, E=4, k=2)
     hidden, ids, w, gate_up, down = make_problem(5, dtype=torch.bfloat16, **shape)
