@@ -35,6 +35,7 @@
 #include "base_moe/experts_mma.cuh"
 #include "base_moe/launch.cuh"
 #include "base_moe/routing.h"
+#include "base_moe/wgmma.cuh"
 
 namespace base_moe {
 namespace {
@@ -70,7 +71,10 @@ __device__ __forceinline__ uint32_t swz(int r, int ch) { return r * ROW_BYTES + 
 // WR x WN grid: warp (wr, wn) covers row group wr (gated: the same share of the gate rows and of the up rows, so
 // each warp's epilogue pairs its own gate and up accumulators) and the n-tiles of 8 tokens j with j % WN == wn:
 // NP = WN * NTW * 8 tokens per pass. More row groups read the token rows (from L2) once for more weight rows.
-template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR>
+// WG (wgmma, one warpgroup: WARPS = WR = 4, ROWS = 128): the tile is two 64-row wgmma blocks (gated: the 64 gate
+// rows, then the 64 up rows) times the pass's NP tokens, both operands read from shared memory in the 128-byte swizzle;
+// warp w holds rows 16w..16w+15 of each block, for every token (the m16n8 accumulator layout per 8 tokens).
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
 __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, int* s_list, int* s_scan, int u,
                                             int off, int tile) {
   constexpr int NT = WARPS * 32;
@@ -79,6 +83,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
   constexpr int RTW = ROWS / 16 / WR;  // 16-row MMA tiles per warp
   constexpr int HALF = RTW / 2;         // gated: the warp's gate tiles, then as many up tiles
   static_assert(WARPS % WR == 0 && ROWS % (16 * WR) == 0 && (!GATED || RTW % 2 == 0), "row groups must tile ROWS");
+  static_assert(!WG || (WARPS == 4 && WR == 4 && ROWS == 128 && (NP == 64 || NP == 128)), "wgmma tile shape");
   constexpr int A_BYTES = ROWS * ROW_BYTES;
   constexpr int STAGE_BYTES = (ROWS + NP) * ROW_BYTES;
   constexpr int A_PER_THREAD = ROWS * 8 / NT;
@@ -90,9 +95,12 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
   auto tile_row = [&](int rt) {
     if constexpr (GATED)
       return (rt < HALF ? 0 : ROWS / 2) + wr * (ROWS / 2 / WR) + (rt % HALF) * 16;
+    else if constexpr (WG)
+      return rt * 64 + wr * 16;
     else
       return wr * (ROWS / WR) + rt * 16;
   };
+  auto stage_offset = [](int r, int ch) { return WG ? swz128(r, ch) : swz(r, ch); };
   const int* s_cnt = reinterpret_cast<const int*>(smem + STAGES * STAGE_BYTES);
   const int cnt = s_cnt[u];
 
@@ -112,7 +120,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
     int grow = row0 + r;
     if (GATED && r >= ROWS / 2) grow = p.up_row_offset + row0 + (r - ROWS / 2);
     a_src[i] = wexp + static_cast<int64_t>(grow) * K + ch * 8;
-    a_dst[i] = swz(r, ch);
+    a_dst[i] = stage_offset(r, ch);
   }
   auto load_a = [&](int slot, int ks) {
 #pragma unroll
@@ -162,7 +170,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       int64_t row = 0;
       if (b_valid[i]) row = GATED ? s_list[r] / p.top_k : off + c0 + r;
       b_src[i] = base + row * K + ch * 8;
-      b_dst[i] = A_BYTES + swz(r, ch);
+      b_dst[i] = A_BYTES + stage_offset(r, ch);
     }
     auto load_b = [&](int slot, int ks) {
 #pragma unroll
@@ -188,6 +196,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
 #pragma unroll 1
     for (int ks = 0; ks < nk; ++ks) {
       cp_async_wait<STAGES - 2>();
+      if constexpr (WG) fence_proxy_async_shared();  // the cp.async data, for wgmma's async-proxy reads
       __syncthreads();
       {
         const int nx = ks + STAGES - 1;
@@ -197,7 +206,23 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
         }
         cp_async_commit();
       }
-      if (warp_has_tokens) {
+      if constexpr (WG) {
+        const uint32_t sa = smem0 + (ks % STAGES) * STAGE_BYTES;
+        const uint32_t sb = sa + A_BYTES;
+        fence_registers<RTW * NTW * 4>(&acc[0][0][0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KS / 16; ++kk) {
+          const uint64_t db = wgmma_desc(sb + kk * 32);
+#pragma unroll
+          for (int rt = 0; rt < RTW; ++rt)
+            wgmma_m64k16<T, NP>(&acc[rt][0][0], wgmma_desc(sa + rt * 64 * ROW_BYTES + kk * 32), db);
+        }
+        wgmma_commit();
+        // Complete before the next barrier: this stage's slot is refilled right after it (next step's loads).
+        wgmma_wait_all();
+        fence_registers<RTW * NTW * 4>(&acc[0][0][0]);
+      } else if (warp_has_tokens) {
         const uint32_t sa = smem0 + (ks % STAGES) * STAGE_BYTES;
         const uint32_t sb = sa + A_BYTES;
 #pragma unroll
@@ -267,7 +292,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
 // grid has min(E, T*k, max_active_experts) rows: with the caller's bound on the active experts (a budget), no CTA is
 // spent on experts no token uses; more active experts than rows are still all computed.
 // 8-warp configurations are sized for 2 CTAs per SM: at most 128 registers per thread.
-template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR>
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 8 ? 2 : 1) expert_gemm_kernel(const GemmParams p) {
   constexpr int NT = WARPS * 32;
   constexpr int NP = WARPS / WR * NTW * 8;
@@ -275,7 +300,9 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 8 ? 2 : 1) expert_gemm_ke
   static_assert(ROWS * 8 % NT == 0, "A tile must split evenly over the threads");
   static_assert(!GATED || ROWS % 32 == 0, "gated tiles hold as many gate rows as up rows");
 
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  // wgmma's 128-byte swizzle needs 1024-byte aligned tiles (the launch adds 1 KB for this)
+  uint8_t* smem = WG ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
   int* s_cnt = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);  // [kMaxE] tokens per expert
   int* s_list = s_cnt + kMaxE;                                      // [NP] flat (t*k+j) of this pass's tokens
   int* s_active = s_list + NP;                                      // [kMaxE] active experts, ascending
@@ -321,7 +348,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 8 ? 2 : 1) expert_gemm_ke
 
 #pragma unroll 1
   for (int a = blockIdx.y; a < s_num_active; a += gridDim.y) {
-    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR>(p, smem, s_list, s_scan, s_active[a], s_offset[a], blockIdx.x);
+    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>(p, smem, s_list, s_scan, s_active[a], s_offset[a], blockIdx.x);
   }
 }
 
@@ -365,12 +392,12 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 }
 
 // ---- host side ------------------------------------------------------------------------------------------
-template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR>
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
 void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
   constexpr int NP = WARPS / WR * NTW * 8;
   // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
-  constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int);
-  auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR>;
+  constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int) + (WG ? 1024 : 0);
+  auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
   static bool configured = [&] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     return true;
@@ -382,7 +409,7 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights; picked on the
 // host (pick_config), BASE_MOE_EXPERTS_CONFIG=T16|T32|T64|T128 forces one (a process-wide setting, so the choice
 // is graph-safe).
-enum class Config { kT16, kT32, kT64, kT128 };
+enum class Config { kT16, kT32, kT64, kT128, kW64, kW128 };
 
 // tokens_per_expert: T * k over the most experts that can be active (min(E, T * k, max_active_experts)): the
 // average load per active expert when no slot is empty and the bound is exact (empty slots or a loose bound make it
@@ -394,6 +421,8 @@ Config pick_config(int64_t tokens_per_expert) {
     if (!std::strcmp(forced, "T32")) return Config::kT32;
     if (!std::strcmp(forced, "T64")) return Config::kT64;
     if (!std::strcmp(forced, "T128")) return Config::kT128;
+    if (!std::strcmp(forced, "W64")) return Config::kW64;    // wgmma (experiment, not picked yet)
+    if (!std::strcmp(forced, "W128")) return Config::kW128;  // wgmma (experiment, not picked yet)
   }
   // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
   // notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
@@ -414,13 +443,13 @@ bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch 
 // gate_up then down with the same tile configuration (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
 // gate_up). When ROWS does not divide H (H is a multiple of 64), the down GEMM takes another configuration instead:
 // 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages.
-template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR>
+template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
                  cudaStream_t stream) {
-  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR>(p1, I / (ROWS / 2), grid_experts, stream, false);
+  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, stream, false);
   const bool pdl = use_pdl();
   if (H % ROWS == 0)
-    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR>(p2, H / ROWS, grid_experts, stream, pdl);
+    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR, WG>(p2, H / ROWS, grid_experts, stream, pdl);
   else
     launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, stream, pdl);
 }
@@ -440,6 +469,12 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       break;
     case Config::kT128:  // 64-row tiles, 4 warps splitting the tokens, 4 stages
       launch_pair<T, 64, 4, 4, 4, 1>(p1, p2, I, H, grid_experts, stream);
+      break;
+    case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM
+      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, stream);
+      break;
+    case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM
+      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, stream);
       break;
   }
 }

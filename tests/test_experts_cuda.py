@@ -102,6 +102,13 @@ def test_fp16(T, shape):
     check_accuracy(T, shape, torch.float16, used=min(12, shape["E"] - 1))
 
 
+@pytest.mark.parametrize("config", ["W64", "W128"])
+def test_fp16_wgmma(config, monkeypatch):
+    """The fp16 instances of the wgmma configurations (test_configs runs bf16)."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
+    check_accuracy(100, dict(H=256, I=128, E=8, k=4), torch.float16, used=4)
+
+
 def test_all_dropped_and_one_expert():
     shape = dict(H=128, I=64, E=4, k=2)
     hidden, ids, w, gate_up, down = make_problem(5, dtype=torch.bfloat16, **shape)
@@ -113,7 +120,7 @@ def test_all_dropped_and_one_expert():
     check_accuracy(300, shape, torch.bfloat16, used=1, drop=0.0)  # one expert, 300 tokens: several passes
 
 
-@pytest.mark.parametrize("config", ["T16", "T32", "T64", "T128"])
+@pytest.mark.parametrize("config", ["T16", "T32", "T64", "T128", "W64", "W128"])
 @pytest.mark.parametrize("T,shape,used", [(1, dict(H=320, I=192, E=10, k=3), 9), (70, dict(H=320, I=192, E=10, k=3), 2),
                                           (300, dict(H=128, I=64, E=4, k=2), 1), (40, QWEN3, 16)])
 def test_configs(config, T, shape, used, monkeypatch):
