@@ -502,7 +502,8 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out = yslot.data_ptr();
   p2.out_stride = static_cast<int>(H);
 
-  const Config cfg = pick_config(std::min<int64_t>(T, tk / grid_experts))  // an expert gets at most one slot per token;
+  // an expert gets at most one slot per token, so at most T tokens
+  const Config cfg = pick_config(std::min<int64_t>(T, tk / grid_experts));
   if (hidden.scalar_type() == at::kBFloat16) {
     run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, cfg, stream);
     launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
