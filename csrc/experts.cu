@@ -25,6 +25,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -108,7 +109,8 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
   const int row0 = tile * (GATED ? ROWS / 2 : ROWS);
   const int K = p.K;
   const int nk = K / KS;
-  const uint64_t policy = evict_first_policy();
+  uint64_t policy = 0;  // the kernels with row groups do not use it (cp_async16_nohint)
+  if constexpr (WR == 1) policy = evict_first_policy();
   const uint32_t smem0 = smem_addr(smem);
 
   // this thread's A chunks: row pointers (fixed for the whole tile)
@@ -398,11 +400,15 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
   // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
   constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int) + (WG ? 1024 : 0);
   auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
-  static bool configured = [&] {
+  // The attribute belongs to each device's copy of the kernel: set it once per device.
+  constexpr int kMaxDevices = 64;
+  static bool configured[kMaxDevices] = {};
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= kMaxDevices || !configured[device]) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    return true;
-  }();
-  (void)configured;
+    if (device < kMaxDevices) configured[device] = true;
+  }
   cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
@@ -423,6 +429,7 @@ Config pick_config(int64_t tokens_per_expert) {
     if (!std::strcmp(forced, "T128")) return Config::kT128;
     if (!std::strcmp(forced, "W64")) return Config::kW64;    // wgmma (experiment, not picked yet)
     if (!std::strcmp(forced, "W128")) return Config::kW128;  // wgmma (experiment, not picked yet)
+    TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=", forced, " is not one of T16, T32, T64, T128, W64, W128: ignored");
   }
   // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
   // notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
@@ -530,7 +537,8 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out = yslot.data_ptr();
   p2.out_stride = static_cast<int>(H);
 
-  const Config cfg = pick_config(tk / grid_experts);
+  // an expert gets at most one slot per token, so at most T tokens
+  const Config cfg = pick_config(std::min<int64_t>(T, tk / grid_experts));
   if (hidden.scalar_type() == at::kBFloat16) {
     run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, cfg, stream);
     launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
