@@ -315,6 +315,10 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 8 ? 2 : 1) expert_gemm_ke
   const int tid = threadIdx.x;
   const int E = p.num_experts;
 
+  // gate_up starts while the selection kernel finishes (programmatic dependent launch): wait for it before reading
+  // ids, weights or hidden states, and only then let the down kernel start, so that the down kernel, which reads the
+  // ids before its own wait, never runs ahead of the selection.
+  if constexpr (GATED) cuda::pdl_wait();
   cuda::pdl_launch_dependents();  // the next kernel may be scheduled once all our CTAs are
 
   // ---- routing: count the ids, list the active experts and their offsets in expert-sorted order ----------
@@ -453,8 +457,8 @@ bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch 
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
                  cudaStream_t stream) {
-  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, stream, false);
   const bool pdl = use_pdl();
+  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, stream, pdl);
   if (H % ROWS == 0)
     launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR, WG>(p2, H / ROWS, grid_experts, stream, pdl);
   else
