@@ -123,7 +123,7 @@ def main():
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--variants-only", action="store_true", help="only the Qwen3 configuration variants")
-    ap.add_argument("--variants", default="default,T16,T32,T64,T128,nopdl")
+    ap.add_argument("--variants", default="default,T16,T32,W64,W128,nopdl")
     ap.add_argument("--variant-points", choices=["acceptance", "all"], default="acceptance",
                     help="time the variants on the acceptance points of issue 8, or on every (batch, budget)")
     args = ap.parse_args()

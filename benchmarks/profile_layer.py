@@ -7,7 +7,7 @@ Example, the expert kernels' DRAM throughput and stall reasons at batch 64 with 
 sm__warps_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_barrier_per_warp_active.pct \\
         -k regex:expert_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch 64 --budget 16
 
-(the first call warms up: skip its launches). BASE_MOE_EXPERTS_CONFIG=T16|T32|T64|T128 forces a tile configuration.
+(the first call warms up: skip its launches). BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128 forces a tile configuration.
 """
 
 from __future__ import annotations

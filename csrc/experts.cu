@@ -295,7 +295,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
 // spent on experts no token uses; more active experts than rows are still all computed.
 // 8-warp configurations are sized for 2 CTAs per SM: at most 128 registers per thread.
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
-__global__ void __launch_bounds__(WARPS * 32, WARPS == 8 ? 2 : 1) expert_gemm_kernel(const GemmParams p) {
+__global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParams p) {
   constexpr int NT = WARPS * 32;
   constexpr int NP = WARPS / WR * NTW * 8;
   constexpr int STAGE_BYTES = (ROWS + NP) * ROW_BYTES;
@@ -416,35 +416,36 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
   cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
-// Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights; picked on the
-// host (pick_config), BASE_MOE_EXPERTS_CONFIG=T16|T32|T64|T128 forces one (a process-wide setting, so the choice
-// is graph-safe).
-enum class Config { kT16, kT32, kT64, kT128, kW64, kW128 };
+// Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
+// mma.sync (m16n8k16, tokens as the narrow n side), W64 / W128 on wgmma (m64nNk16, tokens as N). Picked on the host
+// (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128 forces one (a process-wide setting, so the choice is
+// graph-safe).
+enum class Config { kT16, kT32, kW64, kW128 };
 
-// tokens_per_expert: T * k over the most experts that can be active (min(E, T * k, max_active_experts)): the
-// average load per active expert when no slot is empty and the bound is exact (empty slots or a loose bound make it
-// an overestimate), the best the host knows without a sync.
-Config pick_config(int64_t tokens_per_expert) {
+// T: tokens of the batch (no expert gets more: one slot per token); tokens_per_expert: T * k over the most experts
+// that can be active (min(E, T * k, max_active_experts)), the average load per active expert when no slot is empty
+// and the bound is exact (empty slots or a loose bound make it an overestimate): the best the host knows without a
+// sync.
+Config pick_config(int64_t T, int64_t tokens_per_expert) {
   const char* forced = std::getenv("BASE_MOE_EXPERTS_CONFIG");  // for benchmarks
   if (forced != nullptr) {
     if (!std::strcmp(forced, "T16")) return Config::kT16;
     if (!std::strcmp(forced, "T32")) return Config::kT32;
-    if (!std::strcmp(forced, "T64")) return Config::kT64;
-    if (!std::strcmp(forced, "T128")) return Config::kT128;
-    if (!std::strcmp(forced, "W64")) return Config::kW64;    // wgmma (experiment, not picked yet)
-    if (!std::strcmp(forced, "W128")) return Config::kW128;  // wgmma (experiment, not picked yet)
-    TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=", forced, " is not one of T16, T32, T64, T128, W64, W128: ignored");
+    if (!std::strcmp(forced, "W64")) return Config::kW64;
+    if (!std::strcmp(forced, "W128")) return Config::kW128;
+    TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=", forced, " is not one of T16, T32, W64, W128: ignored");
   }
-  // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
+  // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json; sessions 4 and 5,
   // notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
-  // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 is best up to 8 tokens per expert
-  // (b16 dense 187 us, b16/M16 45), T32 at 16 where experts exceed 16 tokens by chance (b64/M32 97 vs T16 129,
-  // b256 dense 347; but b16/M8, exactly 16 per expert, 31.3 vs T16 28.9), T64 from 32 to 128 (b64/M16 67,
-  // b256/M16 184) and T128 at 256 (b256/M8 152).
-  if (tokens_per_expert <= 8) return Config::kT16;
+  // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 whenever no expert can exceed 16
+  // tokens or the average is at most 8 (b16/M8 28.9 us vs T32 31.3, b16 dense 185, b64 dense 295); T32 at 16 per
+  // expert, where experts exceed 16 tokens by chance (b256 dense 344 vs W64 352); W64 up to 32 per expert, or 64 when
+  // the batch has at most 64 tokens (b64/M16 50.5 vs T32 79, b64/M8 38.3 vs W128 45.7, b256/M64 193 vs W128 213);
+  // W128 beyond (b256/M32 130 vs W64 160, b256/M16 112).
+  if (T <= 16 || tokens_per_expert <= 8) return Config::kT16;
   if (tokens_per_expert <= 16) return Config::kT32;
-  if (tokens_per_expert < 192) return Config::kT64;
-  return Config::kT128;
+  if (T <= 64 || tokens_per_expert <= 32) return Config::kW64;
+  return Config::kW128;
 }
 
 bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch off (benchmarks)
@@ -474,12 +475,6 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass
       launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, stream);
-      break;
-    case Config::kT64:  // 128-row tiles, 8 warps as 2 row groups x 4 token groups, 4 stages, 2 CTAs/SM
-      launch_pair<T, 128, 2, 8, 4, 2>(p1, p2, I, H, grid_experts, stream);
-      break;
-    case Config::kT128:  // 64-row tiles, 4 warps splitting the tokens, 4 stages
-      launch_pair<T, 64, 4, 4, 4, 1>(p1, p2, I, H, grid_experts, stream);
       break;
     case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM
       launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, stream);
@@ -541,8 +536,7 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out = yslot.data_ptr();
   p2.out_stride = static_cast<int>(H);
 
-  // an expert gets at most one slot per token, so at most T tokens
-  const Config cfg = pick_config(std::min<int64_t>(T, tk / grid_experts));
+  const Config cfg = pick_config(T, tk / grid_experts);
   if (hidden.scalar_type() == at::kBFloat16) {
     run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, cfg, stream);
     launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);

@@ -120,7 +120,7 @@ def test_all_dropped_and_one_expert():
     check_accuracy(300, shape, torch.bfloat16, used=1, drop=0.0)  # one expert, 300 tokens: several passes
 
 
-@pytest.mark.parametrize("config", ["T16", "T32", "T64", "T128", "W64", "W128"])
+@pytest.mark.parametrize("config", ["T16", "T32", "W64", "W128"])
 @pytest.mark.parametrize("T,shape,used", [(1, dict(H=320, I=192, E=10, k=3), 9), (70, dict(H=320, I=192, E=10, k=3), 2),
                                           (300, dict(H=128, I=64, E=4, k=2), 1), (40, QWEN3, 16)])
 def test_configs(config, T, shape, used, monkeypatch):
@@ -130,7 +130,7 @@ def test_configs(config, T, shape, used, monkeypatch):
     check_accuracy(T, shape, torch.bfloat16, used=used, drop=0.1, seed=T)
 
 
-@pytest.mark.parametrize("config", ["default", "T16", "T32", "T64", "T128"])
+@pytest.mark.parametrize("config", ["default", "T16", "T32", "W64", "W128"])
 @pytest.mark.parametrize("T,used,bound", [(16, 16, 16), (16, 16, 3), (16, 16, 1), (64, 40, 7), (5, 5, 100)])
 def test_max_active_experts(config, T, used, bound, monkeypatch):
     """The bound on active experts sizes the grid only: any value, even below the true count, gives the same bits."""
