@@ -34,11 +34,6 @@
 #include "base_moe/routing_device.cuh"
 #include "base_moe/select_kernels.h"
 
-// MEASUREMENT BRANCH ONLY (wip/select-phases): thread 0 of every CTA stamps clock64() at each phase boundary and
-// CTAs 0 and C-1 of group 0 print the cycles per phase (benchmarks/micro/select_phases.py drives it).
-#define SELECT_PHASE(n) \
-  if (threadIdx.x == 0) phase_clock[n] = clock64();
-
 namespace base_moe {
 namespace {
 
@@ -244,8 +239,6 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   int* kept = reinterpret_cast<int*>(smem + L.kept);
   float* my_scratch = smem + L.scratch + warp * (E + 2 * p.n_group);
   float* my_slots = smem + L.slots + warp * 3 * kMaxTopK;
-  long long phase_clock[12] = {};
-  SELECT_PHASE(0)
 
   // The weights do not depend on the previous kernel: start copying this CTA's rows to shared memory while it
   // finishes (programmatic dependent launch), then wait before touching hidden states or outputs.
@@ -267,16 +260,12 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   for (int i = tid; i < E; i += kThreads) kept_flag[i] = 0;
   for (int i = tid; i < W; i += kThreads) kept[i] = E;
   cuda::pdl_wait();
-  SELECT_PHASE(1)
 
   // ---- 1. GEMV ----
   cuda::cp_async_wait_all();
   __syncthreads();
-  SELECT_PHASE(2)
   gemv_tile<T>(f, group, tg, rg, smem, L);
-  SELECT_PHASE(3)
   cuda::cluster_sync();
-  SELECT_PHASE(4)
 
   // ---- 2. routing, slot costs to the owners ----
   const int TC = f.tokens_per_cta, RG = f.row_groups;
@@ -298,10 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
       atomicOr(cuda::cluster_map(flags, owner) + u, lane == 0 ? 3 : 1);
     }
   }
-  __syncthreads();
-  SELECT_PHASE(5)
   cuda::cluster_sync();
-  SELECT_PHASE(6)
 
   // ---- 3. batch cost of the owned experts, in token order; the ranking keys to every CTA ----
   for (int e = warp; e < EO; e += kWarps) {
@@ -320,10 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     if (lane < C) cuda::cluster_map(rank_key, static_cast<unsigned>(lane))[u] = (fl & 1) ? d : -1.0f;
     if (lane == 0) own_cost[e] = d;
   }
-  __syncthreads();
-  SELECT_PHASE(7)
   cuda::cluster_sync();
-  SELECT_PHASE(8)
 
   // ---- 4. top-budget selection (every CTA): rank each candidate (key descending, index ascending) ----
   {
@@ -349,7 +332,6 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     }
   }
   __syncthreads();
-  SELECT_PHASE(9)
 
   // ---- 5. fill this warp's token from the kept experts; counts to the owners ----
   int32_t final_id = E;
@@ -363,8 +345,6 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     }
   }
   // Only the count atomics must reach the owners before the barrier; the outputs are written while it completes.
-  __syncthreads();
-  SELECT_PHASE(10)
   cuda::cluster_arrive();
   if (has_token && lane < k) {
     p.ids[t * k + final_slot] = final_id;
@@ -384,15 +364,6 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   for (int e = tid; e < EO; e += kThreads) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u < E) p.counts[static_cast<int64_t>(group) * E + u] = counts[e];
-  }
-  SELECT_PHASE(11)
-  if (threadIdx.x == 0 && group == 0 && (rank == 0 || rank == static_cast<unsigned>(C - 1))) {
-    long long d[11];
-    for (int j = 0; j < 11; ++j) d[j] = phase_clock[j + 1] - phase_clock[j];
-    printf("PHASES B=%d C=%d rank=%u cycles: pdl_wait %lld | w_ready %lld | gemv %lld | bar1 %lld | route %lld | "
-           "bar2 %lld | cost %lld | bar3 %lld | select %lld | fill %lld | out+bar4 %lld | total %lld\n",
-           B, C, rank, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10],
-           phase_clock[11] - phase_clock[0]);
   }
 }
 
