@@ -293,7 +293,6 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
 // CTA (x, y) computes row tile x of the active experts y, y + gridDim.y, ... (in ascending expert order). The
 // grid has min(E, T*k, max_active_experts) rows: with the caller's bound on the active experts (a budget), no CTA is
 // spent on experts no token uses; more active experts than rows are still all computed.
-// 8-warp configurations are sized for 2 CTAs per SM: at most 128 registers per thread.
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
 __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParams p) {
   constexpr int NT = WARPS * 32;

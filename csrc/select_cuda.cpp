@@ -104,22 +104,40 @@ void set_selection(SelectParams& p, int64_t fill, const Tensor& kept, const Tens
   p.counts = counts.data_ptr<int32_t>();
 }
 
-// route_select's outputs: ids, weights [T, k], kept [G, min(budget, E)], counts [G, E], batch cost [G, E]; the
-// kernel parameters point at them.
+// The routing outputs every selection entry point writes: ids, weights [T, k]; the kernel parameters point at them.
+std::tuple<Tensor, Tensor> routing_outputs(SelectParams& p, const Tensor& logits, int64_t top_k) {
+  const int64_t T = logits.size(0);
+  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  Tensor weights = at::empty({T, top_k}, logits.options());
+  p.ids = ids.data_ptr<int32_t>();
+  p.weights = weights.data_ptr<float>();
+  return {ids, weights};
+}
+
+// The batch cost [G, E] that route_cost and route_select write.
+Tensor batch_cost_output(SelectParams& p, const Tensor& logits, int64_t num_groups) {
+  Tensor D = at::empty({num_groups, logits.size(1)}, logits.options());
+  p.batch_cost_out = D.data_ptr<float>();
+  return D;
+}
+
+// The selection outputs of select_fill and route_select: kept [G, min(budget, E)], counts [G, E].
+std::tuple<Tensor, Tensor> kept_outputs(SelectParams& p, const Tensor& logits, int64_t num_groups, int64_t budget,
+                                        int64_t fill) {
+  const int64_t E = logits.size(1);
+  Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
+  Tensor counts = at::empty({num_groups, E}, logits.options().dtype(at::kInt));
+  set_selection(p, fill, kept, counts);
+  return {kept, counts};
+}
+
+// route_select's outputs: ids, weights, kept, counts, batch cost.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> selection_outputs(SelectParams& p, const Tensor& logits,
                                                                      int64_t top_k, int64_t num_groups, int64_t budget,
                                                                      int64_t fill) {
-  const int64_t T = logits.size(0), E = logits.size(1);
-  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-  Tensor weights = at::empty({T, top_k}, logits.options());
-  Tensor kept = at::empty({num_groups, std::min(budget, E)}, logits.options().dtype(at::kInt));
-  Tensor counts = at::empty({num_groups, E}, logits.options().dtype(at::kInt));
-  Tensor D = at::empty({num_groups, E}, logits.options());
-  p.ids = ids.data_ptr<int32_t>();
-  p.weights = weights.data_ptr<float>();
-  p.batch_cost_out = D.data_ptr<float>();
-  set_selection(p, fill, kept, counts);
-  return {ids, weights, kept, counts, D};
+  auto [ids, weights] = routing_outputs(p, logits, top_k);
+  auto [kept, counts] = kept_outputs(p, logits, num_groups, budget, fill);
+  return {ids, weights, kept, counts, batch_cost_output(p, logits, num_groups)};
 }
 
 void check_token_count(const Tensor& logits) {
@@ -136,15 +154,10 @@ std::tuple<Tensor, Tensor, Tensor> route_cost_cuda(const Tensor& logits, const O
   check_route_cost(logits, log_norms, num_groups, cost);
   check_token_count(logits);
   const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t T = logits.size(0), E = logits.size(1);
-  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-  Tensor weights = at::empty({T, top_k}, logits.options());
-  Tensor D = at::empty({num_groups, E}, logits.options());
   SelectParams p = make_params(logits, correction_bias, r, num_groups);
   set_cost(p, log_norms, cost);
-  p.ids = ids.data_ptr<int32_t>();
-  p.weights = weights.data_ptr<float>();
-  p.batch_cost_out = D.data_ptr<float>();
+  auto [ids, weights] = routing_outputs(p, logits, top_k);
+  Tensor D = batch_cost_output(p, logits, num_groups);
   route_select_launch(p, static_cast<int>(num_groups), logits.get_device());
   return {ids, weights, D};
 }
@@ -159,17 +172,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cuda(const Tensor& logits
   check_select_fill(logits, batch_cost, budget, fill);
   check_token_count(logits);
   const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t T = logits.size(0), E = logits.size(1), G = batch_cost.size(0);
-  Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-  Tensor weights = at::empty({T, top_k}, logits.options());
-  Tensor kept = at::empty({G, std::min(budget, E)}, logits.options().dtype(at::kInt));
-  Tensor counts = at::empty({G, E}, logits.options().dtype(at::kInt));
+  const int64_t G = batch_cost.size(0);
   SelectParams p = make_params(logits, correction_bias, r, G);
   p.compute_cost = false;
   p.batch_cost_in = batch_cost.data_ptr<float>();
-  p.ids = ids.data_ptr<int32_t>();
-  p.weights = weights.data_ptr<float>();
-  set_selection(p, fill, kept, counts);
+  auto [ids, weights] = routing_outputs(p, logits, top_k);
+  auto [kept, counts] = kept_outputs(p, logits, G, budget, fill);
   route_select_launch(p, static_cast<int>(G), logits.get_device());
   return {ids, weights, kept, counts};
 }

@@ -378,19 +378,9 @@ int max_cluster(size_t smem, int device) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
   int best = 1;
   for (int c : {16, 8}) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(c);
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = c;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    const cuda::LaunchConfig config({dim3(c), dim3(kThreads), smem, nullptr, c});
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0) {
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, config.get()) == cudaSuccess && clusters > 0) {
       best = c;
       break;
     }

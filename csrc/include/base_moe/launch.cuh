@@ -42,30 +42,44 @@ struct LaunchShape {
   bool pdl = false;   // programmatic stream serialisation: may start while the previous kernel finishes
 };
 
+// cudaLaunchKernelEx's configuration of a LaunchShape (also what the occupancy queries take). It owns the attribute
+// array that config.attrs points to, so it is neither copied nor moved.
+class LaunchConfig {
+ public:
+  explicit LaunchConfig(const LaunchShape& shape) {
+    config_.gridDim = shape.grid;
+    config_.blockDim = shape.block;
+    config_.dynamicSmemBytes = shape.shared_bytes;
+    config_.stream = shape.stream;
+    unsigned n = 0;
+    if (shape.cluster_x > 0) {
+      attributes_[n].id = cudaLaunchAttributeClusterDimension;
+      attributes_[n].val.clusterDim.x = shape.cluster_x;
+      attributes_[n].val.clusterDim.y = 1;
+      attributes_[n].val.clusterDim.z = 1;
+      ++n;
+    }
+    if (shape.pdl) {
+      attributes_[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attributes_[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    config_.attrs = attributes_;
+    config_.numAttrs = n;
+  }
+  LaunchConfig(const LaunchConfig&) = delete;
+  LaunchConfig& operator=(const LaunchConfig&) = delete;
+  const cudaLaunchConfig_t* get() const { return &config_; }
+
+ private:
+  cudaLaunchAttribute attributes_[2] = {};
+  cudaLaunchConfig_t config_ = {};
+};
+
 template <typename Kernel, typename... Args>
 void launch(const LaunchShape& shape, Kernel kernel, Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = shape.grid;
-  config.blockDim = shape.block;
-  config.dynamicSmemBytes = shape.shared_bytes;
-  config.stream = shape.stream;
-  cudaLaunchAttribute attributes[2];
-  unsigned n = 0;
-  if (shape.cluster_x > 0) {
-    attributes[n].id = cudaLaunchAttributeClusterDimension;
-    attributes[n].val.clusterDim.x = shape.cluster_x;
-    attributes[n].val.clusterDim.y = 1;
-    attributes[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  if (shape.pdl) {
-    attributes[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  config.attrs = attributes;
-  config.numAttrs = n;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+  const LaunchConfig config(shape);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(config.get(), kernel, args...));
 }
 
 }  // namespace base_moe::cuda
