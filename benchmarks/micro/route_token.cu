@@ -10,6 +10,11 @@
 //   fill   : fill_token on the slow path (half the experts kept, none of the routed ones, so the top k is redone)
 // Repetition 0 of launch 0 runs code the SM has never fetched (cold instruction cache); later repetitions run it warm.
 // The selection kernel runs each routine once per launch, so its cost sits between the two.
+// Then candidate rewrites of the top-k loop alone (k rounds over E keys, ties to the lower index), same input:
+//   topk_lib    : the library's warp_top_k (redux.sync max, ballot + ffs, the winner lane writes its slot)
+//   topk_shfl   : the same with a butterfly of shuffles instead of redux.sync
+//   topk_key64  : 64-bit keys (value, ~index): a butterfly max gives every lane the winner; no ballot, no branch
+//   topk_sorted : each lane sorts its EPL keys first; rounds compare lane heads only (redux + ballot + shfl)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -35,6 +40,134 @@ constexpr int E = 128, K = 8, EPL = 4, REPS = 8, CTAS = 132;
 template <typename V>
 __device__ __forceinline__ void consume(V v) {
   asm volatile("" ::"r"(*reinterpret_cast<unsigned*>(&v)));
+}
+
+__device__ __forceinline__ uint32_t shfl_max_u32(uint32_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Lane r < k returns slot r's expert (E if fewer eligible); keys 0 = not eligible. Library semantics.
+__device__ __forceinline__ int topk_shfl(uint32_t (&key)[EPL], int k, int lane) {
+  int mine = E;
+  for (int r = 0; r < k; ++r) {
+    uint32_t best = 0;
+    int best_j = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j)
+      if (key[j] > best) {
+        best = key[j];
+        best_j = j;
+      }
+    const uint32_t top = shfl_max_u32(best);
+    if (top == 0) break;
+    const int owner = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
+    const int id = __shfl_sync(0xffffffffu, lane * EPL + best_j, owner);
+    if (lane == owner) {
+#pragma unroll
+      for (int j = 0; j < EPL; ++j)
+        if (j == best_j) key[j] = 0;
+    }
+    if (lane == r) mine = id;
+  }
+  return mine;
+}
+
+__device__ __forceinline__ int topk_key64(uint32_t (&key)[EPL], int k, int lane) {
+  uint64_t packed[EPL];
+#pragma unroll
+  for (int j = 0; j < EPL; ++j)
+    packed[j] = key[j] == 0 ? 0 : (static_cast<uint64_t>(key[j]) << 32) | (0xffffffffu - (lane * EPL + j));
+  int mine = E;
+  for (int r = 0; r < k; ++r) {
+    uint64_t best = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) best = max(best, packed[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+    if (best == 0) break;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j)
+      if (packed[j] == best) packed[j] = 0;
+    if (lane == r) mine = static_cast<int>(0xffffffffu - static_cast<uint32_t>(best));
+  }
+  return mine;
+}
+
+__device__ __forceinline__ int topk_sorted(uint32_t (&key)[EPL], int k, int lane) {
+  uint32_t v[EPL];
+  int idx[EPL];
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    v[j] = key[j];
+    idx[j] = lane * EPL + j;
+  }
+  // stable descending insertion sort in registers (ties keep the lower index first)
+#pragma unroll
+  for (int a = 1; a < EPL; ++a)
+#pragma unroll
+    for (int b = a; b > 0; --b)
+      if (v[b] > v[b - 1]) {
+        const uint32_t tv = v[b];
+        v[b] = v[b - 1];
+        v[b - 1] = tv;
+        const int ti = idx[b];
+        idx[b] = idx[b - 1];
+        idx[b - 1] = ti;
+      }
+  int mine = E;
+  for (int r = 0; r < k; ++r) {
+    const uint32_t top = base_moe::cuda::warp_max_u32(v[0]);
+    if (top == 0) break;
+    const int owner = __ffs(__ballot_sync(0xffffffffu, v[0] == top)) - 1;
+    const int id = __shfl_sync(0xffffffffu, idx[0], owner);
+    if (lane == owner) {
+#pragma unroll
+      for (int j = 0; j + 1 < EPL; ++j) {
+        v[j] = v[j + 1];
+        idx[j] = idx[j + 1];
+      }
+      v[EPL - 1] = 0;
+    }
+    if (lane == r) mine = id;
+  }
+  return mine;
+}
+
+__global__ void topk_kernel(const float* logits, int variant, long long* cycles, int* ids) {
+  __shared__ float slots[3 * kMaxTopK];
+  const int lane = threadIdx.x;
+  for (int rep = 0; rep < REPS; ++rep) {
+    const float* row = logits + (blockIdx.x * REPS + rep) * E;
+    Token<EPL> s;
+    uint32_t key[EPL], none[EPL];
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      s.logit[j] = row[lane * EPL + j];
+      s.log_norm[j] = 0.0f;
+      key[j] = base_moe::cuda::ordered_bits(s.logit[j]);
+      none[j] = 0;
+      consume(key[j]);
+    }
+    __syncwarp();
+    const long long t0 = clock64();
+    int id;
+    if (variant == 0) {
+      warp_top_k<EPL>(key, none, false, s, K, E, lane, slots);
+      id = lane < K ? reinterpret_cast<const int*>(slots)[lane] : E;
+    } else if (variant == 1) {
+      id = topk_shfl(key, K, lane);
+    } else if (variant == 2) {
+      id = topk_key64(key, K, lane);
+    } else {
+      id = topk_sorted(key, K, lane);
+    }
+    consume(id);
+    const long long t1 = clock64();
+    if (lane == 0) cycles[blockIdx.x * REPS + rep] = t1 - t0;
+    if (lane < K) ids[(blockIdx.x * REPS + rep) * K + lane] = id;
+  }
 }
 
 // cycles[(cta * REPS + rep) * 3 + phase]
@@ -127,6 +260,22 @@ int main() {
       std::printf("launch %d %-24s cycles: first token median %6lld (max %6lld) | later tokens median %6lld\n", launch,
                   names[phase], first[first.size() / 2], first.back(), later[later.size() / 2]);
     }
+  }
+  // top-k variants: warm medians, and every variant's ids equal to the library's
+  int* ids;
+  CHECK(cudaMalloc(&ids, CTAS * REPS * K * sizeof(int)));
+  std::vector<int> reference(CTAS * REPS * K), got(CTAS * REPS * K);
+  const char* variants[4] = {"topk_lib", "topk_shfl", "topk_key64", "topk_sorted"};
+  for (int v = 0; v < 4; ++v) {
+    for (int launch = 0; launch < 2; ++launch) topk_kernel<<<CTAS, 32>>>(logits, v, cycles, ids);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    std::vector<long long> c(CTAS * REPS);
+    CHECK(cudaMemcpy(c.data(), cycles, c.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy((v == 0 ? reference : got).data(), ids, got.size() * sizeof(int), cudaMemcpyDeviceToHost));
+    std::sort(c.begin(), c.end());
+    std::printf("%-12s k=%d of E=%d: warm median %5lld cycles (min %5lld)  ids %s\n", variants[v], K, E,
+                c[c.size() / 2], c.front(), v == 0 ? "(reference)" : (got == reference ? "equal" : "DIFFER"));
   }
   return 0;
 }
