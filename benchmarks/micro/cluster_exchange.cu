@@ -21,20 +21,13 @@
 #include <cstdio>
 #include <vector>
 
+#include "check.cuh"
+
 namespace cg = cooperative_groups;
 
 constexpr int kThreads = 512;
 constexpr int kIters = 200;
 constexpr int kSmemBytes = 200 * 1024;
-
-#define CHECK(x)                                                                                    \
-  do {                                                                                              \
-    cudaError_t e = (x);                                                                            \
-    if (e != cudaSuccess) {                                                                         \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));                 \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 

@@ -21,21 +21,14 @@
 #include <cstdio>
 #include <vector>
 
+#include "check.cuh"
+
 #include "base_moe/routing_device.cuh"
 
 using namespace base_moe;
 using namespace base_moe::routing_device;
 
 constexpr int E = 128, K = 8, EPL = 4, REPS = 8, CTAS = 132;
-
-#define CHECK(x)                                                                                    \
-  do {                                                                                              \
-    cudaError_t e = (x);                                                                            \
-    if (e != cudaSuccess) {                                                                         \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));                 \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
 
 template <typename V>
 __device__ __forceinline__ void consume(V v) {
