@@ -11,7 +11,7 @@
 // Repetition 0 of launch 0 runs code the SM has never fetched (cold instruction cache); later repetitions run it warm.
 // The selection kernel runs each routine once per launch, so its cost sits between the two.
 // Then candidate rewrites of the top-k loop alone (k rounds over E keys, ties to the lower index), same input:
-//   topk_lib    : the library's warp_top_k (redux.sync max, ballot + ffs, the winner lane writes its slot)
+//   topk_lib    : the library's warp_top_k (routing_device.cuh; until f118236 a scan of every lane's keys per round)
 //   topk_shfl   : the same with a butterfly of shuffles instead of redux.sync
 //   topk_key64  : 64-bit keys (value, ~index): a butterfly max gives every lane the winner; no ballot, no branch
 //   topk_sorted : each lane sorts its EPL keys first; rounds compare lane heads only (redux + ballot + shfl)

@@ -111,48 +111,79 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
   }
 }
 
+// Sorts a lane's keys in descending order, equal keys keeping the lower register first (a stable insertion sort,
+// unrolled); at[i] is the register that now holds position i.
+template <int EPL>
+__device__ __forceinline__ void sort_lane_keys(uint32_t (&key)[EPL], int (&at)[EPL]) {
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) at[j] = j;
+#pragma unroll
+  for (int a = 1; a < EPL; ++a) {
+#pragma unroll
+    for (int b = a; b > 0; --b) {
+      const bool swap = key[b] > key[b - 1];
+      const uint32_t hi = swap ? key[b] : key[b - 1], lo = swap ? key[b - 1] : key[b];
+      const int at_hi = swap ? at[b] : at[b - 1], at_lo = swap ? at[b - 1] : at[b];
+      key[b - 1] = hi;
+      key[b] = lo;
+      at[b - 1] = at_hi;
+      at[b] = at_lo;
+    }
+  }
+}
+
 // Picks up to k experts: first by `first` keys, then (when those run out) by `second` keys; key 0 = not
 // eligible. Slot r's expert id, logit and log-norm go to slots[r], slots[kMaxTopK + r], slots[2 kMaxTopK + r]
-// (sentinel E when nothing is left). Returns the number picked.
+// (sentinel E when nothing is left). Returns the number picked. Both key arrays are consumed.
+// Each lane sorts its keys first, so a round compares the lanes' heads only: one warp max, one ballot, and the
+// winning lane (the lowest among equal heads: the lower expert) pops its head, instead of every lane scanning its EPL
+// keys every round (benchmarks/micro/route_token.cu on the H200, k 8 of E 128: 1207 cycles for this scheme's variant
+// there against 2070 for the scan).
 template <int EPL>
 __device__ __forceinline__ int warp_top_k(uint32_t (&first)[EPL], uint32_t (&second)[EPL], bool has_second, const Token<EPL>& s,
                           int k, int E, int lane, float* slots) {
   int* slot_ids = reinterpret_cast<int*>(slots);
   __syncwarp();  // the previous token's slots have been read
+  int at[EPL], at_second[EPL];
+  sort_lane_keys<EPL>(first, at);
+  if (has_second) sort_lane_keys<EPL>(second, at_second);
   int picked = 0;
   bool on_second = false;
   while (picked < k) {
-    uint32_t best = 0;
-    int best_j = 0;
-    float best_logit = 0.0f, best_norm = 0.0f;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      if (first[j] > best) {
-        best = first[j];
-        best_j = j;
-        best_logit = s.logit[j];
-        best_norm = s.log_norm[j];
-      }
-    }
-    const uint32_t top = cuda::warp_max_u32(best);
+    const uint32_t top = cuda::warp_max_u32(first[0]);
     if (top == 0) {
       if (has_second && !on_second) {
         on_second = true;
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) first[j] = second[j];
+        for (int j = 0; j < EPL; ++j) {
+          first[j] = second[j];
+          at[j] = at_second[j];
+        }
         continue;
       }
       break;
     }
-    const unsigned owners = __ballot_sync(kFullMask, best == top);
+    const unsigned owners = __ballot_sync(kFullMask, first[0] == top);
     if (lane == __ffs(owners) - 1) {
-      slot_ids[picked] = lane * EPL + best_j;
-      slots[kMaxTopK + picked] = best_logit;
-      slots[2 * kMaxTopK + picked] = best_norm;
+      // A select over the registers: the empty asm keeps the compiler from turning it into an indexed load, which
+      // would move the token's arrays to local memory.
+      float logit = 0.0f, log_norm = 0.0f;
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
-        if (j == best_j) first[j] = 0;
+        float lj = s.logit[j], nj = s.log_norm[j];
+        asm volatile("" : "+f"(lj), "+f"(nj));
+        logit = j == at[0] ? lj : logit;
+        log_norm = j == at[0] ? nj : log_norm;
       }
+      slot_ids[picked] = lane * EPL + at[0];
+      slots[kMaxTopK + picked] = logit;
+      slots[2 * kMaxTopK + picked] = log_norm;
+#pragma unroll
+      for (int j = 0; j + 1 < EPL; ++j) {
+        first[j] = first[j + 1];
+        at[j] = at[j + 1];
+      }
+      first[EPL - 1] = 0;
     }
     ++picked;
   }
