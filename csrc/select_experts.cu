@@ -16,9 +16,12 @@
 //   3. Batch cost: each CTA adds its owned experts' costs in token order (bitwise the reference's sequential fp32
 //      sum: absent tokens contribute nothing) and broadcasts D and the candidate flags to every CTA.  -- barrier
 //   4. Every CTA ranks the candidates (D descending, index ascending) and keeps the top W; the token warps fill
-//      their tokens' slots (still in registers) and count them into the owners' shared memory.  -- barrier arrive
-//   5. While the barrier completes: ids, weights, logits, log-norms, D and the kept list go to global memory (no
-//      global write precedes a barrier, so no barrier waits for HBM); after it, the owners write the counts.
+//      their tokens' slots (still in registers) and add them to the counts in global memory with integer atomics
+//      (the owners zeroed their experts' counts right after the PDL wait, before barrier 1; integer sums do not
+//      depend on the order).
+//   5. ids, weights, logits, log-norms, D and the kept list go to global memory. No CTA reads another's shared
+//      memory after barrier 3, so no barrier closes the kernel. Global writes before a barrier make its fence wait
+//      for them: only the counts' zeroing precedes one, with the GEMV in between.
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
 // does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
 // the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
@@ -49,7 +52,7 @@ constexpr int kMaxFusedTokens = 64;  // tokens per group up to which one launch 
 
 struct FusedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
-  int weights, partial, logit, log_norm, own, flags, counts, own_cost, rank_key, kept_flag, kept, scratch, slots,
+  int weights, partial, logit, log_norm, own, flags, own_cost, rank_key, kept_flag, kept, scratch, slots,
       total;
 };
 
@@ -75,8 +78,6 @@ __host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) 
   s.own = at;  // [owned_experts][B]: slot costs of the owned experts, by token
   at += f.owned_experts * f.sel.B;
   s.flags = at;  // [owned_experts]: bit 0 routed by some token, bit 1 some token's top-1
-  at += f.owned_experts;
-  s.counts = at;  // [owned_experts]
   at += f.owned_experts;
   s.own_cost = at;  // [owned_experts]: D of the owned experts
   at += f.owned_experts;
@@ -264,7 +265,6 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   const bool base_cost = p.cost == static_cast<int>(Cost::kBase);
   float* own = smem + L.own;
   int* flags = reinterpret_cast<int*>(smem + L.flags);
-  int* counts = reinterpret_cast<int*>(smem + L.counts);
   float* own_cost = smem + L.own_cost;
   uint32_t* rank_key = reinterpret_cast<uint32_t*>(smem + L.rank_key);
   int* kept_flag = reinterpret_cast<int*>(smem + L.kept_flag);
@@ -285,13 +285,15 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     }
   }
   for (int i = tid; i < EO * B; i += kThreads) own[i] = 0.0f;
-  for (int i = tid; i < EO; i += kThreads) {
-    flags[i] = 0;
-    counts[i] = 0;
-  }
+  for (int i = tid; i < EO; i += kThreads) flags[i] = 0;
   for (int i = tid; i < E; i += kThreads) kept_flag[i] = 0;
   for (int i = tid; i < W; i += kThreads) kept[i] = E;
   cuda::pdl_wait();
+  int32_t* group_counts = p.counts + static_cast<int64_t>(group) * E;
+  for (int e = tid; e < EO; e += kThreads) {
+    const int u = static_cast<int>(rank) * EO + e;
+    if (u < E) group_counts[u] = 0;
+  }
 
   // ---- 1. GEMV ----
   cuda::cp_async_wait_all();
@@ -343,19 +345,15 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   rank_candidates<EPL>(rank_key, E, W, warp, lane, kept, kept_flag);
   __syncthreads();
 
-  // ---- 5. fill this warp's token from the kept experts; counts to the owners ----
+  // ---- 5. fill this warp's token from the kept experts, count the final slots ----
   int32_t final_id = E;
   float final_weight = 0.0f;
   int final_slot = lane;
   if (has_token) {
     fill_token<EPL>(p, s, lane, my_slots, [&](int u) { return kept_flag[u] != 0; }, final_slot, final_id,
                     final_weight);
-    if (lane < k && final_id < E) {
-      atomicAdd(cuda::cluster_map(counts, static_cast<unsigned>(final_id / EO)) + final_id % EO, 1);
-    }
+    if (lane < k && final_id < E) atomicAdd(group_counts + final_id, 1);
   }
-  // Only the count atomics must reach the owners before the barrier; the outputs are written while it completes.
-  cuda::cluster_arrive();
   if (has_token && lane < k) {
     p.ids[t * k + final_slot] = final_id;
     p.weights[t * k + final_slot] = final_weight;
@@ -367,13 +365,6 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   }
   if (rank == 0) {
     for (int j = tid; j < W; j += kThreads) p.kept[static_cast<int64_t>(group) * W + j] = kept[j];
-  }
-  cuda::cluster_wait();
-
-  // ---- 6. counts of the owned experts ----
-  for (int e = tid; e < EO; e += kThreads) {
-    const int u = static_cast<int>(rank) * EO + e;
-    if (u < E) p.counts[static_cast<int64_t>(group) * E + u] = counts[e];
   }
 }
 
