@@ -1,8 +1,9 @@
 // Decode expert kernel (stage 4): y_t = sum_j w_tj * down_u(silu(gate_u x_t) * up_u x_t) over the token's
 // non-sentinel slots, for HF v5 layouts (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]).
 //
-// Three launches, chained with programmatic dependent launch (PDL) so each starts streaming weights
-// while the previous one finishes:
+// Three launches, chained with programmatic dependent launch (PDL): gate_up waits for the selection before it
+// reads anything (ids, weights and hidden states all come from it) and then lets the down GEMM launch, which
+// streams its first weight stages while gate_up finishes; the slot sum waits for the down GEMM:
 //   1. gate_up GEMM: act[p, i] = silu(gate_i . x_t) * (up_i . x_t) for every pair p = t*k + j of an expert,
 //      rounded to hidden's dtype (act rows in expert-sorted order of the pairs).
 //   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
@@ -13,9 +14,11 @@
 // it everywhere once it stopped launching CTAs for unused expert slots, and was removed: notes/experts_kernel.md.)
 // So the op needs no host sync and allocates only buffers sized from T, k, H, I.
 //
-// Tensor cores: mma.sync m16n8k16 with weight rows as M and tokens as the narrow N side. Each lane loads 16
-// contiguous bytes of a row; the k order inside each 32-wide chunk is permuted identically for A (weights)
-// and B (tokens), so one 16-byte shared load feeds two MMAs' fragments. Accumulation in fp32; every output
+// Tensor cores: configurations T16 / T32 use mma.sync m16n8k16 with weight rows as M and tokens as the narrow N
+// side; each lane loads 16 contiguous bytes of a row, and the k order inside each 32-wide chunk is permuted
+// identically for A (weights) and B (tokens), so one 16-byte shared load feeds two MMAs' fragments. W64 / W128
+// use wgmma m64nNk16 (N = the pass's 64 / 128 tokens) on both operands in shared memory, 128-byte swizzle, k in
+// order (wgmma.cuh); on targets without wgmma they run the same tiles on mma.sync. Accumulation in fp32; every output
 // element is written by one thread in a fixed order, and a token's result depends only on its own MMA
 // column: deterministic whatever the order of items or of tokens within a pass.
 //
@@ -29,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -135,7 +139,8 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
     const int nv = min(NP, cnt - c0);  // tokens in this pass
     const int nv8 = (nv + 7) & ~7;
 
-    // weights first: they don't depend on the previous kernel
+    // weights first: the down GEMM issues them before its PDL wait, while gate_up finishes (gate_up has waited
+    // for the selection at its start)
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s)
       if (s < nk) load_a(s, s);
@@ -353,7 +358,8 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
 
 #pragma unroll 1
   for (int a = blockIdx.y; a < s_num_active; a += gridDim.y) {
-    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>(p, smem, s_list, s_scan, s_active[a], s_offset[a], blockIdx.x);
+    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG && kWgmmaCompiled>(p, smem, s_list, s_scan, s_active[a],
+                                                                              s_offset[a], blockIdx.x);
   }
 }
 
@@ -403,14 +409,15 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
   // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
   constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int) + (WG ? 1024 : 0);
   auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
-  // The attribute belongs to each device's copy of the kernel: set it once per device.
+  // The attribute belongs to each device's copy of the kernel: set it once per device (two threads may both set
+  // it, which is harmless; none launches before it is set).
   constexpr int kMaxDevices = 64;
-  static bool configured[kMaxDevices] = {};
+  static std::atomic<bool> configured[kMaxDevices];
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= kMaxDevices || !configured[device]) {
+  if (device >= kMaxDevices || !configured[device].load(std::memory_order_acquire)) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (device < kMaxDevices) configured[device] = true;
+    if (device < kMaxDevices) configured[device].store(true, std::memory_order_release);
   }
   cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
@@ -434,11 +441,12 @@ Config pick_config(int64_t T, int64_t tokens_per_expert) {
     if (!std::strcmp(forced, "W128")) return Config::kW128;
     TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=", forced, " is not one of T16, T32, W64, W128: ignored");
   }
-  // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json; sessions 4 and 5,
-  // notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
+  // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
+  // bench_layer_wgmma_sweep.json, session 5; notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
   // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 whenever no expert can exceed 16
   // tokens or the average is at most 8 (b16/M8 28.9 us vs T32 31.3, b16 dense 185, b64 dense 295); T32 at 16 per
-  // expert, where experts exceed 16 tokens by chance (b256 dense 344 vs W64 352); W64 up to 32 per expert, or 64 when
+  // expert, where experts exceed 16 tokens by chance (b256 dense 344 vs W64 352; at b64/M32 W64 is 2% faster, 94.6 vs
+  // 96.5, but b256 dense, the larger cost, decides); W64 up to 32 per expert, or 64 when
   // the batch has at most 64 tokens (b64/M16 50.5 vs T32 79, b64/M8 38.3 vs W128 45.7, b256/M64 193 vs W128 213);
   // W128 beyond (b256/M32 130 vs W64 160, b256/M16 112).
   if (T <= 16 || tokens_per_expert <= 8) return Config::kT16;

@@ -26,12 +26,18 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
   return desc;
 }
 
-// wgmma exists only in sm_90a code; other targets (a build that adds 8.0 or plain 9.0) compile these helpers to a
-// trap, and the host never picks a wgmma configuration there (BASE_MOE_EXPERTS_CONFIG=W64|W128 only).
+// wgmma exists only in sm_90a code. Other device targets (a build that adds 8.0, or plain 9.0) compile these helpers
+// to a trap and kWgmmaCompiled is false there: the expert kernel then runs its wgmma tile configurations on mma.sync
+// (the same tiles), so whatever configuration the host picks runs on every target.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define BASE_MOE_WGMMA(...) asm volatile(__VA_ARGS__)
 #else
 #define BASE_MOE_WGMMA(...) __trap()
+#endif
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr bool kWgmmaCompiled = false;
+#else
+constexpr bool kWgmmaCompiled = true;
 #endif
 
 __device__ __forceinline__ void wgmma_fence() { BASE_MOE_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -1,0 +1,34 @@
+#!/bin/bash
+# One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
+#   bash notes/device_trial.sh texp tall mem race var layer bsel tsel selsan e2e micro ncu phases
+# The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
+nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
+s=$SECONDS
+MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > $OUT/build.log 2>&1 || { tail -50 $OUT/build.log; exit 1; }
+echo "build $((SECONDS-s)) s"
+for step in "$@"; do
+  s=$SECONDS
+  case $step in
+    phases) timeout 60 python3 benchmarks/micro/select_phases.py > $OUT/phases.log 2>&1; tail -40 $OUT/phases.log;;
+    texp) timeout 150 python3 -m pytest -m cuda tests/test_experts_cuda.py -q -x > $OUT/pytest_experts.log 2>&1; tail -15 $OUT/pytest_experts.log;;
+    tall) timeout 300 python3 -m pytest -m cuda tests -q -x > $OUT/pytest_all.log 2>&1; tail -15 $OUT/pytest_all.log;;
+    var) timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,T16,T32,W64,W128} --out $OUT/variants.json > $OUT/variants.log 2>&1; tail -45 $OUT/variants.log;;
+    mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,T64,T128,W64,W128} timeout 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_experts.py > $OUT/memcheck.log 2>&1; tail -6 $OUT/memcheck.log;;
+    race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,T64,T128,W64,W128} timeout 240 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_experts.py > $OUT/racecheck.log 2>&1; tail -6 $OUT/racecheck.log;;
+    ncu) for b in 1 16 64; do
+           timeout 120 ncu --section SourceCounters --section WarpStateStats --section LaunchStats --import-source yes -k regex:select_experts --launch-skip 2 --launch-count 1 -f -o $OUT/sel$b python3 benchmarks/profile_layer.py --op select --batch $b --budget 16 --calls 3 > $OUT/ncu$b.log 2>&1
+           ncu -i $OUT/sel$b.ncu-rep --page source --csv --print-source sass > $OUT/sel${b}_sass.csv 2> $OUT/sel${b}_err.txt || ncu -i $OUT/sel$b.ncu-rep --page source --csv > $OUT/sel${b}_src.csv 2>> $OUT/sel${b}_err.txt
+           ncu -i $OUT/sel$b.ncu-rep --page source --csv --print-source cuda > $OUT/sel${b}_cuda.csv 2>> $OUT/sel${b}_err.txt
+           ncu -i $OUT/sel$b.ncu-rep --page details > $OUT/sel${b}_details.txt 2>&1
+         done; tail -3 $OUT/ncu1.log; cat $OUT/sel1_err.txt | head; (cd $OUT && tar czf ncu.tgz sel*_sass.csv sel*_cuda.csv sel*_details.txt && rm -f sel*); ls -la $OUT | head -30;;
+    layer) timeout 300 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
+    bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
+    tsel) timeout 200 python3 -m pytest -m cuda tests/test_select_cuda.py -q -x > $OUT/pytest_select.log 2>&1; tail -5 $OUT/pytest_select.log;;
+    micro) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/route_token.cu -o /tmp/route_token && /tmp/route_token > $OUT/micro.log 2>&1; cat $OUT/micro.log;;
+    selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;
+    e2e) timeout 200 python3 benchmarks/bench_e2e.py --repeats 2 --json $OUT/bench_e2e.json > $OUT/e2e.log 2>&1; tail -25 $OUT/e2e.log;;
+    *) echo "unknown step $step";;
+  esac
+  echo "== $step $((SECONDS-s)) s"
+done
