@@ -35,7 +35,7 @@ using namespace routing_device;
 
 struct SharedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
-  int dense, scratch, slots, flags, state, counts, batch_cost, kept, total;
+  int dense, scratch, flags, state, counts, batch_cost, kept, total;
 };
 
 __host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int cluster, int experts_per_cta,
@@ -46,8 +46,6 @@ __host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int 
   at += NW * E;
   s.scratch = at;  // copy buffer of the D reduction, or group scores of the group limit (never both at once)
   at += max(cluster * NW * experts_per_cta, NW * 2 * n_group);
-  s.slots = at;  // per warp: ids, logits, log-norms of the picked experts
-  at += NW * 3 * static_cast<int>(kMaxTopK);
   s.flags = at;  // per expert: bit 0 routed by some token of this CTA, bit 1 some token's top-1
   at += E;
   s.state = at;  // per expert: bit 0 routed in the group (candidate), bit 1 kept
@@ -101,7 +99,6 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   const int64_t first_token = static_cast<int64_t>(group) * B;
   float* my_row = dense + warp * E;
   float* my_group_scratch = scratch + warp * 2 * p.n_group;
-  float* my_slots = smem + L.slots + warp * 3 * kMaxTopK;
 
   cuda::pdl_launch_dependents();
   for (int u = tid; u < E; u += kThreads) {
@@ -130,7 +127,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       score_token<EPL>(p, lane, my_row, my_group_scratch, s);
       float w, log_norm;
       int32_t id;
-      route_token<EPL>(p, s, lane, my_slots, id, w, log_norm);
+      route_token<EPL>(p, s, lane, id, w, log_norm);
       if (p.compute_cost) {
         for (int u = lane; u < E; u += 32) my_row[u] = 0.0f;
         __syncwarp();
@@ -255,7 +252,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     int slot;
     int32_t id;
     float w;
-    fill_token<EPL>(p, s, lane, my_slots, [&](int u) { return (state[u] & 2) != 0; }, slot, id, w);
+    fill_token<EPL>(p, s, lane, kept, [&](int u) { return (state[u] & 2) != 0; }, slot, id, w);
     if (lane < k) {
       p.ids[t * k + slot] = id;
       p.weights[t * k + slot] = w;

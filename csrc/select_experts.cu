@@ -5,9 +5,9 @@
 // Cluster = TG token groups x RG row groups (TG * RG <= 16 CTAs; chosen by the launcher to minimise the bytes
 // each CTA reads). CTA (tg, rg):
 //   1. GEMV: logits and log-norms of experts [rg * EC, (rg + 1) * EC) for tokens [tg * TC, (tg + 1) * TC) of the
-//      group, on tensor cores (mma.sync m16n8k16: weight rows as M, tokens as the narrow N side). The weight rows are
-//      copied to shared memory (cp.async) before the kernel waits for its predecessor (programmatic dependent
-//      launch), so their HBM read overlaps the previous kernel; hidden states come from global memory in 16-byte
+//      group, on tensor cores (mma.sync m16n8k16: weight rows as M, tokens as the narrow N side). The weight rows and
+//      their biases are copied to shared memory (cp.async) before the kernel waits for its predecessor (programmatic
+//      dependent launch), so their HBM read overlaps the previous kernel; hidden states come from global memory in 16-byte
 //      loads. The CTA's warps split the tile and H; partial sums are added in a fixed order.       -- cluster barrier
 //   2. Routing: one warp per token (token i of the token group goes to CTA rg = i % RG): the warp gathers the
 //      token's E logits from the RG CTAs of its token group, picks the top k (csrc/include/base_moe/
@@ -52,8 +52,7 @@ constexpr int kMaxFusedTokens = 64;  // tokens per group up to which one launch 
 
 struct FusedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
-  int weights, partial, logit, log_norm, own, flags, own_cost, rank_key, kept_flag, kept, scratch, slots,
-      total;
+  int weights, bias, partial, logit, log_norm, own, flags, own_cost, rank_key, kept_flag, kept, scratch, total;
 };
 
 __host__ __device__ inline int round_up(int a, int b) { return (a + b - 1) / b * b; }
@@ -69,6 +68,8 @@ __host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) 
   int at = 0;
   s.weights = at;  // [rows][weight_row_stride bytes]: the CTA's weight rows
   at += rows * weight_row_stride(f.gemv.H) / 4;
+  s.bias = at;  // [rows]: the biases of those rows (0 for a router without bias)
+  at += rows;
   s.partial = at;  // [k_slices][rows rounded to 16][tokens rounded to 16]
   at += f.k_slices * round_up(rows, 16) * round_up(f.tokens_per_cta, 16);
   s.logit = at;  // [tokens_per_cta][experts_per_cta]
@@ -89,8 +90,6 @@ __host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) 
   at += f.sel.W;
   s.scratch = at;  // per warp: E + 2 * n_group floats (group limit)
   at += kWarps * (E + 2 * f.sel.n_group);
-  s.slots = at;  // per warp: ids, logits, log-norms of the picked experts
-  at += kWarps * 3 * static_cast<int>(kMaxTopK);
   s.total = at;
   return s;
 }
@@ -103,6 +102,17 @@ __device__ __forceinline__ const T* gemv_row(const FusedSelectParams& f, int rg,
   if (r >= EC * (f.predict ? 2 : 1) || u >= f.sel.E) return nullptr;
   const void* w = r < EC ? f.gemv.router_weight : f.gemv.predictor_weight;
   return static_cast<const T*>(w) + static_cast<int64_t>(u) * f.gemv.H;
+}
+
+// The biases of the CTA's GEMV rows to shared memory (parameters, like the weights: read before the PDL wait, so the
+// GEMV's epilogue does not wait on global loads).
+__device__ __forceinline__ void stage_biases(const FusedSelectParams& f, int rg, float* bias) {
+  const int EC = f.experts_per_cta, rows = EC * (f.predict ? 2 : 1);
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    const int u = rg * EC + r % EC;
+    const float* b = r < EC ? f.gemv.router_bias : f.gemv.predictor_bias;
+    bias[r] = u < f.sel.E && b != nullptr ? b[u] : 0.0f;
+  }
 }
 
 // Phase 1: this CTA's [rows x tokens] tile of the GEMV, into shared memory (the op's outputs are written at the end).
@@ -176,6 +186,7 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
   // Add the k slices in order, then the biases.
   float* logit = smem + L.logit;
   float* log_norm = smem + L.log_norm;
+  const float* bias = smem + L.bias;
   for (int idx = threadIdx.x; idx < rows * tokens_here; idx += kThreads) {
     const int r = idx / tokens_here, i = idx % tokens_here;
     const int u = rg * EC + r % EC;
@@ -183,10 +194,10 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
     float v = 0.0f;
     for (int ks = 0; ks < KS; ++ks) v += partial[(ks * rows_pad + r) * tokens_pad + i];
     if (r < EC) {
-      if (p.router_bias != nullptr) v += p.router_bias[u];
+      if (p.router_bias != nullptr) v += bias[r];
       logit[i * EC + r] = v;
     } else {
-      log_norm[i * EC + r - EC] = v + p.predictor_bias[u];
+      log_norm[i * EC + r - EC] = v + bias[r];
     }
   }
 }
@@ -270,7 +281,6 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   int* kept_flag = reinterpret_cast<int*>(smem + L.kept_flag);
   int* kept = reinterpret_cast<int*>(smem + L.kept);
   float* my_scratch = smem + L.scratch + warp * (E + 2 * p.n_group);
-  float* my_slots = smem + L.slots + warp * 3 * kMaxTopK;
 
   // The weights do not depend on the previous kernel: start copying this CTA's rows to shared memory while it
   // finishes (programmatic dependent launch), then wait before touching hidden states or outputs.
@@ -284,6 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
       if (row != nullptr) cuda::cp_async16(weights + (i / chunks) * stride + (i % chunks) * 16, row + (i % chunks) * 8);
     }
   }
+  stage_biases(f, rg, smem + L.bias);
   for (int i = tid; i < EO * B; i += kThreads) own[i] = 0.0f;
   for (int i = tid; i < EO; i += kThreads) flags[i] = 0;
   for (int i = tid; i < E; i += kThreads) kept_flag[i] = 0;
@@ -313,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     score_token<EPL>(p, lane, my_scratch, my_scratch + E, s);
     float w, log_norm;
     int32_t id;
-    route_token<EPL>(p, s, lane, my_slots, id, w, log_norm);
+    route_token<EPL>(p, s, lane, id, w, log_norm);
     if (id < E) {
       const unsigned owner = static_cast<unsigned>(id / EO);
       const int u = id % EO;
@@ -350,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   float final_weight = 0.0f;
   int final_slot = lane;
   if (has_token) {
-    fill_token<EPL>(p, s, lane, my_slots, [&](int u) { return kept_flag[u] != 0; }, final_slot, final_id,
+    fill_token<EPL>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, final_slot, final_id,
                     final_weight);
     if (lane < k && final_id < E) atomicAdd(group_counts + final_id, 1);
   }

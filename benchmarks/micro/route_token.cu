@@ -7,7 +7,7 @@
 // routes REPS tokens in a row, timing with clock64 (after the results are consumed):
 //   score  : score_token (softmax statistics)
 //   route  : route_token (top k of E, the weight rule)
-//   fill   : fill_token on the slow path (half the experts kept, none of the routed ones, so the top k is redone)
+//   fill   : fill_token on the slow path (16 experts kept, none of the routed ones, so the top k is redone)
 // Repetition 0 of launch 0 runs code the SM has never fetched (cold instruction cache); later repetitions run it warm.
 // The selection kernel runs each routine once per launch, so its cost sits between the two.
 // Then candidate rewrites of the top-k loop alone (k rounds over E keys, ties to the lower index), same input:
@@ -28,7 +28,7 @@
 using namespace base_moe;
 using namespace base_moe::routing_device;
 
-constexpr int E = 128, K = 8, EPL = 4, REPS = 8, CTAS = 132;
+constexpr int E = 128, K = 8, EPL = 4, REPS = 8, CTAS = 132, KEPT = 16;
 
 template <typename V>
 __device__ __forceinline__ void consume(V v) {
@@ -129,26 +129,21 @@ __device__ __forceinline__ int topk_sorted(uint32_t (&key)[EPL], int k, int lane
 }
 
 __global__ void topk_kernel(const float* logits, int variant, long long* cycles, int* ids) {
-  __shared__ float slots[3 * kMaxTopK];
   const int lane = threadIdx.x;
   for (int rep = 0; rep < REPS; ++rep) {
     const float* row = logits + (blockIdx.x * REPS + rep) * E;
-    Token<EPL> s;
-    uint32_t key[EPL], none[EPL];
+    uint32_t key[EPL];
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
-      s.logit[j] = row[lane * EPL + j];
-      s.log_norm[j] = 0.0f;
-      key[j] = base_moe::cuda::ordered_bits(s.logit[j]);
-      none[j] = 0;
+      key[j] = base_moe::cuda::ordered_bits(row[lane * EPL + j]);
       consume(key[j]);
     }
     __syncwarp();
     const long long t0 = clock64();
     int id;
     if (variant == 0) {
-      warp_top_k<EPL>(key, none, false, s, K, E, lane, slots);
-      id = lane < K ? reinterpret_cast<const int*>(slots)[lane] : E;
+      id = E;
+      warp_top_k<EPL>(key, 0, K, lane, id);
     } else if (variant == 1) {
       id = topk_shfl(key, K, lane);
     } else if (variant == 2) {
@@ -166,10 +161,11 @@ __global__ void topk_kernel(const float* logits, int variant, long long* cycles,
 // cycles[(cta * REPS + rep) * 3 + phase]
 __global__ void route_kernel(const SelectParams p, const float* logits, const float* log_norms, long long* cycles) {
   __shared__ float scratch[E + 2];
-  __shared__ float slots[3 * kMaxTopK];
   __shared__ int kept_flag[E];
+  __shared__ int kept[KEPT];
   const int lane = threadIdx.x;
-  for (int u = lane; u < E; u += 32) kept_flag[u] = u & 1;
+  for (int u = lane; u < E; u += 32) kept_flag[u] = u < 2 * KEPT && (u & 1) == 0;  // the first KEPT even experts
+  for (int r = lane; r < KEPT; r += 32) kept[r] = 2 * r;
   __syncwarp();
   for (int rep = 0; rep < REPS; ++rep) {
     const float* row = logits + (blockIdx.x * REPS + rep) * E;
@@ -188,16 +184,16 @@ __global__ void route_kernel(const SelectParams p, const float* logits, const fl
     const long long t1 = clock64();
     int32_t id;
     float w, log_norm;
-    route_token<EPL>(p, s, lane, slots, id, w, log_norm);
+    route_token<EPL>(p, s, lane, id, w, log_norm);
     consume(w);
     consume(id);
     const long long t2 = clock64();
-    // force the slow path: the routed experts are the odd ones dropped (kept = even experts)
+    // force the slow path: the routed experts become odd ones, dropped (the kept ones are even)
     s.slot_id = (s.slot_id | 1);
     int slot;
     int32_t fid;
     float fw;
-    fill_token<EPL>(p, s, lane, slots, [&](int u) { return kept_flag[u] == 0; }, slot, fid, fw);
+    fill_token<EPL>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, slot, fid, fw);
     consume(fw);
     consume(fid);
     const long long t3 = clock64();
@@ -215,7 +211,7 @@ int main() {
   p.B = 1;
   p.E = E;
   p.k = K;
-  p.W = 16;
+  p.W = KEPT;
   p.scoring = static_cast<int>(Scoring::kSoftmax);
   p.renormalize = true;
   p.n_group = 1;

@@ -132,76 +132,55 @@ __device__ __forceinline__ void sort_lane_keys(uint32_t (&key)[EPL], int (&at)[E
   }
 }
 
-// Picks up to k experts: first by `first` keys, then (when those run out) by `second` keys; key 0 = not
-// eligible. Slot r's expert id, logit and log-norm go to slots[r], slots[kMaxTopK + r], slots[2 kMaxTopK + r]
-// (sentinel E when nothing is left). Returns the number picked. Both key arrays are consumed.
-// Each lane sorts its keys first, so a round compares the lanes' heads only: one warp max, one ballot, and the
-// winning lane (the lowest among equal heads: the lower expert) pops its head, instead of every lane scanning its EPL
-// keys every round (benchmarks/micro/route_token.cu on the H200, k 8 of E 128: 1207 cycles for this scheme's variant
-// there against 2070 for the scan).
+// Picks slots [first_slot, k) in descending key order (key 0 = not eligible), equal keys to the lower expert: lane r
+// in that range gets its slot's expert in `id` (other lanes keep theirs). Returns the slot after the last one picked
+// (fewer than k when the eligible keys run out). The keys are consumed.
+// Each lane sorts its keys first, so a round compares the lanes' heads only: one warp max, one ballot, one shuffle
+// of the winner's expert, and the winning lane (the lowest among equal heads: the lower expert) pops its head. Ids
+// stay in registers: no shared memory, and nothing but the pop on the rounds' dependent chain
+// (benchmarks/micro/route_token.cu on the H200, k 8 of E 128: 1207 cycles against 2070 for a scan of every key).
 template <int EPL>
-__device__ __forceinline__ int warp_top_k(uint32_t (&first)[EPL], uint32_t (&second)[EPL], bool has_second, const Token<EPL>& s,
-                          int k, int E, int lane, float* slots) {
-  int* slot_ids = reinterpret_cast<int*>(slots);
-  __syncwarp();  // the previous token's slots have been read
-  int at[EPL], at_second[EPL];
-  sort_lane_keys<EPL>(first, at);
-  if (has_second) sort_lane_keys<EPL>(second, at_second);
-  int picked = 0;
-  bool on_second = false;
-  while (picked < k) {
-    const uint32_t top = cuda::warp_max_u32(first[0]);
-    if (top == 0) {
-      if (has_second && !on_second) {
-        on_second = true;
-#pragma unroll
-        for (int j = 0; j < EPL; ++j) {
-          first[j] = second[j];
-          at[j] = at_second[j];
-        }
-        continue;
-      }
-      break;
-    }
-    const unsigned owners = __ballot_sync(kFullMask, first[0] == top);
-    if (lane == __ffs(owners) - 1) {
-      // A select over the registers: the empty asm keeps the compiler from turning it into an indexed load, which
-      // would move the token's arrays to local memory.
-      float logit = 0.0f, log_norm = 0.0f;
-#pragma unroll
-      for (int j = 0; j < EPL; ++j) {
-        float lj = s.logit[j], nj = s.log_norm[j];
-        asm volatile("" : "+f"(lj), "+f"(nj));
-        logit = j == at[0] ? lj : logit;
-        log_norm = j == at[0] ? nj : log_norm;
-      }
-      slot_ids[picked] = lane * EPL + at[0];
-      slots[kMaxTopK + picked] = logit;
-      slots[2 * kMaxTopK + picked] = log_norm;
+__device__ __forceinline__ int warp_top_k(uint32_t (&key)[EPL], int first_slot, int k, int lane, int32_t& id) {
+  int at[EPL];
+  sort_lane_keys<EPL>(key, at);
+  int slot = first_slot;
+  for (; slot < k; ++slot) {
+    const uint32_t top = cuda::warp_max_u32(key[0]);
+    if (top == 0) break;
+    const int owner = __ffs(__ballot_sync(kFullMask, key[0] == top)) - 1;
+    const int32_t winner = __shfl_sync(kFullMask, lane * EPL + at[0], owner);
+    if (lane == owner) {
 #pragma unroll
       for (int j = 0; j + 1 < EPL; ++j) {
-        first[j] = first[j + 1];
+        key[j] = key[j + 1];
         at[j] = at[j + 1];
       }
-      first[EPL - 1] = 0;
+      key[EPL - 1] = 0;
     }
-    ++picked;
+    if (lane == slot) id = winner;
   }
-  if (lane >= picked && lane < k) slot_ids[lane] = E;
-  __syncwarp();
-  return picked;
+  return slot;
 }
 
-// The model's weight rule for the picked slots. Lane r < k gets slot r's id and weight; other lanes get (E, 0).
+// values[j] of expert u (lane u / EPL, register u % EPL) to the calling lane; every lane calls it (shuffles). Any
+// value for the sentinel u = E.
 template <int EPL>
-__device__ __forceinline__ void slot_weights(const SelectParams& p, const Token<EPL>& s, const float* slots, int lane, int32_t& id,
-                             float& weight, float& log_norm) {
-  const int E = p.E;
-  const int* slot_ids = reinterpret_cast<const int*>(slots);
-  id = lane < p.k ? slot_ids[lane] : E;
-  const bool valid = id < E;
-  const float logit = valid ? slots[kMaxTopK + lane] : 0.0f;
-  log_norm = valid ? slots[2 * kMaxTopK + lane] : 0.0f;
+__device__ __forceinline__ float expert_value(const float (&values)[EPL], int u) {
+  const int holder = (u / EPL) & 31, reg = u % EPL;
+  float out = 0.0f;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    const float v = __shfl_sync(kFullMask, values[j], holder);
+    out = j == reg ? v : out;
+  }
+  return out;
+}
+
+// The model's weight rule for the picked slots: lane r's weight for its slot's expert `id` (E: empty slot, weight 0)
+// with router logit `logit`.
+template <int EPL>
+__device__ __forceinline__ float slot_weight(const SelectParams& p, const Token<EPL>& s, int32_t id, float logit) {
+  const bool valid = id < p.E;
   float w;
   if (p.scoring == static_cast<int>(Scoring::kSoftmax)) {
     w = valid ? expf(logit - s.max_logit) / s.denominator : 0.0f;
@@ -218,7 +197,7 @@ __device__ __forceinline__ void slot_weights(const SelectParams& p, const Token<
     if (p.scoring == static_cast<int>(Scoring::kSigmoid)) total = total + 1e-20f;  // DeepSeek-V3's guard
     w = total > 0.0f ? w / total : 0.0f;
   }
-  weight = w * p.scaling;
+  return w * p.scaling;
 }
 
 __device__ __forceinline__ float slot_cost(int cost, float w, float log_norm) {
@@ -237,51 +216,89 @@ __device__ __forceinline__ float slot_cost(int cost, float w, float log_norm) {
 // The model's routing of a scored token: lane r < k gets slot r's expert id, weight and log-norm (other lanes
 // (E, 0, 0)); the token remembers its routed slot.
 template <int EPL>
-__device__ __forceinline__ void route_token(const SelectParams& p, Token<EPL>& s, int lane, float* slots, int32_t& id,
+__device__ __forceinline__ void route_token(const SelectParams& p, Token<EPL>& s, int lane, int32_t& id,
                                             float& weight, float& log_norm) {
-  uint32_t key[EPL], none[EPL];
+  uint32_t key[EPL];
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     key[j] = ((s.allowed >> j) & 1u) && lane * EPL + j < p.E ? cuda::ordered_bits(s.choice[j]) : 0u;
-    none[j] = 0;
   }
-  warp_top_k<EPL>(key, none, false, s, p.k, p.E, lane, slots);
-  slot_weights<EPL>(p, s, slots, lane, id, weight, log_norm);
+  id = p.E;
+  warp_top_k<EPL>(key, 0, p.k, lane, id);
+  const float logit = expert_value<EPL>(s.logit, id);
+  const float norm = expert_value<EPL>(s.log_norm, id);
+  weight = slot_weight<EPL>(p, s, id, logit);
+  log_norm = id < p.E ? norm : 0.0f;
   s.slot_id = id;
   s.slot_weight = weight;
 }
 
-// The token's final slots once the kept set is known (is_kept(u) for u < E): lane r < k gets the expert id and
-// weight of final slot `slot`. Backfill: the top k of the kept experts (group-allowed ones first), slot = lane. The
-// drop fills: the routed slots whose expert is kept, in their order, then the sentinel (E, 0).
+// Backfill's top k over a short kept list (W <= 32, one kept expert per lane): lane r < k gets the expert of slot r
+// (E past the kept ones). The order is warp_top_k's over the kept experts' choice scores, group-allowed experts first
+// (grouped routing), ties to the lower expert: each lane counts the kept keys above its own (W shuffles) and the
+// lane with r keys above holds slot r. A few hundred cycles instead of k rounds over all E experts.
+template <int EPL>
+__device__ __forceinline__ int32_t top_k_of_kept(const SelectParams& p, const Token<EPL>& s, const int* kept, int W,
+                                                 int lane) {
+  static_assert(kMaxExperts <= 1024, "the key packs 1023 - expert into 10 bits");
+  const int E = p.E;
+  const int u = lane < W ? kept[lane] : E;
+  const bool valid = u < E;
+  const float choice = expert_value<EPL>(s.choice, u);
+  const uint32_t allowed = __shfl_sync(kFullMask, s.allowed, (u / EPL) & 31);
+  const bool preferred = p.n_group <= 1 || ((allowed >> (u % EPL)) & 1u) != 0;
+  // (group tier, choice score, lower expert first): distinct and non-zero for every kept expert
+  const uint64_t key = valid ? (static_cast<uint64_t>(preferred) << 42) |
+                                   (static_cast<uint64_t>(cuda::ordered_bits(choice)) << 10) |
+                                   static_cast<uint64_t>(1023 - u)
+                             : 0u;
+  int above = 0;
+  for (int m = 0; m < W; ++m) above += __shfl_sync(kFullMask, key, m) > key ? 1 : 0;
+  int32_t id = E;
+  for (int r = 0; r < p.k; ++r) {
+    const unsigned holder = __ballot_sync(kFullMask, valid && above == r);
+    const int32_t at = __shfl_sync(kFullMask, u, holder != 0 ? __ffs(holder) - 1 : 0);
+    if (lane == r && holder != 0) id = at;
+  }
+  return id;
+}
+
+// The token's final slots once the kept set is known (is_kept(u) for u < E; kept: the W kept experts in rank order,
+// E past the last): lane r < k gets the expert id and weight of final slot `slot`. Backfill: the top k of the kept
+// experts (group-allowed ones first), slot = lane. The drop fills: the routed slots whose expert is kept, in their
+// order, then the sentinel (E, 0).
 template <int EPL, typename IsKept>
-__device__ __forceinline__ void fill_token(const SelectParams& p, Token<EPL>& s, int lane, float* slots,
+__device__ __forceinline__ void fill_token(const SelectParams& p, Token<EPL>& s, int lane, const int* kept,
                                            IsKept is_kept, int& slot, int32_t& id, float& weight) {
   const int E = p.E, k = p.k;
   if (p.fill == static_cast<int>(Fill::kBackfill)) {
+    slot = lane;
     // Every routed expert kept: the top k of the kept experts are the routed ones, in the same order, with the same
     // weights (the weight rule sees the same slots), so the second top-k can be skipped.
     if (__all_sync(kFullMask, lane >= k || (s.slot_id < E && is_kept(s.slot_id)))) {
-      slot = lane;
       id = s.slot_id;
       weight = s.slot_weight;
       return;
     }
-    uint32_t preferred[EPL], other[EPL];
-    const bool grouped = p.n_group > 1;
+    if (p.W <= 32) {
+      id = top_k_of_kept<EPL>(p, s, kept, p.W, lane);
+    } else {
+      uint32_t preferred[EPL], other[EPL];
+      const bool grouped = p.n_group > 1;
 #pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      const int u = lane * EPL + j;
-      const bool in_kept = u < E && is_kept(u);
-      const bool allowed = (s.allowed >> j) & 1u;
-      const uint32_t key = cuda::ordered_bits(s.choice[j]);
-      preferred[j] = in_kept && (allowed || !grouped) ? key : 0u;
-      other[j] = in_kept && grouped && !allowed ? key : 0u;
+      for (int j = 0; j < EPL; ++j) {
+        const int u = lane * EPL + j;
+        const bool in_kept = u < E && is_kept(u);
+        const bool allowed = (s.allowed >> j) & 1u;
+        const uint32_t key = cuda::ordered_bits(s.choice[j]);
+        preferred[j] = in_kept && (allowed || !grouped) ? key : 0u;
+        other[j] = in_kept && grouped && !allowed ? key : 0u;
+      }
+      id = E;
+      const int next = warp_top_k<EPL>(preferred, 0, k, lane, id);
+      if (grouped && next < k) warp_top_k<EPL>(other, next, k, lane, id);
     }
-    warp_top_k<EPL>(preferred, other, grouped, s, k, E, lane, slots);
-    float unused;
-    slot_weights<EPL>(p, s, slots, lane, id, weight, unused);
-    slot = lane;
+    weight = slot_weight<EPL>(p, s, id, expert_value<EPL>(s.logit, id));
     return;
   }
   const bool in_slot = lane < k;
