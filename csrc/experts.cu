@@ -455,8 +455,12 @@ Config pick_config(int64_t T, int64_t tokens_per_expert) {
   return Config::kW128;
 }
 
-bool use_pdl() {  // BASE_MOE_EXPERTS_PDL=0 turns programmatic dependent launch off (benchmarks)
-  return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true);
+// Programmatic dependent launch where the device code supports it (launch.cuh); BASE_MOE_EXPERTS_PDL=0 turns it off
+// (benchmarks).
+bool use_pdl() {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true) && cuda::device_has_clusters(device);
 }
 
 // gate_up then down with the same tile configuration (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh texp tall mem race var layer bsel tsel selsan e2e micro ncu phases
+#   bash notes/device_trial.sh texp tall mem race var layer bsel bselall tsel selsan e2e micro ncu phases ptx80
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -24,6 +24,11 @@ for step in "$@"; do
          done; tail -3 $OUT/ncu1.log; cat $OUT/sel1_err.txt | head; (cd $OUT && tar czf ncu.tgz sel*_sass.csv sel*_cuda.csv sel*_details.txt && rm -f sel*); ls -la $OUT | head -30;;
     layer) timeout 300 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
+    bselall) timeout 200 python3 benchmarks/bench_select.py --replays 30 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -14 $OUT/bench_select.log;;
+    ptx80) # the fallbacks of a build without sm_90 code, run on the H200 through the driver's JIT (last step: it replaces the build)
+      TORCH_CUDA_ARCH_LIST="8.0+PTX" MAX_JOBS=16 python3 setup.py build_ext --inplace > $OUT/build80.log 2>&1 || { tail -30 $OUT/build80.log; exit 1; }
+      echo "build80 $((SECONDS-s)) s"
+      timeout 400 python3 -m pytest -m cuda tests/test_experts_cuda.py tests/test_select_cuda.py -q -x > $OUT/pytest80.log 2>&1; tail -5 $OUT/pytest80.log;;
     tsel) timeout 200 python3 -m pytest -m cuda tests/test_select_cuda.py -q -x > $OUT/pytest_select.log 2>&1; tail -5 $OUT/pytest_select.log;;
     micro) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/route_token.cu -o /tmp/route_token && /tmp/route_token > $OUT/micro.log 2>&1; cat $OUT/micro.log;;
     selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;

@@ -10,15 +10,11 @@
 
 namespace base_moe::cuda {
 
-// Thread-block clusters and programmatic dependent launch need sm_90.
-inline bool device_has_clusters(int device) {
-  static int major[64] = {0};
-  if (device < 0 || device >= 64) return false;
-  if (major[device] == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
-  }
-  return major[device] >= 9;
-}
+// Thread-block clusters and programmatic dependent launch (PDL) need an sm_90 device and device code compiled for
+// sm_90 or later: a build for older targets only (TORCH_CUDA_ARCH_LIST="8.0+PTX") runs JIT-compiled sm_80 code on an
+// H100, where the kernels' cluster and griddepcontrol calls compile to plain barriers and nothing, so a launch asking
+// for clusters or PDL would compute garbage there. The launchers ask this before either (csrc/launch.cu).
+bool device_has_clusters(int device);
 
 // An environment switch read once: unset gives `fallback`, "0" false, anything else true (benchmarks use them).
 inline bool env_flag(const char* name, bool fallback) {
