@@ -28,7 +28,7 @@ for step in "$@"; do
     ptx80) # the fallbacks of a build without sm_90 code, run on the H200 through the driver's JIT (last step: it replaces the build)
       TORCH_CUDA_ARCH_LIST="8.0+PTX" MAX_JOBS=16 python3 setup.py build_ext --inplace > $OUT/build80.log 2>&1 || { tail -30 $OUT/build80.log; exit 1; }
       echo "build80 $((SECONDS-s)) s"
-      timeout 400 python3 -m pytest -m cuda tests/test_experts_cuda.py tests/test_select_cuda.py -q -x > $OUT/pytest80.log 2>&1; tail -5 $OUT/pytest80.log;;
+      timeout 280 python3 -m pytest -m cuda tests/test_experts_cuda.py tests/test_select_cuda.py -q -x > $OUT/pytest80.log 2>&1; tail -5 $OUT/pytest80.log;;
     tsel) timeout 200 python3 -m pytest -m cuda tests/test_select_cuda.py -q -x > $OUT/pytest_select.log 2>&1; tail -5 $OUT/pytest_select.log;;
     micro) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/route_token.cu -o /tmp/route_token && /tmp/route_token > $OUT/micro.log 2>&1; cat $OUT/micro.log;;
     selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;

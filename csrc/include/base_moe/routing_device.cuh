@@ -252,21 +252,13 @@ __device__ __forceinline__ int32_t top_k_of_kept(const SelectParams& p, const To
                                    (static_cast<uint64_t>(cuda::ordered_bits(choice)) << 10) |
                                    static_cast<uint64_t>(1023 - u)
                              : 0u;
-  // Unrolled to the largest bounds with uniform guards: the shuffles and ballots do not depend on each other, so they
-  // issue back to back instead of each waiting for the previous compare.
   int above = 0;
-#pragma unroll
-  for (int m = 0; m < 32; ++m) {
-    if (m < W) above += __shfl_sync(kFullMask, key, m) > key ? 1 : 0;
-  }
+  for (int m = 0; m < W; ++m) above += __shfl_sync(kFullMask, key, m) > key ? 1 : 0;
   int32_t id = E;
-#pragma unroll
-  for (int r = 0; r < static_cast<int>(kMaxTopK); ++r) {
-    if (r < p.k) {
-      const unsigned holder = __ballot_sync(kFullMask, valid && above == r);
-      const int32_t at = __shfl_sync(kFullMask, u, holder != 0 ? __ffs(holder) - 1 : 0);
-      if (lane == r && holder != 0) id = at;
-    }
+  for (int r = 0; r < p.k; ++r) {
+    const unsigned holder = __ballot_sync(kFullMask, valid && above == r);
+    const int32_t at = __shfl_sync(kFullMask, u, holder != 0 ? __ffs(holder) - 1 : 0);
+    if (lane == r && holder != 0) id = at;
   }
   return id;
 }
