@@ -7,14 +7,15 @@
 // routes REPS tokens in a row, timing with clock64 (after the results are consumed):
 //   score  : score_token (softmax statistics)
 //   route  : route_token (top k of E, the weight rule)
-//   fill   : fill_token on the slow path (16 experts kept, none of the routed ones, so the top k is redone)
+//   fill   : fill_token on the slow path (16 experts kept, none of the routed ones, so the slots are re-ranked)
 // Repetition 0 of launch 0 runs code the SM has never fetched (cold instruction cache); later repetitions run it warm.
 // The selection kernel runs each routine once per launch, so its cost sits between the two.
 // Then candidate rewrites of the top-k loop alone (k rounds over E keys, ties to the lower index), same input:
-//   topk_lib    : the library's warp_top_k (routing_device.cuh; until f118236 a scan of every lane's keys per round)
-//   topk_shfl   : the same with a butterfly of shuffles instead of redux.sync
+//   topk_lib    : the library's warp_top_k (routing_device.cuh): each lane sorts its EPL keys first, so rounds compare
+//                 lane heads only (redux + ballot + shfl); until f118236 a scan of every lane's keys per round, until
+//                 0e4657b with shared-memory slot writes (H200: 2070 -> 1999 -> 1080 cycles)
+//   topk_shfl   : a scan of every lane's keys per round, with a butterfly of shuffles instead of redux.sync
 //   topk_key64  : 64-bit keys (value, ~index): a butterfly max gives every lane the winner; no ballot, no branch
-//   topk_sorted : each lane sorts its EPL keys first; rounds compare lane heads only (redux + ballot + shfl)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -88,46 +89,6 @@ __device__ __forceinline__ int topk_key64(uint32_t (&key)[EPL], int k, int lane)
   return mine;
 }
 
-__device__ __forceinline__ int topk_sorted(uint32_t (&key)[EPL], int k, int lane) {
-  uint32_t v[EPL];
-  int idx[EPL];
-#pragma unroll
-  for (int j = 0; j < EPL; ++j) {
-    v[j] = key[j];
-    idx[j] = lane * EPL + j;
-  }
-  // stable descending insertion sort in registers (ties keep the lower index first)
-#pragma unroll
-  for (int a = 1; a < EPL; ++a)
-#pragma unroll
-    for (int b = a; b > 0; --b)
-      if (v[b] > v[b - 1]) {
-        const uint32_t tv = v[b];
-        v[b] = v[b - 1];
-        v[b - 1] = tv;
-        const int ti = idx[b];
-        idx[b] = idx[b - 1];
-        idx[b - 1] = ti;
-      }
-  int mine = E;
-  for (int r = 0; r < k; ++r) {
-    const uint32_t top = base_moe::cuda::warp_max_u32(v[0]);
-    if (top == 0) break;
-    const int owner = __ffs(__ballot_sync(0xffffffffu, v[0] == top)) - 1;
-    const int id = __shfl_sync(0xffffffffu, idx[0], owner);
-    if (lane == owner) {
-#pragma unroll
-      for (int j = 0; j + 1 < EPL; ++j) {
-        v[j] = v[j + 1];
-        idx[j] = idx[j + 1];
-      }
-      v[EPL - 1] = 0;
-    }
-    if (lane == r) mine = id;
-  }
-  return mine;
-}
-
 __global__ void topk_kernel(const float* logits, int variant, long long* cycles, int* ids) {
   const int lane = threadIdx.x;
   for (int rep = 0; rep < REPS; ++rep) {
@@ -146,10 +107,8 @@ __global__ void topk_kernel(const float* logits, int variant, long long* cycles,
       warp_top_k<EPL>(key, 0, K, lane, id);
     } else if (variant == 1) {
       id = topk_shfl(key, K, lane);
-    } else if (variant == 2) {
-      id = topk_key64(key, K, lane);
     } else {
-      id = topk_sorted(key, K, lane);
+      id = topk_key64(key, K, lane);
     }
     consume(id);
     const long long t1 = clock64();
@@ -254,8 +213,8 @@ int main() {
   int* ids;
   CHECK(cudaMalloc(&ids, CTAS * REPS * K * sizeof(int)));
   std::vector<int> reference(CTAS * REPS * K), got(CTAS * REPS * K);
-  const char* variants[4] = {"topk_lib", "topk_shfl", "topk_key64", "topk_sorted"};
-  for (int v = 0; v < 4; ++v) {
+  const char* variants[3] = {"topk_lib", "topk_shfl", "topk_key64"};
+  for (int v = 0; v < 3; ++v) {
     for (int launch = 0; launch < 2; ++launch) topk_kernel<<<CTAS, 32>>>(logits, v, cycles, ids);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
