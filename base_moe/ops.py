@@ -86,7 +86,12 @@ def select_experts(
 ) -> tuple[torch.Tensor, ...]:
     """Stages 1-3 in one call (one kernel launch on CUDA for decode batches): ``router_predict`` then
     ``route_select`` on its outputs: ``(logits, log_norms, ids, weights, kept, counts, batch_cost)``.
-    ``Cost.BASE`` needs the predictor; the other costs ignore it."""
+    ``Cost.BASE`` needs the predictor; the other costs ignore it.
+
+    On CUDA the kernel starts reading ``router_weight`` and ``predictor_weight`` while the previous kernel on the
+    stream finishes (programmatic dependent launch): they must not be written by the kernel just before this call
+    (convert them once, as the HF integration does; ``BASE_MOE_PDL=0`` turns the overlap off). Hidden states and
+    biases are read after the wait."""
     return _ops.select_experts(
         hidden, router_weight, router_bias, predictor_weight, predictor_bias, correction_bias, num_groups,
         *routing.op_args(), int(cost), budget, int(fill),

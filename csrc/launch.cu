@@ -1,5 +1,6 @@
 // Host-side capability check shared by the CUDA launchers (csrc/include/base_moe/launch.cuh).
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -17,7 +18,8 @@ bool probe(int device) {
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   if (major < 9) return false;
-  cudaFuncAttributes attributes{};  // of the current device: the launchers hold a guard for `device`
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));  // the query answers for the current device
+  cudaFuncAttributes attributes{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, arch_probe_kernel));
   return attributes.ptxVersion >= 90;
 }

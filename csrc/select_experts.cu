@@ -5,9 +5,10 @@
 // Cluster = TG token groups x RG row groups (TG * RG <= 16 CTAs; chosen by the launcher to minimise the bytes
 // each CTA reads). CTA (tg, rg):
 //   1. GEMV: logits and log-norms of experts [rg * EC, (rg + 1) * EC) for tokens [tg * TC, (tg + 1) * TC) of the
-//      group, on tensor cores (mma.sync m16n8k16: weight rows as M, tokens as the narrow N side). The weight rows and
-//      their biases are copied to shared memory (cp.async) before the kernel waits for its predecessor (programmatic
-//      dependent launch), so their HBM read overlaps the previous kernel; hidden states come from global memory in 16-byte
+//      group, on tensor cores (mma.sync m16n8k16: weight rows as M, tokens as the narrow N side). The weight rows are
+//      copied to shared memory (cp.async) before the kernel waits for its predecessor (programmatic dependent
+//      launch), so their HBM read overlaps the previous kernel; their biases follow right after the wait (a bias may
+//      come from the kernel just before, e.g. a cast to fp32); hidden states come from global memory in 16-byte
 //      loads. The CTA's warps split the tile and H; partial sums are added in a fixed order.       -- cluster barrier
 //   2. Routing: one warp per token (token i of the token group goes to CTA rg = i % RG): the warp gathers the
 //      token's E logits from the RG CTAs of its token group, picks the top k (csrc/include/base_moe/
@@ -104,8 +105,9 @@ __device__ __forceinline__ const T* gemv_row(const FusedSelectParams& f, int rg,
   return static_cast<const T*>(w) + static_cast<int64_t>(u) * f.gemv.H;
 }
 
-// The biases of the CTA's GEMV rows to shared memory (parameters, like the weights: read before the PDL wait, so the
-// GEMV's epilogue does not wait on global loads).
+// The biases of the CTA's GEMV rows to shared memory, after the PDL wait (the caller may have just written them: the
+// HF integration casts a bf16 router bias to fp32 per call) and before the GEMV, so its epilogue does not wait on
+// global loads.
 __device__ __forceinline__ void stage_biases(const FusedSelectParams& f, int rg, float* bias) {
   const int EC = f.experts_per_cta, rows = EC * (f.predict ? 2 : 1);
   for (int r = threadIdx.x; r < rows; r += kThreads) {
@@ -294,7 +296,6 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
       if (row != nullptr) cuda::cp_async16(weights + (i / chunks) * stride + (i % chunks) * 16, row + (i % chunks) * 8);
     }
   }
-  stage_biases(f, rg, smem + L.bias);
   for (int i = tid; i < EO * B; i += kThreads) own[i] = 0.0f;
   for (int i = tid; i < EO; i += kThreads) flags[i] = 0;
   for (int i = tid; i < E; i += kThreads) kept_flag[i] = 0;
@@ -305,6 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     const int u = static_cast<int>(rank) * EO + e;
     if (u < E) group_counts[u] = 0;
   }
+  stage_biases(f, rg, smem + L.bias);
 
   // ---- 1. GEMV ----
   cuda::cp_async_wait_all();

@@ -12,7 +12,7 @@
 // The selection kernel runs each routine once per launch, so its cost sits between the two.
 // Then candidate rewrites of the top-k loop alone (k rounds over E keys, ties to the lower index), same input:
 //   topk_lib    : the library's warp_top_k (routing_device.cuh): each lane sorts its EPL keys first, so rounds compare
-//                 lane heads only (redux + ballot + shfl); until f118236 a scan of every lane's keys per round, until
+//                 lane heads only (redux + ballot + shfl); until 461c614 a scan of every lane's keys per round, until
 //                 0e4657b with shared-memory slot writes (H200: 2070 -> 1999 -> 1080 cycles)
 //   topk_shfl   : a scan of every lane's keys per round, with a butterfly of shuffles instead of redux.sync
 //   topk_key64  : 64-bit keys (value, ~index): a butterfly max gives every lane the winner; no ballot, no branch

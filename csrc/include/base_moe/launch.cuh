@@ -23,7 +23,9 @@ inline bool env_flag(const char* name, bool fallback) {
 }
 
 // Programmatic dependent launch for the selection kernels (router_predict, route_select, select_experts): on
-// unless BASE_MOE_PDL=0. Each kernel reads only constant weights before its griddepcontrol.wait.
+// unless BASE_MOE_PDL=0. Before its griddepcontrol.wait a kernel touches only weight matrices (select_experts copies
+// them to shared memory, router_predict prefetches them into L2), which must not be written by the kernel just
+// before (the op docs say so); everything else is read after the wait.
 inline bool selection_pdl() {
   static const bool enabled = env_flag("BASE_MOE_PDL", true);
   return enabled;

@@ -138,7 +138,7 @@ __device__ __forceinline__ void sort_lane_keys(uint32_t (&key)[EPL], int (&at)[E
 // Each lane sorts its keys first, so a round compares the lanes' heads only: one warp max, one ballot, one shuffle
 // of the winner's expert, and the winning lane (the lowest among equal heads: the lower expert) pops its head. Ids
 // stay in registers: no shared memory, and nothing but the pop on the rounds' dependent chain
-// (benchmarks/micro/route_token.cu on the H200, k 8 of E 128: 1207 cycles against 2070 for a scan of every key).
+// (benchmarks/micro/route_token.cu on the H200, k 8 of E 128: 1080 cycles against 2070 for a scan of every key).
 template <int EPL>
 __device__ __forceinline__ int warp_top_k(uint32_t (&key)[EPL], int first_slot, int k, int lane, int32_t& id) {
   int at[EPL];
@@ -238,8 +238,9 @@ __device__ __forceinline__ void route_token(const SelectParams& p, Token<EPL>& s
 // (grouped routing), ties to the lower expert: each lane counts the kept keys above its own (W shuffles) and the
 // lane with r keys above holds slot r. A few hundred cycles instead of k rounds over all E experts.
 template <int EPL>
-__device__ __forceinline__ int32_t top_k_of_kept(const SelectParams& p, const Token<EPL>& s, const int* kept, int W,
+__device__ __forceinline__ int32_t top_k_of_kept(const SelectParams& p, const Token<EPL>& s, const int* kept,
                                                  int lane) {
+  const int W = p.W;
   static_assert(kMaxExperts <= 1024, "the key packs 1023 - expert into 10 bits");
   const int E = p.E;
   const int u = lane < W ? kept[lane] : E;
@@ -268,7 +269,7 @@ __device__ __forceinline__ int32_t top_k_of_kept(const SelectParams& p, const To
 // experts (group-allowed ones first), slot = lane. The drop fills: the routed slots whose expert is kept, in their
 // order, then the sentinel (E, 0).
 template <int EPL, typename IsKept>
-__device__ __forceinline__ void fill_token(const SelectParams& p, Token<EPL>& s, int lane, const int* kept,
+__device__ __forceinline__ void fill_token(const SelectParams& p, const Token<EPL>& s, int lane, const int* kept,
                                            IsKept is_kept, int& slot, int32_t& id, float& weight) {
   const int E = p.E, k = p.k;
   if (p.fill == static_cast<int>(Fill::kBackfill)) {
@@ -281,7 +282,7 @@ __device__ __forceinline__ void fill_token(const SelectParams& p, Token<EPL>& s,
       return;
     }
     if (p.W <= 32) {
-      id = top_k_of_kept<EPL>(p, s, kept, p.W, lane);
+      id = top_k_of_kept<EPL>(p, s, kept, lane);
     } else {
       uint32_t preferred[EPL], other[EPL];
       const bool grouped = p.n_group > 1;
