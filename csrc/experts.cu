@@ -8,9 +8,10 @@
 //      rounded to hidden's dtype (act rows in expert-sorted order of the pairs).
 //   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
 //   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
-// expert_gemm_kernel: CTA (x, y) streams row tile x of active experts y, y + gridDim.y, ... in 64-column steps
+// expert_gemm_kernel: CTA (x, y, z) streams row tile x of active experts y, y + gridDim.y, ... in 64-column steps
 // (tokens in the same cp.async stages, re-streamed per pass of 16 to 128 tokens depending on the tile configuration;
-// act indexed by expert-sorted position); the grid has min(E, T*k, max_active_experts) rows. (A persistent warp-specialised kernel, "v2", lost to
+// passes z, z + gridDim.z, ... of each expert; act indexed by expert-sorted position); the grid has
+// min(E, T*k, max_active_experts) rows and pass_splits columns in z. (A persistent warp-specialised kernel, "v2", lost to
 // it everywhere once it stopped launching CTAs for unused expert slots, and was removed: notes/experts_kernel.md.)
 // So the op needs no host sync and allocates only buffers sized from T, k, H, I.
 //
@@ -81,7 +82,7 @@ __device__ __forceinline__ uint32_t swz(int r, int ch) { return r * ROW_BYTES + 
 // warp w holds rows 16w..16w+15 of each block, for every token (the m16n8 accumulator layout per 8 tokens).
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
 __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, int* s_list, int* s_scan, int u,
-                                            int off, int tile) {
+                                            int off, int tile, int first_pass, int pass_step) {
   constexpr int NT = WARPS * 32;
   constexpr int WN = WARPS / WR;
   constexpr int NP = WN * NTW * 8;
@@ -135,7 +136,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       else cp_async16_nohint(smem0 + slot * STAGE_BYTES + a_dst[i], a_src[i] + ks * KS);
   };
 
-  for (int c0 = 0; c0 < cnt; c0 += NP) {
+  for (int c0 = first_pass * NP; c0 < cnt; c0 += pass_step * NP) {
     const int nv = min(NP, cnt - c0);  // tokens in this pass
     const int nv8 = (nv + 7) & ~7;
 
@@ -359,7 +360,8 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
 #pragma unroll 1
   for (int a = blockIdx.y; a < s_num_active; a += gridDim.y) {
     expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG && kWgmmaCompiled>(p, smem, s_list, s_scan, s_active[a],
-                                                                              s_offset[a], blockIdx.x);
+                                                                              s_offset[a], blockIdx.x, blockIdx.z,
+                                                                              gridDim.z);
   }
 }
 
@@ -403,8 +405,22 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 }
 
 // ---- host side ------------------------------------------------------------------------------------------
+// CTAs (grid z) that split an expert's passes over its tokens: CTA z takes passes z, z + splits, ... An expert whose
+// tokens need two passes would otherwise stream its weights twice in a row on one CTA (the busiest expert of a batch
+// sets the kernel's time); side by side, the CTAs read the same tiles at about the same time, mostly one HBM read.
+// Two splits when the average load exceeds 3/4 of a pass (the busiest expert then likely exceeds a pass), more for
+// heavier loads; each output element is still computed by one CTA in the same order (same bits).
+// BASE_MOE_EXPERTS_SPLITS=N forces N (benchmarks).
+int pass_splits(int64_t tokens_per_expert, int tokens_per_pass) {
+  const char* forced = std::getenv("BASE_MOE_EXPERTS_SPLITS");
+  if (forced != nullptr) return std::clamp(std::atoi(forced), 1, 8);
+  const int64_t expected_max = tokens_per_expert + tokens_per_expert / 3;  // ~ the busiest expert's load
+  return static_cast<int>(std::clamp<int64_t>((expected_max + tokens_per_pass - 1) / tokens_per_pass, 1, 4));
+}
+
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
-void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
+void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t tokens_per_expert, cudaStream_t stream,
+                 bool pdl) {
   constexpr int NP = WARPS / WR * NTW * 8;
   // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
   constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int) + (WG ? 1024 : 0);
@@ -419,7 +435,8 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (device < kMaxDevices) configured[device].store(true, std::memory_order_release);
   }
-  cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
+  const dim3 grid(row_tiles, grid_experts, pass_splits(tokens_per_expert, NP));
+  cuda::launch({grid, dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
@@ -468,30 +485,31 @@ bool use_pdl() {
 // 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages.
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
-                 cudaStream_t stream) {
+                 int64_t tokens_per_expert, cudaStream_t stream) {
   const bool pdl = use_pdl();
-  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, stream, pdl);
+  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, tokens_per_expert, stream,
+                                                         pdl);
   if (H % ROWS == 0)
-    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR, WG>(p2, H / ROWS, grid_experts, stream, pdl);
+    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR, WG>(p2, H / ROWS, grid_experts, tokens_per_expert, stream, pdl);
   else
-    launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, stream, pdl);
+    launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, tokens_per_expert, stream, pdl);
 }
 
 template <typename T>
-void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts, Config cfg,
-                 cudaStream_t stream) {
+void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
+                 int64_t tokens_per_expert, Config cfg, cudaStream_t stream) {
   switch (cfg) {
     case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM
-      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, stream);
+      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, tokens_per_expert, stream);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass
-      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, stream);
+      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, tokens_per_expert, stream);
       break;
     case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM
-      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, stream);
+      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, tokens_per_expert, stream);
       break;
     case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM
-      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, stream);
+      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, tokens_per_expert, stream);
       break;
   }
 }
@@ -547,12 +565,13 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out = yslot.data_ptr();
   p2.out_stride = static_cast<int>(H);
 
-  const Config cfg = pick_config(T, tk / grid_experts);
+  const int64_t tokens_per_expert = tk / grid_experts;
+  const Config cfg = pick_config(T, tokens_per_expert);
   if (hidden.scalar_type() == at::kBFloat16) {
-    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, cfg, stream);
+    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, tokens_per_expert, cfg, stream);
     launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
   } else {
-    run_experts<__half>(p1, p2, I, H, grid_experts, cfg, stream);
+    run_experts<__half>(p1, p2, I, H, grid_experts, tokens_per_expert, cfg, stream);
     launch_slot_sum<__half>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
   }
   return y;
