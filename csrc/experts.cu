@@ -408,18 +408,17 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 // CTAs (grid z) that split an expert's passes over its tokens: CTA z takes passes z, z + splits, ... An expert whose
 // tokens need two passes would otherwise stream its weights twice in a row on one CTA (the busiest expert of a batch
 // sets the kernel's time); side by side, the CTAs read the same tiles at about the same time, mostly one HBM read.
-// Two splits when the average load exceeds 3/4 of a pass (the busiest expert then likely exceeds a pass), more for
-// heavier loads; each output element is still computed by one CTA in the same order (same bits).
+// busiest_expert: the host's estimate of the busiest expert's tokens (see experts_cuda_launch); one split per pass
+// it needs, at most 4. Each output element is still computed by one CTA in the same order (same bits).
 // BASE_MOE_EXPERTS_SPLITS=N forces N (benchmarks).
-int pass_splits(int64_t tokens_per_expert, int tokens_per_pass) {
+int pass_splits(int64_t busiest_expert, int tokens_per_pass) {
   const char* forced = std::getenv("BASE_MOE_EXPERTS_SPLITS");
   if (forced != nullptr) return std::clamp(std::atoi(forced), 1, 8);
-  const int64_t expected_max = tokens_per_expert + tokens_per_expert / 3;  // ~ the busiest expert's load
-  return static_cast<int>(std::clamp<int64_t>((expected_max + tokens_per_pass - 1) / tokens_per_pass, 1, 4));
+  return static_cast<int>(std::clamp<int64_t>((busiest_expert + tokens_per_pass - 1) / tokens_per_pass, 1, 4));
 }
 
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
-void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t tokens_per_expert, cudaStream_t stream,
+void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t busiest_expert, cudaStream_t stream,
                  bool pdl) {
   constexpr int NP = WARPS / WR * NTW * 8;
   // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
@@ -435,7 +434,7 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t t
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (device < kMaxDevices) configured[device].store(true, std::memory_order_release);
   }
-  const dim3 grid(row_tiles, grid_experts, pass_splits(tokens_per_expert, NP));
+  const dim3 grid(row_tiles, grid_experts, pass_splits(busiest_expert, NP));
   cuda::launch({grid, dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
 }
 
@@ -485,31 +484,31 @@ bool use_pdl() {
 // 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages.
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
-                 int64_t tokens_per_expert, cudaStream_t stream) {
+                 int64_t busiest_expert, cudaStream_t stream) {
   const bool pdl = use_pdl();
-  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, tokens_per_expert, stream,
+  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, busiest_expert, stream,
                                                          pdl);
   if (H % ROWS == 0)
-    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR, WG>(p2, H / ROWS, grid_experts, tokens_per_expert, stream, pdl);
+    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR, WG>(p2, H / ROWS, grid_experts, busiest_expert, stream, pdl);
   else
-    launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, tokens_per_expert, stream, pdl);
+    launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, busiest_expert, stream, pdl);
 }
 
 template <typename T>
 void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
-                 int64_t tokens_per_expert, Config cfg, cudaStream_t stream) {
+                 int64_t busiest_expert, Config cfg, cudaStream_t stream) {
   switch (cfg) {
     case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM
-      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, tokens_per_expert, stream);
+      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass
-      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, tokens_per_expert, stream);
+      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream);
       break;
     case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM
-      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, tokens_per_expert, stream);
+      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream);
       break;
     case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM
-      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, tokens_per_expert, stream);
+      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream);
       break;
   }
 }
@@ -567,11 +566,14 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
 
   const int64_t tokens_per_expert = tk / grid_experts;
   const Config cfg = pick_config(T, tokens_per_expert);
+  // The busiest expert's tokens, estimated without a sync: the average plus a third (random routings of the benchmark
+  // points spread about that far), never more than T (one slot per token).
+  const int64_t busiest_expert = std::min(T, tokens_per_expert + tokens_per_expert / 3);
   if (hidden.scalar_type() == at::kBFloat16) {
-    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, tokens_per_expert, cfg, stream);
+    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream);
     launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
   } else {
-    run_experts<__half>(p1, p2, I, H, grid_experts, tokens_per_expert, cfg, stream);
+    run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream);
     launch_slot_sum<__half>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
   }
   return y;
