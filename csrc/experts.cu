@@ -8,10 +8,10 @@
 //      rounded to hidden's dtype (act rows in expert-sorted order of the pairs).
 //   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
 //   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
-// expert_gemm_kernel: CTA (x, y, z) streams row tile x of active experts y, y + gridDim.y, ... in 64-column steps
+// expert_gemm_kernel: CTA (x, y) streams row tile x / S of active experts y, y + gridDim.y, ... in 64-column steps
 // (tokens in the same cp.async stages, re-streamed per pass of 16 to 128 tokens depending on the tile configuration;
-// passes z, z + gridDim.z, ... of each expert; act indexed by expert-sorted position); the grid has
-// min(E, T*k, max_active_experts) rows and pass_splits columns in z. (A persistent warp-specialised kernel, "v2", lost to
+// passes x % S, x % S + S, ... of each expert, S = pass_splits; act indexed by expert-sorted position); the grid has
+// min(E, T*k, max_active_experts) rows. (A persistent warp-specialised kernel, "v2", lost to
 // it everywhere once it stopped launching CTAs for unused expert slots, and was removed: notes/experts_kernel.md.)
 // So the op needs no host sync and allocates only buffers sized from T, k, H, I.
 //
@@ -65,6 +65,7 @@ struct GemmParams {
   const void* b;           // gated: hidden [T, K]; else act [T*k, K]
   void* out;               // gated: act [T*k, I] (input dtype); else yslot [T*k, H] fp32
   int out_stride;
+  int pass_splits;         // CTAs per (row tile, expert), each taking every pass_splits-th pass; set by the launcher
 };
 
 // Byte offset of 16-byte chunk `ch` (0..7) of stage row `r`: odd rows swap halves so that the 8 lanes of a
@@ -359,9 +360,9 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
 
 #pragma unroll 1
   for (int a = blockIdx.y; a < s_num_active; a += gridDim.y) {
-    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG && kWgmmaCompiled>(p, smem, s_list, s_scan, s_active[a],
-                                                                              s_offset[a], blockIdx.x, blockIdx.z,
-                                                                              gridDim.z);
+    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG && kWgmmaCompiled>(
+        p, smem, s_list, s_scan, s_active[a], s_offset[a], blockIdx.x / p.pass_splits, blockIdx.x % p.pass_splits,
+        p.pass_splits);
   }
 }
 
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 }
 
 // ---- host side ------------------------------------------------------------------------------------------
-// CTAs (grid z) that split an expert's passes over its tokens: CTA z takes passes z, z + splits, ... An expert whose
+// CTAs that split an expert's passes over its tokens: split z takes passes z, z + splits, ... An expert whose
 // tokens need two passes would otherwise stream its weights twice in a row on one CTA (the busiest expert of a batch
 // sets the kernel's time); side by side, the CTAs read the same tiles at about the same time, mostly one HBM read.
 // busiest_expert: the host's estimate of the busiest expert's tokens (see experts_cuda_launch); one split per pass
@@ -434,8 +435,11 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t b
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (device < kMaxDevices) configured[device].store(true, std::memory_order_release);
   }
-  const dim3 grid(row_tiles, grid_experts, pass_splits(busiest_expert, NP));
-  cuda::launch({grid, dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
+  // The splits of a row tile are neighbours in x, so the hardware dispatches an expert's passes together (all first
+  // passes before any second one would run them one after the other again once the grid exceeds the resident CTAs).
+  GemmParams q = p;
+  q.pass_splits = pass_splits(busiest_expert, NP);
+  cuda::launch({dim3(row_tiles * q.pass_splits, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, q);
 }
 
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
