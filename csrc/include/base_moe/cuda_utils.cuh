@@ -154,22 +154,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Split cluster barrier: arrive (release: this thread's earlier writes, shared or global, become visible to the
-// cluster) and wait (acquire). Work between the two overlaps the other CTAs' arrival. Every thread of the CTA calls
-// both, in the same order.
-__device__ __forceinline__ void cluster_arrive() {
-#ifdef BASE_MOE_HAS_CLUSTERS
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#else
-  __syncthreads();
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#ifdef BASE_MOE_HAS_CLUSTERS
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-
 // 16-byte asynchronous copy global -> shared (cp.async, bypassing L1), and the wait for all of the thread's copies.
 __device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
