@@ -476,10 +476,8 @@ Config pick_config(int64_t T, int64_t tokens_per_expert) {
 }
 
 // Programmatic dependent launch where the device code supports it (launch.cuh); BASE_MOE_EXPERTS_PDL=0 turns it off
-// (benchmarks).
-bool use_pdl() {
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
+// (benchmarks set it between calls, so it is read once per op call, not once per process).
+bool use_pdl(int device) {
   return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true) && cuda::device_has_clusters(device);
 }
 
@@ -488,8 +486,7 @@ bool use_pdl() {
 // 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages.
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
-                 int64_t busiest_expert, cudaStream_t stream) {
-  const bool pdl = use_pdl();
+                 int64_t busiest_expert, cudaStream_t stream, bool pdl) {
   launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, busiest_expert, stream,
                                                          pdl);
   if (H % ROWS == 0)
@@ -500,19 +497,19 @@ void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
 
 template <typename T>
 void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
-                 int64_t busiest_expert, Config cfg, cudaStream_t stream) {
+                 int64_t busiest_expert, Config cfg, cudaStream_t stream, bool pdl) {
   switch (cfg) {
     case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM
-      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream);
+      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass
-      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream);
+      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM
-      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream);
+      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM
-      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream);
+      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
   }
 }
@@ -520,11 +517,11 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
 // The slot sum with every slot's row loaded at once: KMAX = 8 covers most models (registers: 2 float4 per slot).
 template <typename T>
 void launch_slot_sum(const int32_t* ids, const float* yslot, Tensor& y, int64_t T_, int64_t k, int64_t E, int64_t H,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, bool pdl) {
   const int64_t n8 = T_ * (H / 8);
   const dim3 grid(static_cast<unsigned>((n8 + 255) / 256));
   auto kernel = k <= 8 ? slot_sum_kernel<T, 8> : slot_sum_kernel<T, kMaxTopK>;
-  cuda::launch({grid, dim3(256), 0, stream, 0, use_pdl()}, kernel, ids, yslot, static_cast<T*>(y.data_ptr()),
+  cuda::launch({grid, dim3(256), 0, stream, 0, pdl}, kernel, ids, yslot, static_cast<T*>(y.data_ptr()),
                static_cast<int>(T_), static_cast<int>(k), static_cast<int>(E), static_cast<int>(H));
 }
 
@@ -573,12 +570,13 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   // The busiest expert's tokens, estimated without a sync: the average plus a third (random routings of the benchmark
   // points spread about that far), never more than T (one slot per token).
   const int64_t busiest_expert = std::min(T, tokens_per_expert + tokens_per_expert / 3);
+  const bool pdl = use_pdl(hidden.get_device());
   if (hidden.scalar_type() == at::kBFloat16) {
-    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream);
-    launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
+    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
+    launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
   } else {
-    run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream);
-    launch_slot_sum<__half>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream);
+    run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
+    launch_slot_sum<__half>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
   }
   return y;
 }

@@ -60,29 +60,9 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Packed 64-bit key: larger value first, equal values to the lower index. A single max over keys gives
-// the deterministic argmax (FlashInfer / TensorRT-LLM style).
-__device__ __forceinline__ uint64_t pack_key(float value, uint32_t index) {
-  return (static_cast<uint64_t>(ordered_bits(value)) << 32) | static_cast<uint64_t>(0xffffffffu - index);
-}
-__device__ __forceinline__ uint32_t key_index(uint64_t key) {
-  return 0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu);
-}
-__device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const uint64_t other = __shfl_xor_sync(kFullMask, key, offset);
-    key = other > key ? other : key;
-  }
-  return key;
-}
-
-// Hardware warp reductions of 32-bit integers (sm_80+).
+// Hardware warp max of 32-bit integers (sm_80+).
 __device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
   return __reduce_max_sync(kFullMask, v);
-}
-__device__ __forceinline__ uint32_t warp_or_u32(uint32_t v) {
-  return __reduce_or_sync(kFullMask, v);
 }
 
 // D += A * B on tensor cores: m16n8k16, A row-major (16x16), B column-major (16x8), fp32 accumulate.
@@ -151,22 +131,6 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void pdl_launch_dependents() {
 #ifdef BASE_MOE_HAS_CLUSTERS
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-// Split cluster barrier: arrive (release: this thread's earlier writes, shared or global, become visible to the
-// cluster) and wait (acquire). Work between the two overlaps the other CTAs' arrival. Every thread of the CTA calls
-// both, in the same order.
-__device__ __forceinline__ void cluster_arrive() {
-#ifdef BASE_MOE_HAS_CLUSTERS
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#else
-  __syncthreads();
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#ifdef BASE_MOE_HAS_CLUSTERS
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
 }
 
