@@ -465,16 +465,17 @@ Config pick_config(int64_t T, int64_t tokens_per_expert) {
   // bench_layer_wgmma_sweep.json, session 5; notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
   // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 whenever no expert can exceed 16
   // tokens or the average is at most 8 (b16/M8 28.9 us vs T32 31.3, b16 dense 185, b64 dense 295); T32 at 16 per
-  // expert, where experts exceed 16 tokens by chance (b256 dense 344 vs W64 352; at b64/M32 W64 is 2% faster, 94.6 vs
-  // 96.5, but b256 dense, the larger cost, decides); W64 up to 32 per expert, or 64 when
-  // the batch has at most 64 tokens (b64/M16 50.5 vs T32 79, b64/M8 38.3 vs W128 45.7, b256/M64 193 vs W128 213);
-  // beyond, with an expert's passes split over CTAs (pass_splits; session 7, BASE_MOE_EXPERTS_SPLITS sweeps in
+  // expert in batches of more than 64 tokens, where experts exceed 16 tokens by chance (b256 dense 344 vs W64 352);
+  // W64 in batches of 17-64 tokens (b64/M16 50.5 vs T32 79, b64/M8 38.3 vs W128 45.7; b64/M32 94.3 vs T32 101.7,
+  // session 7) and up to 32 per expert beyond (b256/M64 193 vs W128 213);
+  // past 32 per expert, with an expert's passes split over CTAs (pass_splits; session 7, BASE_MOE_EXPERTS_SPLITS sweeps in
   // benchmarks/results/device_runs/session7.txt): W128 at up to 64 per expert (b256/M32 130 vs W64 in two splits
   // 140), W64 at up to 128 (b256/M16: three 64-token splits 105.6 vs W128 113-118 with or without splits), W128 beyond
   // (b256/M8: two 128-token splits 67 vs W64 in four 88, W128 unsplit 111).
   if (T <= 16 || tokens_per_expert <= 8) return Config::kT16;
+  if (T <= 64) return Config::kW64;
   if (tokens_per_expert <= 16) return Config::kT32;
-  if (T <= 64 || tokens_per_expert <= 32) return Config::kW64;
+  if (tokens_per_expert <= 32) return Config::kW64;
   if (tokens_per_expert <= 64) return Config::kW128;
   if (tokens_per_expert <= 128) return Config::kW64;
   return Config::kW128;
