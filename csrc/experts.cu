@@ -8,9 +8,10 @@
 //      rounded to hidden's dtype (act rows in expert-sorted order of the pairs).
 //   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
 //   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
-// expert_gemm_kernel: CTA (x, y) streams row tile x of active experts y, y + gridDim.y, ... in 64-column steps
+// expert_gemm_kernel: CTA (x, y) streams row tile x / S of active experts y, y + gridDim.y, ... in 64-column steps
 // (tokens in the same cp.async stages, re-streamed per pass of 16 to 128 tokens depending on the tile configuration;
-// act indexed by expert-sorted position); the grid has min(E, T*k, max_active_experts) rows. (A persistent warp-specialised kernel, "v2", lost to
+// passes x % S, x % S + S, ... of each expert, S = pass_splits; act indexed by expert-sorted position); the grid has
+// min(E, T*k, max_active_experts) rows. (A persistent warp-specialised kernel, "v2", lost to
 // it everywhere once it stopped launching CTAs for unused expert slots, and was removed: notes/experts_kernel.md.)
 // So the op needs no host sync and allocates only buffers sized from T, k, H, I.
 //
@@ -64,6 +65,7 @@ struct GemmParams {
   const void* b;           // gated: hidden [T, K]; else act [T*k, K]
   void* out;               // gated: act [T*k, I] (input dtype); else yslot [T*k, H] fp32
   int out_stride;
+  int pass_splits;         // CTAs per (row tile, expert), each taking every pass_splits-th pass; set by the launcher
 };
 
 // Byte offset of 16-byte chunk `ch` (0..7) of stage row `r`: odd rows swap halves so that the 8 lanes of a
@@ -81,7 +83,7 @@ __device__ __forceinline__ uint32_t swz(int r, int ch) { return r * ROW_BYTES + 
 // warp w holds rows 16w..16w+15 of each block, for every token (the m16n8 accumulator layout per 8 tokens).
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
 __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, int* s_list, int* s_scan, int u,
-                                            int off, int tile) {
+                                            int off, int tile, int first_pass, int pass_step) {
   constexpr int NT = WARPS * 32;
   constexpr int WN = WARPS / WR;
   constexpr int NP = WN * NTW * 8;
@@ -135,7 +137,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       else cp_async16_nohint(smem0 + slot * STAGE_BYTES + a_dst[i], a_src[i] + ks * KS);
   };
 
-  for (int c0 = 0; c0 < cnt; c0 += NP) {
+  for (int c0 = first_pass * NP; c0 < cnt; c0 += pass_step * NP) {
     const int nv = min(NP, cnt - c0);  // tokens in this pass
     const int nv8 = (nv + 7) & ~7;
 
@@ -358,8 +360,9 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
 
 #pragma unroll 1
   for (int a = blockIdx.y; a < s_num_active; a += gridDim.y) {
-    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG && kWgmmaCompiled>(p, smem, s_list, s_scan, s_active[a],
-                                                                              s_offset[a], blockIdx.x);
+    expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG && kWgmmaCompiled>(
+        p, smem, s_list, s_scan, s_active[a], s_offset[a], blockIdx.x / p.pass_splits, blockIdx.x % p.pass_splits,
+        p.pass_splits);
   }
 }
 
@@ -403,8 +406,21 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 }
 
 // ---- host side ------------------------------------------------------------------------------------------
+// CTAs that split an expert's passes over its tokens: split z takes passes z, z + splits, ... An expert whose
+// tokens need two passes would otherwise stream its weights twice in a row on one CTA (the busiest expert of a batch
+// sets the kernel's time); side by side, the CTAs read the same tiles at about the same time, mostly one HBM read.
+// busiest_expert: the host's estimate of the busiest expert's tokens (see experts_cuda_launch); one split per pass
+// it needs, at most 4. Each output element is still computed by one CTA in the same order (same bits).
+// BASE_MOE_EXPERTS_SPLITS=N forces N (benchmarks).
+int pass_splits(int64_t busiest_expert, int tokens_per_pass) {
+  const char* forced = std::getenv("BASE_MOE_EXPERTS_SPLITS");
+  if (forced != nullptr) return std::clamp(std::atoi(forced), 1, 8);
+  return static_cast<int>(std::clamp<int64_t>((busiest_expert + tokens_per_pass - 1) / tokens_per_pass, 1, 4));
+}
+
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
-void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStream_t stream, bool pdl) {
+void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t busiest_expert, cudaStream_t stream,
+                 bool pdl) {
   constexpr int NP = WARPS / WR * NTW * 8;
   // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
   constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int) + (WG ? 1024 : 0);
@@ -419,7 +435,11 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, cudaStrea
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (device < kMaxDevices) configured[device].store(true, std::memory_order_release);
   }
-  cuda::launch({dim3(row_tiles, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, p);
+  // The splits of a row tile are neighbours in x, so the hardware dispatches an expert's passes together (all first
+  // passes before any second one would run them one after the other again once the grid exceeds the resident CTAs).
+  GemmParams q = p;
+  q.pass_splits = pass_splits(busiest_expert, NP);
+  cuda::launch({dim3(row_tiles * q.pass_splits, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, q);
 }
 
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
@@ -445,13 +465,19 @@ Config pick_config(int64_t T, int64_t tokens_per_expert) {
   // bench_layer_wgmma_sweep.json, session 5; notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
   // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 whenever no expert can exceed 16
   // tokens or the average is at most 8 (b16/M8 28.9 us vs T32 31.3, b16 dense 185, b64 dense 295); T32 at 16 per
-  // expert, where experts exceed 16 tokens by chance (b256 dense 344 vs W64 352; at b64/M32 W64 is 2% faster, 94.6 vs
-  // 96.5, but b256 dense, the larger cost, decides); W64 up to 32 per expert, or 64 when
-  // the batch has at most 64 tokens (b64/M16 50.5 vs T32 79, b64/M8 38.3 vs W128 45.7, b256/M64 193 vs W128 213);
-  // W128 beyond (b256/M32 130 vs W64 160, b256/M16 112).
+  // expert in batches of more than 64 tokens, where experts exceed 16 tokens by chance (b256 dense 344 vs W64 352);
+  // W64 in batches of 17-64 tokens (b64/M16 50.5 vs T32 79, b64/M8 38.3 vs W128 45.7; b64/M32 94.3 vs T32 101.7,
+  // session 7) and up to 32 per expert beyond (b256/M64 193 vs W128 213);
+  // past 32 per expert, with an expert's passes split over CTAs (pass_splits; session 7, BASE_MOE_EXPERTS_SPLITS sweeps in
+  // benchmarks/results/device_runs/session7.txt): W128 at up to 64 per expert (b256/M32 130 vs W64 in two splits
+  // 140), W64 at up to 128 (b256/M16: three 64-token splits 105.6 vs W128 113-118 with or without splits), W128 beyond
+  // (b256/M8: two 128-token splits 67 vs W64 in four 88, W128 unsplit 111).
   if (T <= 16 || tokens_per_expert <= 8) return Config::kT16;
+  if (T <= 64) return Config::kW64;
   if (tokens_per_expert <= 16) return Config::kT32;
-  if (T <= 64 || tokens_per_expert <= 32) return Config::kW64;
+  if (tokens_per_expert <= 32) return Config::kW64;
+  if (tokens_per_expert <= 64) return Config::kW128;
+  if (tokens_per_expert <= 128) return Config::kW64;
   return Config::kW128;
 }
 
@@ -466,29 +492,30 @@ bool use_pdl(int device) {
 // 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages.
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
-                 cudaStream_t stream, bool pdl) {
-  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, stream, pdl);
+                 int64_t busiest_expert, cudaStream_t stream, bool pdl) {
+  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, busiest_expert, stream,
+                                                         pdl);
   if (H % ROWS == 0)
-    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR, WG>(p2, H / ROWS, grid_experts, stream, pdl);
+    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR, WG>(p2, H / ROWS, grid_experts, busiest_expert, stream, pdl);
   else
-    launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, stream, pdl);
+    launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, busiest_expert, stream, pdl);
 }
 
 template <typename T>
-void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts, Config cfg,
-                 cudaStream_t stream, bool pdl) {
+void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
+                 int64_t busiest_expert, Config cfg, cudaStream_t stream, bool pdl) {
   switch (cfg) {
     case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM
-      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, stream, pdl);
+      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass
-      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, stream, pdl);
+      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM
-      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, stream, pdl);
+      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM
-      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, stream, pdl);
+      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
   }
 }
@@ -544,13 +571,17 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out = yslot.data_ptr();
   p2.out_stride = static_cast<int>(H);
 
-  const Config cfg = pick_config(T, tk / grid_experts);
+  const int64_t tokens_per_expert = tk / grid_experts;
+  const Config cfg = pick_config(T, tokens_per_expert);
+  // The busiest expert's tokens, estimated without a sync: the average plus a third (random routings of the benchmark
+  // points spread about that far), never more than T (one slot per token).
+  const int64_t busiest_expert = std::min(T, tokens_per_expert + tokens_per_expert / 3);
   const bool pdl = use_pdl(hidden.get_device());
   if (hidden.scalar_type() == at::kBFloat16) {
-    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, cfg, stream, pdl);
+    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
     launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
   } else {
-    run_experts<__half>(p1, p2, I, H, grid_experts, cfg, stream, pdl);
+    run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
     launch_slot_sum<__half>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
   }
   return y;

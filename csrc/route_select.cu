@@ -35,7 +35,7 @@ using namespace routing_device;
 
 struct SharedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
-  int dense, scratch, flags, state, counts, batch_cost, kept, total;
+  int dense, scratch, flags, state, counts, batch_cost, cost_key, kept, total;
 };
 
 __host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int cluster, int experts_per_cta,
@@ -53,6 +53,8 @@ __host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int 
   s.counts = at;
   at += E;
   s.batch_cost = at;
+  at += E;
+  s.cost_key = at;  // batch_cost as ordered integer keys, for the ranking
   at += E;
   s.kept = at;
   at += W;
@@ -90,6 +92,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   int* state = reinterpret_cast<int*>(smem + L.state);
   int* counts = reinterpret_cast<int*>(smem + L.counts);
   float* batch_cost = smem + L.batch_cost;
+  uint32_t* cost_key = reinterpret_cast<uint32_t*>(smem + L.cost_key);
   int* kept = reinterpret_cast<int*>(smem + L.kept);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -206,6 +209,10 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     }
   }
   for (int i = tid; i < p.W; i += kThreads) kept[i] = E;
+  // D as order-preserving integer keys (a copy: the other CTAs may still read batch_cost): integer compares give every
+  // candidate a distinct rank even for NaN costs, where float compares would give them all rank 0 and collide in
+  // kept[0] (NaN ranks first, as in torch.sort; the CPU op rejects non-finite logits).
+  for (int u = tid; u < E; u += kThreads) cost_key[u] = cuda::ordered_bits(batch_cost[u]);
   __syncthreads();
 
   // ---- top-budget selection: rank each candidate against all (D descending, index ascending) ----
@@ -218,11 +225,11 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     for (int pass = 0; pass < passes; ++pass) {
       const int u = pass * experts_per_pass + tid / tpe;
       const bool cand = u < E && (state[u] & 1);
-      const float du = u < E ? batch_cost[u] : 0.0f;
+      const uint32_t du = u < E ? cost_key[u] : 0u;
       int r = 0;
       if (cand) {
         for (int v = sub; v < E; v += tpe) {
-          const float dv = batch_cost[v];
+          const uint32_t dv = cost_key[v];
           r += ((state[v] & 1) && (dv > du || (dv == du && v < u))) ? 1 : 0;
         }
       }

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh texp tall mem race var layer bsel bselall tsel selsan e2e micro ncu phases ptx80
+#   bash notes/device_trial.sh texp tall mem race var layer bsel bselall tsel selsan e2e micro ncu phases ptx80 splits
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -29,6 +29,10 @@ for step in "$@"; do
       TORCH_CUDA_ARCH_LIST="8.0+PTX" MAX_JOBS=16 python3 setup.py build_ext --inplace > $OUT/build80.log 2>&1 || { tail -30 $OUT/build80.log; exit 1; }
       echo "build80 $((SECONDS-s)) s"
       timeout 280 python3 -m pytest -m cuda tests/test_experts_cuda.py tests/test_select_cuda.py -q -x > $OUT/pytest80.log 2>&1; tail -5 $OUT/pytest80.log;;
+    splits) for n in ${SPLITS:-1 auto}; do
+           if [ $n = auto ]; then unset BASE_MOE_EXPERTS_SPLITS; else export BASE_MOE_EXPERTS_SPLITS=$n; fi
+           timeout 200 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,W64,W128} --out $OUT/splits_$n.json > $OUT/splits_$n.log 2>&1; echo "splits=$n"; grep -E "T= *(64|256)" $OUT/splits_$n.log | tail -12
+         done; unset BASE_MOE_EXPERTS_SPLITS;;
     tsel) timeout 200 python3 -m pytest -m cuda tests/test_select_cuda.py -q -x > $OUT/pytest_select.log 2>&1; tail -5 $OUT/pytest_select.log;;
     micro) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/route_token.cu -o /tmp/route_token && /tmp/route_token > $OUT/micro.log 2>&1; cat $OUT/micro.log;;
     selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;

@@ -130,6 +130,22 @@ def test_configs(config, T, shape, used, monkeypatch):
     check_accuracy(T, shape, torch.bfloat16, used=used, drop=0.1, seed=T)
 
 
+@pytest.mark.parametrize("config", ["T16", "W128"])
+def test_pass_splits_same_bits(config, monkeypatch):
+    """Passes split over several CTAs give the bits of one CTA taking them in a row (one expert, 300 tokens: several
+    passes under every configuration)."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
+    hidden, ids, w, gate_up, down = make_problem(300, dtype=torch.bfloat16, H=128, I=64, E=4, k=2)
+    ids[:, 0] = 1  # expert 1 gets every token, expert 2 every other one, the rest of the slots are dropped (E)
+    ids[:, 1] = 4
+    ids[::2, 1] = 2
+    outs = []
+    for splits in ("1", "3"):
+        monkeypatch.setenv("BASE_MOE_EXPERTS_SPLITS", splits)
+        outs.append(torch.ops.base_moe.experts(hidden, ids, w, gate_up, down))
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("config", ["default", "T16", "T32", "W64", "W128"])
 @pytest.mark.parametrize("T,used,bound", [(16, 16, 16), (16, 16, 3), (16, 16, 1), (64, 40, 7), (5, 5, 100)])
 def test_max_active_experts(config, T, used, bound, monkeypatch):

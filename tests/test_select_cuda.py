@@ -294,6 +294,24 @@ def test_route_select_broadcast_log_norms():
     check_fill(logits, None, routing, kept, Fill.BACKFILL, ids, weights, counts, G)
 
 
+def test_route_select_nan_costs_rank_like_torch_sort():
+    """What CUDA selects from non-finite logits is unspecified (the CPU op raises), but NaN batch costs rank like
+    torch.sort ranks them (first, ties to the lower index), so the kept list stays the ranking of the op's own D; with
+    float compares every NaN candidate and the best finite one shared rank 0 and overwrote each other in kept[0]."""
+    if DEVICE == "cpu":
+        pytest.skip("the CPU op rejects non-finite logits")
+    G, B, E, k = 2, 100, 64, 4
+    routing = Routing(k, Scoring.SOFTMAX)  # no renormalisation: its total > 0 guard would turn NaN weights into 0
+    logits, log_norms, _ = make_inputs(G, B, E, False, "normal", seed=13)
+    logits[::7, :] = float("nan")  # whole rows: NaN weights, so NaN costs for the experts those tokens route to
+    routed, _, _ = reference.route_cost(logits, log_norms, None, G, routing, Cost.BASE)
+    union = reference.routed_union(routed, G, E)
+    for budget in (12, E):
+        _, _, kept, _, D = ops.route_select(logits, routing, budget=budget, num_groups=G, log_norms=log_norms)
+        assert (D.isnan() & union).sum(dim=1).min() >= 2, "the test needs several NaN candidates per group"
+        assert torch.equal(kept, reference.keep_experts(D, union, budget)), f"budget {budget}: kept vs own D"
+
+
 def test_route_select_deterministic():
     G, B, E, k = 3, 1000, 128, 8
     routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
