@@ -14,8 +14,8 @@ for step in "$@"; do
     texp) timeout 150 python3 -m pytest -m cuda tests/test_experts_cuda.py -q -x > $OUT/pytest_experts.log 2>&1; tail -15 $OUT/pytest_experts.log;;
     tall) timeout 300 python3 -m pytest -m cuda tests -q -x > $OUT/pytest_all.log 2>&1; tail -15 $OUT/pytest_all.log;;
     var) timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,T16,T32,W64,W128} --out $OUT/variants.json > $OUT/variants.log 2>&1; tail -45 $OUT/variants.log;;
-    mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,T64,T128,W64,W128} timeout 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_experts.py > $OUT/memcheck.log 2>&1; tail -6 $OUT/memcheck.log;;
-    race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,T64,T128,W64,W128} timeout 240 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_experts.py > $OUT/racecheck.log 2>&1; tail -6 $OUT/racecheck.log;;
+    mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128} timeout 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_experts.py > $OUT/memcheck.log 2>&1; tail -6 $OUT/memcheck.log;;
+    race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128} timeout 240 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_experts.py > $OUT/racecheck.log 2>&1; tail -6 $OUT/racecheck.log;;
     ncu) for b in 1 16 64; do
            timeout 120 ncu --section SourceCounters --section WarpStateStats --section LaunchStats --import-source yes -k regex:select_experts --launch-skip 2 --launch-count 1 -f -o $OUT/sel$b python3 benchmarks/profile_layer.py --op select --batch $b --budget 16 --calls 3 > $OUT/ncu$b.log 2>&1
            ncu -i $OUT/sel$b.ncu-rep --page source --csv --print-source sass > $OUT/sel${b}_sass.csv 2> $OUT/sel${b}_err.txt || ncu -i $OUT/sel$b.ncu-rep --page source --csv > $OUT/sel${b}_src.csv 2>> $OUT/sel${b}_err.txt
