@@ -10,7 +10,9 @@ Paths, all timed in the same run on the same inputs:
 Timing: each graph holds ROT consecutive calls on ROT different copies of the weights and hidden states (more bytes
 than the 60 MB L2), is replayed many times, and the per-call time is the median replay time / ROT. The kernels
 launch with programmatic dependent launch unless BASE_MOE_PDL=0 (a call may then start reading its weights while
-the previous call finishes, as it would behind the previous layer's kernels in a decode step).
+the previous call finishes, as it would behind the previous layer's kernels in a decode step). --hidden hot gives
+every call the same hidden states instead (L2-resident, as in decode, where the norm kernel just before the MoE block
+wrote them); the weights rotate either way.
 
     python benchmarks/bench_select.py [--out benchmarks/results/bench_select.json]
 """
@@ -116,7 +118,7 @@ def hf_router(x, W_r, routing: Routing, bias):
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
+def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated") -> list[dict]:
     H, E, routing = cfg["H"], cfg["E"], cfg["routing"]
     dtype = torch.bfloat16
     weight_bytes = 2 * E * H * 2
@@ -137,7 +139,9 @@ def bench_model(name: str, cfg: dict, replays: int) -> list[dict]:
         s["b_cat"] = torch.cat([torch.zeros(E, device="cuda"), s["bp"]])
     rows = []
     for T in TOKENS:
-        xs = [torch.randn(T, H, device="cuda", generator=gen).to(dtype) for _ in range(rot)]
+        copies = rot if hidden == "rotated" else 1
+        xs = [torch.randn(T, H, device="cuda", generator=gen).to(dtype) for _ in range(copies)]
+        xs = xs * (rot // len(xs))  # "hot": one buffer for every call
 
         def select_experts(x, s):
             return ops.select_experts(x, s["Wr"], routing, budget=BUDGET, cost=Cost.BASE, fill=Fill.BACKFILL,
@@ -197,6 +201,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_select.json"))
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--hidden", choices=("rotated", "hot"), default="rotated",
+                        help="hidden states: one copy per call (from HBM) or one buffer for all calls (from L2)")
     args = parser.parse_args()
     assert base_moe.cuda_available(), "needs a GPU and base_moe built with its CUDA kernels"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -205,7 +211,7 @@ def main():
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows = []
     for name in args.models.split(","):
-        rows += bench_model(name, MODELS[name], args.replays)
+        rows += bench_model(name, MODELS[name], args.replays, args.hidden)
     for row in rows:
         row["weight_bandwidth_TBps"] = row["weight_bytes"] / (row["select_experts_us"] * 1e-6) / 1e12
 
@@ -220,7 +226,9 @@ def main():
     result = run_metadata(
         benchmark="bench_select",
         copy_bandwidth_TBps=bandwidth / 1e12,  # bytes read + written per second by a 1 GiB device copy
-        timing="CUDA-graph replay of ROT consecutive calls on rotated weight/hidden copies; median over replays / ROT",
+        timing=f"CUDA-graph replay of ROT consecutive calls on rotated weight copies, hidden states {args.hidden}; "
+               "median over replays / ROT",
+        hidden_states=args.hidden,
         programmatic_dependent_launch=os.environ.get("BASE_MOE_PDL", "1") != "0",
         budget=BUDGET,
         cost="base",
