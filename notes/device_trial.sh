@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh texp tall mem race var layer bsel bselall tsel selsan e2e micro ncu phases ptx80 splits
+#   bash notes/device_trial.sh texp tall mem race var layer bsel bselall tsel selsan e2e micro ncu phases ptx80 splits ncuexp
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -22,6 +22,11 @@ for step in "$@"; do
            ncu -i $OUT/sel$b.ncu-rep --page source --csv --print-source cuda > $OUT/sel${b}_cuda.csv 2>> $OUT/sel${b}_err.txt
            ncu -i $OUT/sel$b.ncu-rep --page details > $OUT/sel${b}_details.txt 2>&1
          done; tail -3 $OUT/ncu1.log; cat $OUT/sel1_err.txt | head; (cd $OUT && tar czf ncu.tgz sel*_sass.csv sel*_cuda.csv sel*_details.txt && rm -f sel*); ls -la $OUT | head -30;;
+    ncuexp) # the expert kernels' stall reasons (cycles per issued instruction, by reason) at b64/M16 and b256/M16
+      for pt in "64 16" "256 16"; do read -r b m <<< "$pt"
+        timeout 150 ncu --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:expert_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch $b --budget $m --calls 3 > $OUT/ncuexp_b${b}_m${m}.txt 2>&1
+        echo "b$b/M$m"; grep -E "expert_gemm|duration|issue_active|stalled" $OUT/ncuexp_b${b}_m${m}.txt | awk '$NF+0 >= 0.2 || /expert_gemm|duration|issue_active/' | cut -c1-140
+      done;;
     layer) timeout 300 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselall) timeout 200 python3 benchmarks/bench_select.py --replays 30 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -14 $OUT/bench_select.log;;
