@@ -6,13 +6,15 @@ Paths, all timed in the same run on the same inputs:
   pytorch  the same BASE selection in plain PyTorch (one GEMV over the concatenated router and predictor weights,
            routing, costs, batch sums, top-M, backfill, counts), graph-capturable, no Python loop over tokens
   hf       the model's own router alone (linear + scoring + top-k + renormalisation), as Hugging Face writes it
+  after a norm  select_experts behind the decoder layer's RMSNorm, as in decode: (norm + select_experts) - norm
 
 Timing: each graph holds ROT consecutive calls on ROT different copies of the weights and hidden states (more bytes
 than the 60 MB L2), is replayed many times, and the per-call time is the median replay time / ROT. The kernels
-launch with programmatic dependent launch unless BASE_MOE_PDL=0 (a call may then start reading its weights while
-the previous call finishes, as it would behind the previous layer's kernels in a decode step). --hidden hot gives
-every call the same hidden states instead (L2-resident, as in decode, where the norm kernel just before the MoE block
-wrote them); the weights rotate either way.
+launch with programmatic dependent launch unless BASE_MOE_PDL=0, so a select_experts call stages its weights while
+the previous call finishes. In decode the kernel before it is the layer's norm, which does not let it: the
+"after a norm" column is the selection's cost in a decode step. --hidden hot gives every call the same hidden states
+instead (L2-resident, as in decode, where the norm kernel just before the MoE block wrote them); the weights rotate
+either way.
 
     python benchmarks/bench_select.py [--out benchmarks/results/bench_select.json]
 """
@@ -158,6 +160,14 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated") -> 
         def hf(x, s):
             return hf_router(x, s["Wr"], routing, s["bias"])
 
+        norm_weight = torch.ones(H, device="cuda", dtype=dtype)
+
+        def norm(x, s):  # the decoder layer's norm just before the MoE block (a plain PyTorch kernel, no PDL)
+            return F.rms_norm(x, (H,), norm_weight, 1e-6)
+
+        def norm_select(x, s):
+            return select_experts(norm(x, s), s)
+
         # the two launches of the two-kernel path alone (route_select on precomputed logits)
         stage1 = [ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"]) for x, s in zip(xs, sets)]
 
@@ -178,16 +188,20 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated") -> 
                 calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
             row[f"{path}_us"] = median(graph_time_us(calls, replays))
         for path, fn in (("select_experts", select_experts), ("two_kernels", two_kernels), ("pytorch", pytorch),
-                         ("hf_router", hf)):
+                         ("hf_router", hf), ("norm", norm), ("norm_select", norm_select)):
             calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
             times = graph_time_us(calls, replays)
             row[f"{path}_us"] = median(times)
             row[f"{path}_us_min"] = min(times)
+        # In decode the kernel before the selection is the layer's norm, which does not trigger programmatic dependent
+        # launch: the selection cannot stage its weights while it runs, as it can behind the previous selection.
+        row["select_experts_after_norm_us"] = row["norm_select_us"] - row["norm_us"]
         row["speedup_vs_pytorch"] = row["pytorch_us"] / row["select_experts_us"]
         row["speedup_vs_hf_router"] = row["hf_router_us"] / row["select_experts_us"]
         rows.append(row)
         print(
-            f"{name:17s} T={T:4d}  select_experts {row['select_experts_us']:7.2f} us  two kernels "
+            f"{name:17s} T={T:4d}  select_experts {row['select_experts_us']:7.2f} us (after a norm "
+            f"{row['select_experts_after_norm_us']:6.2f})  two kernels "
             f"{row['two_kernels_us']:7.2f} us (router_predict {row['router_predict_us']:6.2f}, "
             f"route_select {row['route_select_us']:6.2f})  pytorch {row['pytorch_us']:7.2f} us  "
             f"hf router {row['hf_router_us']:7.2f} us  speed-up {row['speedup_vs_pytorch']:5.1f}x",
@@ -216,11 +230,12 @@ def main():
         row["weight_bandwidth_TBps"] = row["weight_bytes"] / (row["select_experts_us"] * 1e-6) / 1e12
 
     print()
-    print("| model | T | select_experts (us) | two kernels (us) | router_predict alone | route_select alone | "
-          "PyTorch BASE path (us) | HF router only (us) | speed-up vs PyTorch | weights read |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | T | select_experts (us) | after a norm (us) | two kernels (us) | router_predict alone | "
+          "route_select alone | PyTorch BASE path (us) | HF router only (us) | speed-up vs PyTorch | weights read |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['T']} | {r['select_experts_us']:.2f} | {r['two_kernels_us']:.2f} | "
+        print(f"| {r['model']} | {r['T']} | {r['select_experts_us']:.2f} | {r['select_experts_after_norm_us']:.2f} | "
+              f"{r['two_kernels_us']:.2f} | "
               f"{r['router_predict_us']:.2f} | {r['route_select_us']:.2f} | {r['pytorch_us']:.2f} | "
               f"{r['hf_router_us']:.2f} | {r['speedup_vs_pytorch']:.1f}x | {r['weight_bytes'] / 1e6:.2f} MB |")
     result = run_metadata(
