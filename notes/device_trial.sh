@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh texp tall mem race var layer bsel bselall bselhot tsel selsan e2e micro ncu phases ptx80 splits ncuexp sync timeline pf
+#   bash notes/device_trial.sh texp tall mem race var layer bsel bselall bselhot tsel selsan e2e micro ncu phases ptx80 splits ncuexp sync timeline
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -33,9 +33,6 @@ for step in "$@"; do
     sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128} timeout 200 compute-sanitizer --tool synccheck python3 benchmarks/sanitize_experts.py > $OUT/synccheck.log 2>&1; tail -6 $OUT/synccheck.log;;
     timeline) for pt in ${POINTS:-"1 0" "16 16" "64 16" "256 16"}; do read -r b m <<< "$pt"; [ $m = 0 ] && m=; for op in experts layer; do
            timeout 60 python3 benchmarks/profile_layer.py --timeline --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning; done; done;;
-    pf) for mb in ${PF:-0 24 64}; do  # gate_up pulls the down weights into L2 (BASE_MOE_EXPERTS_L2_PREFETCH_MB)
-           BASE_MOE_EXPERTS_L2_PREFETCH_MB=$mb timeout 200 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default} --out $OUT/pf_$mb.json > $OUT/pf_$mb.log 2>&1; echo "prefetch $mb MB"; grep variants $OUT/pf_$mb.log
-         done;;
     bselall) timeout 200 python3 benchmarks/bench_select.py --replays 30 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -14 $OUT/bench_select.log;;
     ptx80) # the fallbacks of a build without sm_90 code, run on the H200 through the driver's JIT (last step: it replaces the build)
       TORCH_CUDA_ARCH_LIST="8.0+PTX" MAX_JOBS=16 python3 setup.py build_ext --inplace > $OUT/build80.log 2>&1 || { tail -30 $OUT/build80.log; exit 1; }
