@@ -411,10 +411,14 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
 // sets the kernel's time); side by side, the CTAs read the same tiles at about the same time, mostly one HBM read.
 // busiest_expert: the host's estimate of the busiest expert's tokens (see experts_cuda_launch); one split per pass
 // it needs, at most 4. Each output element is still computed by one CTA in the same order (same bits).
-// BASE_MOE_EXPERTS_SPLITS=N forces N (benchmarks).
+// BASE_MOE_EXPERTS_SPLITS=N (1 to 8) forces N (benchmarks).
 int pass_splits(int64_t busiest_expert, int tokens_per_pass) {
   const char* forced = std::getenv("BASE_MOE_EXPERTS_SPLITS");
-  if (forced != nullptr) return std::clamp(std::atoi(forced), 1, 8);
+  if (forced != nullptr) {
+    const int n = std::atoi(forced);
+    if (n >= 1 && n <= 8) return n;
+    TORCH_WARN_ONCE("BASE_MOE_EXPERTS_SPLITS=", forced, " is not a number from 1 to 8: ignored");
+  }
   return static_cast<int>(std::clamp<int64_t>((busiest_expert + tokens_per_pass - 1) / tokens_per_pass, 1, 4));
 }
 

@@ -209,10 +209,10 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     }
   }
   for (int i = tid; i < p.W; i += kThreads) kept[i] = E;
-  // D as order-preserving integer keys (a copy: the other CTAs may still read batch_cost): integer compares give every
-  // candidate a distinct rank even for NaN costs, where float compares would give them all rank 0 and collide in
-  // kept[0] (NaN ranks first, as in torch.sort; the CPU op rejects non-finite logits).
-  for (int u = tid; u < E; u += kThreads) cost_key[u] = cuda::ordered_bits(batch_cost[u]);
+  // D as order-preserving integer keys, 0 for non-candidates (a copy: the other CTAs may still read batch_cost):
+  // integer compares give every candidate a distinct rank even for NaN costs, where float compares would give them
+  // all rank 0 and collide in kept[0] (NaN ranks first, as in torch.sort; the CPU op rejects non-finite logits).
+  for (int u = tid; u < E; u += kThreads) cost_key[u] = (state[u] & 1) ? candidate_key(batch_cost[u]) : 0u;
   __syncthreads();
 
   // ---- top-budget selection: rank each candidate against all (D descending, index ascending) ----
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       if (cand) {
         for (int v = sub; v < E; v += tpe) {
           const uint32_t dv = cost_key[v];
-          r += ((state[v] & 1) && (dv > du || (dv == du && v < u))) ? 1 : 0;
+          r += (dv > du || (dv == du && v < u)) ? 1 : 0;  // a non-candidate's key 0 is below every candidate's
         }
       }
       for (int o = tpe / 2; o > 0; o >>= 1) r += __shfl_xor_sync(kFullMask, r, o);

@@ -233,10 +233,6 @@ __device__ __forceinline__ void gather_token(const FusedSelectParams& f, int tg,
   }
 }
 
-// Ranking key of a candidate with batch cost d >= 0: the bits of a non-negative float order like the float, and +1
-// leaves 0 for the experts no token routed, which rank below every candidate.
-__device__ __forceinline__ uint32_t ranking_key(float d) { return __float_as_uint(d + 0.0f) + 1u; }
-
 // Keeps the top W candidates (key descending, index ascending): kept[rank] = u, kept_flag[u] = 1 for rank < W. One
 // warp per candidate: each lane compares the candidate with EPL keys it holds in registers (experts lane + 32 j) and
 // a warp sum gives the rank, so each CTA spends ~E / 16 short warp passes instead of E x E / 512 compares per thread.
@@ -349,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     }
     const int fl = flags[e];
     if (p.cost == static_cast<int>(Cost::kTop1Union) && (fl & 2)) d = d + p.top1_offset;
-    if (lane < C) cuda::cluster_map(rank_key, static_cast<unsigned>(lane))[u] = (fl & 1) ? ranking_key(d) : 0u;
+    if (lane < C) cuda::cluster_map(rank_key, static_cast<unsigned>(lane))[u] = (fl & 1) ? candidate_key(d) : 0u;
     if (lane == 0) own_cost[e] = d;
   }
   cuda::cluster_sync();

@@ -146,6 +146,18 @@ def test_pass_splits_same_bits(config, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256")])
+def test_malformed_knob_warns_and_is_ignored(name, value, monkeypatch):
+    """A benchmark knob with a value the op cannot use is reported (once per process: no other test sets a malformed
+    value) and ignored: the output is the default's."""
+    hidden, ids, w, gate_up, down = make_problem(40, dtype=torch.bfloat16, H=128, I=64, E=4, k=2)
+    expected = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
+    monkeypatch.setenv(name, value)
+    with pytest.warns(UserWarning, match=name):
+        out = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("config", ["default", "T16", "T32", "W64", "W128"])
 @pytest.mark.parametrize("T,used,bound", [(16, 16, 16), (16, 16, 3), (16, 16, 1), (64, 40, 7), (5, 5, 100)])
 def test_max_active_experts(config, T, used, bound, monkeypatch):

@@ -162,11 +162,24 @@ __device__ __forceinline__ int warp_top_k(uint32_t (&key)[EPL], int first_slot, 
   return slot;
 }
 
-// values[j] of expert u (lane u / EPL, register u % EPL) to the calling lane; every lane calls it (shuffles). Any
-// value for the sentinel u = E.
+// The lane whose registers hold expert u's per-expert values (register u % EPL); any lane for the sentinel u = E.
+template <int EPL>
+__device__ __forceinline__ int holder_lane(int u) {
+  return (u / EPL) & 31;
+}
+
+// Ranking key of a candidate expert with batch cost d, for the top-budget selection (key descending, lower expert
+// first): keys order like the costs, NaN above +inf as in torch.sort; 0 is left for the experts that are no
+// candidate, which rank below every candidate.
+__device__ __forceinline__ uint32_t candidate_key(float d) {
+  return max(cuda::ordered_bits(d), 1u);
+}
+
+// values[j] of expert u (lane holder_lane(u), register u % EPL) to the calling lane; every lane calls it (shuffles).
+// Any value for the sentinel u = E.
 template <int EPL>
 __device__ __forceinline__ float expert_value(const float (&values)[EPL], int u) {
-  const int holder = (u / EPL) & 31, reg = u % EPL;
+  const int holder = holder_lane<EPL>(u), reg = u % EPL;
   float out = 0.0f;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
@@ -246,7 +259,7 @@ __device__ __forceinline__ int32_t top_k_of_kept(const SelectParams& p, const To
   const int u = lane < W ? kept[lane] : E;
   const bool valid = u < E;
   const float choice = expert_value<EPL>(s.choice, u);
-  const uint32_t allowed = __shfl_sync(kFullMask, s.allowed, (u / EPL) & 31);
+  const uint32_t allowed = __shfl_sync(kFullMask, s.allowed, holder_lane<EPL>(u));
   const bool preferred = p.n_group <= 1 || ((allowed >> (u % EPL)) & 1u) != 0;
   // (group tier, choice score, lower expert first): distinct and non-zero for every kept expert
   const uint64_t key = valid ? (static_cast<uint64_t>(preferred) << 42) |
