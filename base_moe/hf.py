@@ -305,6 +305,7 @@ class _BlockState:
         self.predictor_bias: torch.Tensor | None = None
         self.mean_log_norm: torch.Tensor | None = None
         self.last: tuple[Selection, int] | None = None
+        self._router_bias_fp32: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
 
     def set_predictors(self, predictors) -> None:
         """Take this layer's predictor, converted once to the router's dtype and device (bias fp32)."""
@@ -328,12 +329,26 @@ class _BlockState:
         if self.mean_log_norm is not None and self.mean_log_norm.device != device:
             self.mean_log_norm = self.mean_log_norm.to(device)
 
+    def router_bias_fp32(self) -> torch.Tensor | None:
+        """The router's bias as the ops take it (fp32). A bias in another dtype (GPT-OSS: bf16) is converted once and
+        kept until the parameter changes (another tensor, storage or in-place version: python-level checks, no sync),
+        instead of a cast kernel per layer and step; under torch.compile it is cast in the graph."""
+        bias = self.layout.router_bias
+        if bias is None or bias.dtype == torch.float32:
+            return bias
+        if torch.compiler.is_compiling():
+            return bias.float()
+        cached = self._router_bias_fp32
+        if cached is None or cached[0] is not bias or cached[1] != bias.data_ptr() or cached[2] != bias._version:
+            cached = (bias, bias.data_ptr(), bias._version, bias.detach().float())
+            self._router_bias_fp32 = cached
+        return cached[3]
+
     # -- stage 1, or stages 1-3 (called through the router module, so its hooks fire) -------------------------------
     def route(self, router: nn.Module, hidden: torch.Tensor, num_groups: int):
         weight = router.weight
         x = hidden.to(weight.dtype).contiguous()  # DeepSeek-V3 routes in fp32
-        bias = self.layout.router_bias
-        bias = None if bias is None else bias.float()
+        bias = self.router_bias_fp32()
         s, pw, pb = self.settings, None, None
         if s.policy.needs_predictors:
             self._follow(weight.device, weight.dtype)

@@ -193,6 +193,32 @@ def test_position_groups(family):
     torch.testing.assert_close(mixed[:, :2], run_block(layout, hidden)[:, :2], rtol=1e-6, atol=1e-6)
 
 
+def test_router_bias_cast_once_and_follows_changes():
+    """A bf16 router bias (GPT-OSS) reaches the ops as fp32 through a cached copy: made once, remade when the
+    parameter changes in place or moves; the block's output always matches a block patched after the change."""
+    model = fresh("gpt_oss", dtype=torch.bfloat16)
+    twin = copy.deepcopy(model)
+    base_moe.apply(model, budget=2, policy="router_sq")
+    layout = moe_layouts(model)[0]
+    state, bias = layout.block._base_moe, layout.router_bias
+    assert bias.dtype == torch.bfloat16
+    hidden = block_input(layout, batch=5)
+    run_block(layout, hidden)
+    first = state.router_bias_fp32()
+    assert first.dtype == torch.float32 and torch.equal(first, bias.float())
+    assert state.router_bias_fp32() is first  # no new cast per call
+    with torch.no_grad():
+        bias.add_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)).to(bias.dtype))
+        name = next(n for n, p in model.named_parameters() if p is bias)
+        dict(twin.named_parameters())[name].copy_(bias)
+    out = run_block(layout, hidden)
+    assert torch.equal(state.router_bias_fp32(), bias.float())
+    base_moe.apply(twin, budget=2, policy="router_sq")
+    torch.testing.assert_close(out, run_block(moe_layouts(twin)[0], hidden), rtol=0, atol=0)
+    model.to(torch.float32)  # an fp32 bias is used as it is
+    assert state.router_bias_fp32() is layout.router_bias
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Hugging Face integration: parameters, checkpoints, hooks, generate, restore
 # ---------------------------------------------------------------------------------------------------------------
