@@ -58,14 +58,14 @@ def main():
 
 def timeline(args, cfg, gen, x, ids, w):
     """Median start / end (us from the call's first kernel start) of each kernel of a call, over args.calls calls."""
-    copies = [expert_weights(cfg, gen) for _ in range(3)]
+    copies = [] if args.op == "select" else [expert_weights(cfg, gen) for _ in range(3)]  # 1.2 GB each for Qwen3
     router, predictor, predictor_bias = router_weights(cfg, gen)
     budget = args.budget or cfg["E"]
 
     def call(i):
-        gate_up, down = copies[i % len(copies)]
         if args.op == "select":
             return select_experts(x, cfg, router, predictor, predictor_bias, budget)
+        gate_up, down = copies[i % len(copies)]
         route = (ids, w) if args.op == "experts" else select_experts(x, cfg, router, predictor, predictor_bias, budget)
         return torch.ops.base_moe.experts(x, *route, gate_up, down, args.budget)
 
