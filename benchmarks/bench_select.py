@@ -14,8 +14,9 @@ than the 60 MB L2), is replayed many times, and the per-call time is the median 
 launch with programmatic dependent launch unless BASE_MOE_PDL=0, so a select_experts call stages its weights while
 the previous call finishes. In decode the kernel before it is the layer's norm, which does not let it: the
 "after a norm" column is the selection's cost in a decode step. --hidden hot gives every call the same hidden states
-instead (L2-resident, as in decode, where the norm kernel just before the MoE block wrote them); the weights rotate
-either way.
+instead (L2-resident, as in decode, where the norm kernel just before the MoE block wrote them). --weights hot gives
+every call the same router and predictor weights (L2-resident: what a selection would cost if something had pulled
+its weights into L2 before the norm; in decode, between two layers' selections, ~40 MB of other weights stream by).
 
     python benchmarks/bench_select.py [--out benchmarks/results/bench_select.json]
 """
@@ -121,14 +122,14 @@ def hf_router(x, W_r, routing: Routing, bias):
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated") -> list[dict]:
+def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", weights: str = "rotated") -> list[dict]:
     H, E, routing = cfg["H"], cfg["E"], cfg["routing"]
     dtype = torch.bfloat16
     weight_bytes = 2 * E * H * 2
     rot = max(2, min(128, (2 * L2_BYTES) // weight_bytes + 1))
     gen = torch.Generator(device="cuda").manual_seed(0)
     sets = []
-    for _ in range(rot):
+    for _ in range(rot if weights == "rotated" else 1):
         Wr = (torch.randn(E, H, device="cuda", generator=gen) / H**0.5).to(dtype)
         Wp = (torch.randn(E, H, device="cuda", generator=gen) / H**0.5).to(dtype)
         sets.append(
@@ -140,6 +141,7 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated") -> 
         )
     for s in sets:
         s["b_cat"] = torch.cat([torch.zeros(E, device="cuda"), s["bp"]])
+    sets = sets * (rot // len(sets))  # "hot": one weight set for every call
     rows = []
     for T in TOKENS:
         copies = rot if hidden == "rotated" else 1
@@ -223,6 +225,8 @@ def main():
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--hidden", choices=("rotated", "hot"), default="rotated",
                         help="hidden states: one copy per call (from HBM) or one buffer for all calls (from L2)")
+    parser.add_argument("--weights", choices=("rotated", "hot"), default="rotated",
+                        help="router and predictor weights: one copy per call (from HBM) or one set for all (from L2)")
     args = parser.parse_args()
     assert base_moe.cuda_available(), "needs a GPU and base_moe built with its CUDA kernels"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -231,7 +235,7 @@ def main():
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows = []
     for name in args.models.split(","):
-        rows += bench_model(name, MODELS[name], args.replays, args.hidden)
+        rows += bench_model(name, MODELS[name], args.replays, args.hidden, args.weights)
     for row in rows:
         row["weight_bandwidth_TBps"] = row["weight_bytes"] / (row["select_experts_us"] * 1e-6) / 1e12
 
@@ -248,9 +252,10 @@ def main():
     result = run_metadata(
         benchmark="bench_select",
         copy_bandwidth_TBps=bandwidth / 1e12,  # bytes read + written per second by a 1 GiB device copy
-        timing=f"CUDA-graph replay of ROT consecutive calls on rotated weight copies, hidden states {args.hidden}; "
+        timing=f"CUDA-graph replay of ROT consecutive calls, weights {args.weights}, hidden states {args.hidden}; "
                "median over replays / ROT",
         hidden_states=args.hidden,
+        weights=args.weights,
         programmatic_dependent_launch=os.environ.get("BASE_MOE_PDL", "1") != "0",
         budget=BUDGET,
         cost="base",

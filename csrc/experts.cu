@@ -422,28 +422,68 @@ int pass_splits(int64_t busiest_expert, int tokens_per_pass) {
   return static_cast<int>(std::clamp<int64_t>((busiest_expert + tokens_per_pass - 1) / tokens_per_pass, 1, 4));
 }
 
+// One expert GEMM instance, ready to launch on the current device: its dynamic shared memory and how many of its CTAs
+// fit on the device at once (resident CTAs per SM x SMs), both found once per device.
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
+struct GemmKernel {
+  static constexpr int NP = WARPS / WR * NTW * 8;
+  // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
+  static constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int) + (WG ? 1024 : 0);
+  static constexpr auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
+
+  // Sets the shared-memory attribute (it belongs to each device's copy of the kernel; two threads may both set it,
+  // which is harmless; none launches before it is set) and returns the resident CTAs of one wave.
+  static int prepare() {
+    constexpr int kMaxDevices = 64;
+    static std::atomic<int> wave[kMaxDevices];
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    if (device < kMaxDevices) {
+      const int known = wave[device].load(std::memory_order_acquire);
+      if (known > 0) return known;
+    }
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int per_sm = 0, sms = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, WARPS * 32, smem));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int ctas = std::max(1, per_sm * sms);
+    if (device < kMaxDevices) wave[device].store(ctas, std::memory_order_release);
+    return ctas;
+  }
+};
+
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
 void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t busiest_expert, cudaStream_t stream,
                  bool pdl) {
-  constexpr int NP = WARPS / WR * NTW * 8;
-  // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
-  constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int) + (WG ? 1024 : 0);
-  auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
-  // The attribute belongs to each device's copy of the kernel: set it once per device (two threads may both set
-  // it, which is harmless; none launches before it is set).
-  constexpr int kMaxDevices = 64;
-  static std::atomic<bool> configured[kMaxDevices];
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= kMaxDevices || !configured[device].load(std::memory_order_acquire)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (device < kMaxDevices) configured[device].store(true, std::memory_order_release);
-  }
+  using G = GemmKernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
+  G::prepare();
   // The splits of a row tile are neighbours in x, so the hardware dispatches an expert's passes together (all first
   // passes before any second one would run them one after the other again once the grid exceeds the resident CTAs).
   GemmParams q = p;
-  q.pass_splits = pass_splits(busiest_expert, NP);
-  cuda::launch({dim3(row_tiles * q.pass_splits, grid_experts), dim3(WARPS * 32), smem, stream, 0, pdl}, kernel, q);
+  q.pass_splits = pass_splits(busiest_expert, G::NP);
+  cuda::launch({dim3(row_tiles * q.pass_splits, grid_experts), dim3(WARPS * 32), G::smem, stream, 0, pdl}, G::kernel,
+               q);
+}
+
+// launch_gemm with STAGES while the grid fits one wave of resident CTAs, with FEW_STAGES (more CTAs per SM) past it:
+// deeper rings keep more weight bytes in flight per CTA, which decides the time of a single wave, but past one wave
+// the partial last wave decides it, and more resident CTAs shorten it. H200, Qwen3 shape, T16 at 5 vs 3 stages (2 vs
+// 3 CTAs per SM; device_runs/session9.txt): b1 27.9 vs 30.9 us and b16/M16 45.9 vs 46.5 within one wave; b16/M32
+// 87.1 vs 80.5, b4 dense 80.6 vs 74.7, b64/M64 159.9 vs 155.7 past it. The grid counts every CTA the bound on
+// active experts allows (those of inactive experts exit at once): the host's estimate without a sync.
+template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int FEW_STAGES, int WR, bool WG = false>
+void launch_gemm_by_waves(const GemmParams& p, int row_tiles, int grid_experts, int64_t busiest_expert,
+                          cudaStream_t stream, bool pdl) {
+  if constexpr (FEW_STAGES != STAGES) {
+    using G = GemmKernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
+    const int64_t ctas = static_cast<int64_t>(row_tiles) * pass_splits(busiest_expert, G::NP) * grid_experts;
+    if (ctas > G::prepare()) {
+      launch_gemm<T, GATED, ROWS, NTW, WARPS, FEW_STAGES, WR, WG>(p, row_tiles, grid_experts, busiest_expert, stream,
+                                                                  pdl);
+      return;
+    }
+  }
+  launch_gemm<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>(p, row_tiles, grid_experts, busiest_expert, stream, pdl);
 }
 
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
@@ -493,14 +533,16 @@ bool use_pdl(int device) {
 
 // gate_up then down with the same tile configuration (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
 // gate_up). When ROWS does not divide H (H is a multiple of 64), the down GEMM takes another configuration instead:
-// 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages.
-template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
+// 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages. Each GEMM runs with FEW_STAGES where its grid exceeds
+// one wave (launch_gemm_by_waves).
+template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false, int FEW_STAGES = STAGES>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
                  int64_t busiest_expert, cudaStream_t stream, bool pdl) {
-  launch_gemm<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts, busiest_expert, stream,
-                                                         pdl);
+  launch_gemm_by_waves<T, true, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts,
+                                                                            busiest_expert, stream, pdl);
   if (H % ROWS == 0)
-    launch_gemm<T, false, ROWS, NTW, WARPS, STAGES, WR, WG>(p2, H / ROWS, grid_experts, busiest_expert, stream, pdl);
+    launch_gemm_by_waves<T, false, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p2, H / ROWS, grid_experts,
+                                                                               busiest_expert, stream, pdl);
   else
     launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, busiest_expert, stream, pdl);
 }
@@ -509,8 +551,9 @@ template <typename T>
 void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
                  int64_t busiest_expert, Config cfg, cudaStream_t stream, bool pdl) {
   switch (cfg) {
-    case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM
-      launch_pair<T, 128, 2, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+    case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM;
+                        // past one wave 3 stages, 3 CTAs/SM
+      launch_pair<T, 128, 2, 4, 5, 4, false, 3>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass
       launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);

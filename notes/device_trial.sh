@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh texp tall mem race var layer bsel bselall bselhot tsel selsan e2e micro ncu phases ptx80 splits ncuexp sync timeline
+#   bash notes/device_trial.sh texp tall mem race var layer bsel bselall bselhot bselwhot tsel selsan e2e micro ncu phases ptx80 splits ncuexp sync timeline
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -30,6 +30,7 @@ for step in "$@"; do
     layer) timeout 300 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --hidden hot --out $OUT/bench_select_hot.json > $OUT/bench_select_hot.log 2>&1; tail -8 $OUT/bench_select_hot.log;;
+    bselwhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --weights hot --out $OUT/bench_select_whot.json > $OUT/bench_select_whot.log 2>&1; tail -8 $OUT/bench_select_whot.log;;
     sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128} timeout 200 compute-sanitizer --tool synccheck python3 benchmarks/sanitize_experts.py > $OUT/synccheck.log 2>&1; tail -6 $OUT/synccheck.log;;
     timeline) for pt in ${POINTS:-"1 0" "16 16" "64 16" "256 16"}; do read -r b m <<< "$pt"; [ $m = 0 ] && m=; for op in experts layer; do
            timeout 60 python3 benchmarks/profile_layer.py --timeline --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning; done; done;;
