@@ -224,8 +224,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     const int sub = tid % tpe;
     for (int pass = 0; pass < passes; ++pass) {
       const int u = pass * experts_per_pass + tid / tpe;
-      const bool cand = u < E && (state[u] & 1);
       const uint32_t du = u < E ? cost_key[u] : 0u;
+      const bool cand = du != 0u;  // candidate_key is never 0
       int r = 0;
       if (cand) {
         for (int v = sub; v < E; v += tpe) {
