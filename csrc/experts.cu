@@ -26,7 +26,6 @@
 // Shape constraints (checked at the op boundary, csrc/experts_cuda.cpp): H and I multiples of 64, E <= 512, 16-byte aligned
 // tensors, bf16 or fp16. ids outside [0, E] are treated like the sentinel (can't be checked without a sync).
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -568,24 +567,14 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
   }
 }
 
-// Threads per slot-sum CTA: 256, or fewer (down to one warp) while the grid would have fewer CTAs than the device
-// has SMs: a decode batch's slot rows (16 tokens x 2048 columns: 4096 threads, 16 CTAs of 256) are then read by more
-// SMs, each with less to wait for.
-int slot_sum_block(int64_t threads, int sms) {
-  int block = 256;
-  while (block > 32 && (threads + block - 1) / block < sms) block /= 2;
-  return block;
-}
-
 // The slot sum with every slot's row loaded at once: KMAX = 8 covers most models (registers: 2 float4 per slot).
 template <typename T>
 void launch_slot_sum(const int32_t* ids, const float* yslot, Tensor& y, int64_t T_, int64_t k, int64_t E, int64_t H,
                      cudaStream_t stream, bool pdl) {
   const int64_t n8 = T_ * (H / 8);
-  const int block = slot_sum_block(n8, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  const dim3 grid(static_cast<unsigned>((n8 + block - 1) / block));
+  const dim3 grid(static_cast<unsigned>((n8 + 255) / 256));
   auto kernel = k <= 8 ? slot_sum_kernel<T, 8> : slot_sum_kernel<T, kMaxTopK>;
-  cuda::launch({grid, dim3(block), 0, stream, 0, pdl}, kernel, ids, yslot, static_cast<T*>(y.data_ptr()),
+  cuda::launch({grid, dim3(256), 0, stream, 0, pdl}, kernel, ids, yslot, static_cast<T*>(y.data_ptr()),
                static_cast<int>(T_), static_cast<int>(k), static_cast<int>(E), static_cast<int>(H));
 }
 
