@@ -476,8 +476,9 @@ void launch_gemm_by_waves(const GemmParams& p, int row_tiles, int grid_experts, 
                           cudaStream_t stream, bool pdl) {
   if constexpr (FEW_STAGES != STAGES) {
     using G = GemmKernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
+    using Few = GemmKernel<T, GATED, ROWS, NTW, WARPS, FEW_STAGES, WR, WG>;
     const int64_t ctas = static_cast<int64_t>(row_tiles) * pass_splits(busiest_expert, G::NP) * grid_experts;
-    if (ctas > G::prepare()) {
+    if (ctas > G::prepare() && Few::prepare() > G::prepare()) {
       launch_gemm<T, GATED, ROWS, NTW, WARPS, FEW_STAGES, WR, WG>(p, row_tiles, grid_experts, busiest_expert, stream,
                                                                   pdl);
       return;
@@ -559,10 +560,10 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM
-      launch_pair<T, 128, 8, 4, 4, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+      launch_pair<T, 128, 8, 4, 4, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM
-      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+      launch_pair<T, 128, 16, 4, 3, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
   }
 }
