@@ -557,7 +557,7 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       launch_pair<T, 128, 2, 4, 5, 4, false, 3>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass
-      launch_pair<T, 128, 4, 4, 5, 4>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+      launch_pair<T, 128, 4, 4, 5, 4, false, 3>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM
       launch_pair<T, 128, 8, 4, 4, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
