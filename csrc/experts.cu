@@ -465,12 +465,15 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t b
                q);
 }
 
-// launch_gemm with STAGES while the grid fits one wave of resident CTAs, with FEW_STAGES (more CTAs per SM) past it:
-// deeper rings keep more weight bytes in flight per CTA, which decides the time of a single wave, but past one wave
-// the partial last wave decides it, and more resident CTAs shorten it. H200, Qwen3 shape, T16 at 5 vs 3 stages (2 vs
-// 3 CTAs per SM; device_runs/session9.txt): b1 27.9 vs 30.9 us and b16/M16 45.9 vs 46.5 within one wave; b16/M32
-// 87.1 vs 80.5, b4 dense 80.6 vs 74.7, b64/M64 159.9 vs 155.7 past it. The grid counts every CTA the bound on
-// active experts allows (those of inactive experts exit at once): the host's estimate without a sync.
+// launch_gemm with STAGES while the grid fits one wave of resident CTAs, with FEW_STAGES past it where those fit more
+// CTAs per SM: deeper rings keep more weight bytes in flight per CTA, which decides the time of a single wave, but
+// past one wave the partial last wave decides it, and more resident CTAs shorten it. H200, Qwen3 shape
+// (device_runs/session9.txt): T16 at 5 vs 3 stages (2 vs 3 CTAs per SM): b1 27.9 vs 30.9 us and b16/M16 45.9 vs
+// 46.5 within one wave; b16/M32 87.1 vs 80.5, b4 dense 80.6 vs 74.7, b64/M64 159.9 vs 155.7 past it. W64 at 4 vs 2
+// stages (2 vs 3 per SM) past one wave: b64/M32 93.9 vs 86.0, b256/M16 105.9 vs 95.7, b256/M64 192.8 vs 189.2; T32
+// at 5 vs 3: b256 dense 353.0 vs 338.9. (W128 needs 255 registers: 2 per SM either way, so it keeps 3 stages.)
+// The grid counts every CTA the bound on active experts allows (those of inactive experts exit at once): the host's
+// estimate without a sync.
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int FEW_STAGES, int WR, bool WG = false>
 void launch_gemm_by_waves(const GemmParams& p, int row_tiles, int grid_experts, int64_t busiest_expert,
                           cudaStream_t stream, bool pdl) {
@@ -556,13 +559,15 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
                         // past one wave 3 stages, 3 CTAs/SM
       launch_pair<T, 128, 2, 4, 5, 4, false, 3>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
-    case Config::kT32:  // as T16 with 32 tokens per pass
+    case Config::kT32:  // as T16 with 32 tokens per pass (and 3 stages past one wave)
       launch_pair<T, 128, 4, 4, 5, 4, false, 3>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
-    case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM
+    case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM; past
+                        // one wave 2 stages, 3 CTAs/SM
       launch_pair<T, 128, 8, 4, 4, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
-    case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM
+    case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM (2 stages past one
+                         // wave where they fit more CTAs per SM: not at its register count, see above)
       launch_pair<T, 128, 16, 4, 3, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
   }
