@@ -471,7 +471,7 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t b
 // (device_runs/session9.txt): T16 at 5 vs 3 stages (2 vs 3 CTAs per SM): b1 27.9 vs 30.9 us and b16/M16 45.9 vs
 // 46.5 within one wave; b16/M32 87.1 vs 80.5, b4 dense 80.6 vs 74.7, b64/M64 159.9 vs 155.7 past it. W64 at 4 vs 2
 // stages (2 vs 3 per SM) past one wave: b64/M32 93.9 vs 86.0, b256/M16 105.9 vs 95.7, b256/M64 192.8 vs 189.2; T32
-// at 5 vs 3: b256 dense 353.0 vs 338.9. (W128 needs 255 registers: 2 per SM either way, so it keeps 3 stages.)
+// at 5 vs 3: b256 dense 353.0 vs 338.9. (W128's 255 registers per thread allow 2 CTAs per SM at any stage count.)
 // The grid counts every CTA the bound on active experts allows (those of inactive experts exit at once): the host's
 // estimate without a sync.
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int FEW_STAGES, int WR, bool WG = false>
@@ -566,9 +566,9 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
                         // one wave 2 stages, 3 CTAs/SM
       launch_pair<T, 128, 8, 4, 4, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
-    case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM (2 stages past one
-                         // wave where they fit more CTAs per SM: not at its register count, see above)
-      launch_pair<T, 128, 16, 4, 3, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+    case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM (at any stage count:
+                         // its 255 registers per thread)
+      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
   }
 }
