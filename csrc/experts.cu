@@ -95,8 +95,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
   constexpr int HALF = RTW / 2;
   static_assert(WARPS % WR == 0 && ROWS % (16 * WR) == 0 && (!GATED || RTW % 2 == 0 || IL),
                 "row groups must tile ROWS");
-  static_assert(!WG || (WARPS == 4 && WR == 4 && (ROWS == 128 || (IL && ROWS == 64)) && (NP == 64 || NP == 128)),
-                "wgmma tile shape");
+  static_assert(!WG || (WARPS == 4 && WR == 4 && ROWS == 128 && (NP == 64 || NP == 128)), "wgmma tile shape");
   constexpr int A_BYTES = ROWS * ROW_BYTES;
   constexpr int STAGE_BYTES = (ROWS + NP) * ROW_BYTES;
   constexpr int A_PER_THREAD = ROWS * 8 / NT;
@@ -570,7 +569,8 @@ int multiprocessors() {
 // one wave (launch_gemm_by_waves). HALF_TILES: where gate_up's grid fits one wave but has more CTAs than the device has
 // SMs, it runs in tiles of half the rows (each warp's 16 rows 8 gate + 8 up, interleaved): one wave holds the whole
 // grid either way, and its SMs then carry two or three CTAs of half the bytes instead of one or two of the full
-// bytes, so the busiest SM has less to stream.
+// bytes, so the busiest SM has less to stream. H200, Qwen3 shape (device_runs/session9.txt, call 9): T16 at b16/M16
+// 45.9 -> 44.4 us, b4/M16 42.4 -> 41.4; W64 at b64/M16 did not gain (49.9 vs 50.0), so only T16 uses it.
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false, int FEW_STAGES = STAGES,
           bool HALF_TILES = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
@@ -603,7 +603,7 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
                  int64_t busiest_expert, Config cfg, cudaStream_t stream, bool pdl) {
   switch (cfg) {
     case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM;
-                        // past one wave 3 stages, 3 CTAs/SM
+                        // past one wave 3 stages, 3 CTAs/SM; gate_up in 64-row tiles where they even out one wave
       launch_pair<T, 128, 2, 4, 5, 4, false, 3, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass (and 3 stages past one wave)
@@ -611,7 +611,7 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       break;
     case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM; past
                         // one wave 2 stages, 3 CTAs/SM
-      launch_pair<T, 128, 8, 4, 4, 4, true, 2, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+      launch_pair<T, 128, 8, 4, 4, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM (at any stage count:
                          // its 255 registers per thread)
