@@ -88,8 +88,13 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
   constexpr int WN = WARPS / WR;
   constexpr int NP = WN * NTW * 8;
   constexpr int RTW = ROWS / 16 / WR;  // 16-row MMA tiles per warp
-  constexpr int HALF = RTW / 2;         // gated: the warp's gate tiles, then as many up tiles
-  static_assert(WARPS % WR == 0 && ROWS % (16 * WR) == 0 && (!GATED || RTW % 2 == 0), "row groups must tile ROWS");
+  // Gated tiles: the warp's gate tiles, then as many up tiles (HALF each); or, with one 16-row tile per warp
+  // (interleaved, IL), rows 0-7 of the tile gate rows and 8-15 the matching up rows, so that each thread's two
+  // accumulator rows (g, g + 8) are a gate / up pair.
+  constexpr bool IL = GATED && RTW == 1;
+  constexpr int HALF = RTW / 2;
+  static_assert(WARPS % WR == 0 && ROWS % (16 * WR) == 0 && (!GATED || RTW % 2 == 0 || IL),
+                "row groups must tile ROWS");
   static_assert(!WG || (WARPS == 4 && WR == 4 && ROWS == 128 && (NP == 64 || NP == 128)), "wgmma tile shape");
   constexpr int A_BYTES = ROWS * ROW_BYTES;
   constexpr int STAGE_BYTES = (ROWS + NP) * ROW_BYTES;
@@ -100,7 +105,9 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
   const int g = lane >> 2, q = lane & 3;
   // first stage row of the warp's MMA tile rt
   auto tile_row = [&](int rt) {
-    if constexpr (GATED)
+    if constexpr (IL)
+      return wr * 16;
+    else if constexpr (GATED)
       return (rt < HALF ? 0 : ROWS / 2) + wr * (ROWS / 2 / WR) + (rt % HALF) * 16;
     else if constexpr (WG)
       return rt * 64 + wr * 16;
@@ -126,7 +133,8 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
   for (int i = 0; i < A_PER_THREAD; ++i) {
     const int c = tid + i * NT, r = c >> 3, ch = c & 7;
     int grow = row0 + r;
-    if (GATED && r >= ROWS / 2) grow = p.up_row_offset + row0 + (r - ROWS / 2);
+    if (IL) grow = ((r & 8) ? p.up_row_offset : 0) + row0 + (r >> 4) * 8 + (r & 7);
+    else if (GATED && r >= ROWS / 2) grow = p.up_row_offset + row0 + (r - ROWS / 2);
     a_src[i] = wexp + static_cast<int64_t>(grow) * K + ch * 8;
     a_dst[i] = stage_offset(r, ch);
   }
@@ -271,6 +279,10 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
           if (tok >= nv) continue;
           if constexpr (GATED) {
             T* act = static_cast<T*>(p.out) + static_cast<int64_t>(off + c0 + tok) * p.out_stride + row0;
+            if constexpr (IL) {
+              const float gv = acc[0][j][e], uv = acc[0][j][2 + e];
+              act[wr * 8 + g] = from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+            }
 #pragma unroll
             for (int rt = 0; rt < HALF; ++rt) {
 #pragma unroll
@@ -535,15 +547,50 @@ bool use_pdl(int device) {
   return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true) && cuda::device_has_clusters(device);
 }
 
+// The device's SMs (cached per device).
+int multiprocessors() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> count[kMaxDevices];
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kMaxDevices) {
+    const int known = count[device].load(std::memory_order_acquire);
+    if (known > 0) return known;
+  }
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device < kMaxDevices) count[device].store(sms, std::memory_order_release);
+  return sms;
+}
+
 // gate_up then down with the same tile configuration (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
 // gate_up). When ROWS does not divide H (H is a multiple of 64), the down GEMM takes another configuration instead:
 // 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages. Each GEMM runs with FEW_STAGES where its grid exceeds
-// one wave (launch_gemm_by_waves).
-template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false, int FEW_STAGES = STAGES>
+// one wave (launch_gemm_by_waves). HALF_TILES: where gate_up's grid fits one wave but has more CTAs than the device has
+// SMs, it runs in tiles of half the rows (each warp's 16 rows 8 gate + 8 up, interleaved): one wave holds the whole
+// grid either way, and its SMs then carry two or three CTAs of half the bytes instead of one or two of the full
+// bytes, so the busiest SM has less to stream. H200, Qwen3 shape (device_runs/session9.txt, call 9): T16 at b16/M16
+// 45.9 -> 44.4 us, b4/M16 42.4 -> 41.4; W64 at b64/M16 did not gain (49.9 vs 50.0), so only T16 uses it.
+template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false, int FEW_STAGES = STAGES,
+          bool HALF_TILES = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
                  int64_t busiest_expert, cudaStream_t stream, bool pdl) {
-  launch_gemm_by_waves<T, true, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts,
-                                                                            busiest_expert, stream, pdl);
+  bool half = false;
+  if constexpr (HALF_TILES) {
+    using G = GemmKernel<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>;
+    const int64_t ctas = (I / (ROWS / 2)) * pass_splits(busiest_expert, G::NP) * static_cast<int64_t>(grid_experts);
+    half = I % (ROWS / 4) == 0 && ctas > multiprocessors() && ctas <= G::prepare();
+  }
+  if constexpr (HALF_TILES) {
+    if (half) {
+      launch_gemm_by_waves<T, true, ROWS / 2, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p1, I / (ROWS / 4), grid_experts,
+                                                                                    busiest_expert, stream, pdl);
+    }
+  }
+  if (!half) {
+    launch_gemm_by_waves<T, true, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts,
+                                                                              busiest_expert, stream, pdl);
+  }
   if (H % ROWS == 0)
     launch_gemm_by_waves<T, false, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p2, H / ROWS, grid_experts,
                                                                                busiest_expert, stream, pdl);
@@ -556,8 +603,8 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
                  int64_t busiest_expert, Config cfg, cudaStream_t stream, bool pdl) {
   switch (cfg) {
     case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM;
-                        // past one wave 3 stages, 3 CTAs/SM
-      launch_pair<T, 128, 2, 4, 5, 4, false, 3>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+                        // past one wave 3 stages, 3 CTAs/SM; gate_up in 64-row tiles where they even out one wave
+      launch_pair<T, 128, 2, 4, 5, 4, false, 3, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass (and 3 stages past one wave)
       launch_pair<T, 128, 4, 4, 5, 4, false, 3>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
