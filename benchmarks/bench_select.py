@@ -220,7 +220,9 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_select.json"))
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default: benchmarks/results/bench_select.json, or bench_select_hot.json when "
+                             "--hidden or --weights is hot)")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--hidden", choices=("rotated", "hot"), default="rotated",
@@ -236,8 +238,9 @@ def main():
     rows = []
     for name in args.models.split(","):
         rows += bench_model(name, MODELS[name], args.replays, args.hidden, args.weights)
+    hbm = args.weights == "rotated"  # HBM bytes per second: meaningless when the weights come from L2
     for row in rows:
-        row["weight_bandwidth_TBps"] = row["weight_bytes"] / (row["select_experts_us"] * 1e-6) / 1e12
+        row["weight_bandwidth_TBps"] = row["weight_bytes"] / (row["select_experts_us"] * 1e-6) / 1e12 if hbm else None
 
     print()
     print("| model | T | select_experts (us) | after a norm (us) | two kernels (us) | after a norm (us) | "
@@ -262,7 +265,9 @@ def main():
         fill="backfill",
         rows=rows,
     )
-    write_json(args.out, result)
+    hot = "hot" in (args.hidden, args.weights)
+    default = os.path.join(os.path.dirname(__file__), "results", "bench_select_hot.json" if hot else "bench_select.json")
+    write_json(args.out or default, result)
 
 
 if __name__ == "__main__":

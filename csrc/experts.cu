@@ -434,6 +434,22 @@ int pass_splits(int64_t busiest_expert, int tokens_per_pass) {
   return static_cast<int>(std::clamp<int64_t>((busiest_expert + tokens_per_pass - 1) / tokens_per_pass, 1, 4));
 }
 
+// The device's SMs (cached per device).
+int multiprocessors() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> count[kMaxDevices];
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kMaxDevices) {
+    const int known = count[device].load(std::memory_order_acquire);
+    if (known > 0) return known;
+  }
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device < kMaxDevices) count[device].store(sms, std::memory_order_release);
+  return sms;
+}
+
 // One expert GEMM instance, ready to launch on the current device: its dynamic shared memory and how many of its CTAs
 // fit on the device at once (resident CTAs per SM x SMs), both found once per device.
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
@@ -455,10 +471,9 @@ struct GemmKernel {
       if (known > 0) return known;
     }
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    int per_sm = 0, sms = 0;
+    int per_sm = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, WARPS * 32, smem));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    const int ctas = std::max(1, per_sm * sms);
+    const int ctas = std::max(1, per_sm * multiprocessors());
     if (device < kMaxDevices) wave[device].store(ctas, std::memory_order_release);
     return ctas;
   }
@@ -547,50 +562,33 @@ bool use_pdl(int device) {
   return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true) && cuda::device_has_clusters(device);
 }
 
-// The device's SMs (cached per device).
-int multiprocessors() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> count[kMaxDevices];
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kMaxDevices) {
-    const int known = count[device].load(std::memory_order_acquire);
-    if (known > 0) return known;
-  }
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (device < kMaxDevices) count[device].store(sms, std::memory_order_release);
-  return sms;
-}
 
 // gate_up then down with the same tile configuration (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
 // gate_up). When ROWS does not divide H (H is a multiple of 64), the down GEMM takes another configuration instead:
-// 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages. Each GEMM runs with FEW_STAGES where its grid exceeds
-// one wave (launch_gemm_by_waves). HALF_TILES: where gate_up's grid fits one wave but has more CTAs than the device has
-// SMs, it runs in tiles of half the rows (each warp's 16 rows 8 gate + 8 up, interleaved): one wave holds the whole
-// grid either way, and its SMs then carry two or three CTAs of half the bytes instead of one or two of the full
-// bytes, so the busiest SM has less to stream. H200, Qwen3 shape (device_runs/session9.txt, call 9): T16 at b16/M16
-// 45.9 -> 44.4 us, b4/M16 42.4 -> 41.4; W64 at b64/M16 did not gain (49.9 vs 50.0), so only T16 uses it.
+// 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages. The two GEMMs of the configuration run with
+// FEW_STAGES where their grid exceeds one wave (launch_gemm_by_waves). HALF_TILES: where gate_up's grid has more
+// CTAs than the device has SMs and twice as many still fit one wave of a kernel with half the rows per tile, it runs
+// in those tiles (each warp's 16 rows 8 gate + 8 up, interleaved): the SMs then carry two or three CTAs of half the
+// bytes instead of one or two of the full bytes, so the busiest SM has less to stream. H200, Qwen3 shape
+// (device_runs/session9.txt, call 9): T16 at b16/M16 45.9 -> 44.4 us, b4/M16 42.4 -> 41.4; W64 at b64/M16 did not
+// gain (49.9 vs 50.0), so only T16 uses it.
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false, int FEW_STAGES = STAGES,
           bool HALF_TILES = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
                  int64_t busiest_expert, cudaStream_t stream, bool pdl) {
   bool half = false;
   if constexpr (HALF_TILES) {
-    using G = GemmKernel<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>;
-    const int64_t ctas = (I / (ROWS / 2)) * pass_splits(busiest_expert, G::NP) * static_cast<int64_t>(grid_experts);
-    half = I % (ROWS / 4) == 0 && ctas > multiprocessors() && ctas <= G::prepare();
+    using Full = GemmKernel<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>;
+    using Half = GemmKernel<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>;
+    const int64_t ctas = (I / (ROWS / 2)) * pass_splits(busiest_expert, Full::NP) * static_cast<int64_t>(grid_experts);
+    half = ctas > multiprocessors() && 2 * ctas <= Half::prepare();
+    if (half)
+      launch_gemm<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 4), grid_experts, busiest_expert,
+                                                                stream, pdl);
   }
-  if constexpr (HALF_TILES) {
-    if (half) {
-      launch_gemm_by_waves<T, true, ROWS / 2, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p1, I / (ROWS / 4), grid_experts,
-                                                                                    busiest_expert, stream, pdl);
-    }
-  }
-  if (!half) {
+  if (!half)
     launch_gemm_by_waves<T, true, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts,
                                                                               busiest_expert, stream, pdl);
-  }
   if (H % ROWS == 0)
     launch_gemm_by_waves<T, false, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p2, H / ROWS, grid_experts,
                                                                                busiest_expert, stream, pdl);
