@@ -26,6 +26,7 @@
 // Shape constraints (checked at the op boundary, csrc/experts_cuda.cpp): H and I multiples of 64, E <= 512, 16-byte aligned
 // tensors, bf16 or fp16. ids outside [0, E] are treated like the sentinel (can't be checked without a sync).
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -434,20 +435,9 @@ int pass_splits(int64_t busiest_expert, int tokens_per_pass) {
   return static_cast<int>(std::clamp<int64_t>((busiest_expert + tokens_per_pass - 1) / tokens_per_pass, 1, 4));
 }
 
-// The device's SMs (cached per device).
+// The current device's SMs (PyTorch caches the device properties).
 int multiprocessors() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> count[kMaxDevices];
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kMaxDevices) {
-    const int known = count[device].load(std::memory_order_acquire);
-    if (known > 0) return known;
-  }
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (device < kMaxDevices) count[device].store(sms, std::memory_order_release);
-  return sms;
+  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
 // One expert GEMM instance, ready to launch on the current device: its dynamic shared memory and how many of its CTAs
