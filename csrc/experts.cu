@@ -552,7 +552,6 @@ bool use_pdl(int device) {
   return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true) && cuda::device_has_clusters(device);
 }
 
-
 // gate_up then down with the same tile configuration (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
 // gate_up). When ROWS does not divide H (H is a multiple of 64), the down GEMM takes another configuration instead:
 // 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages. The two GEMMs of the configuration run with
