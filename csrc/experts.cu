@@ -467,6 +467,11 @@ struct GemmKernel {
     if (device < kMaxDevices) wave[device].store(ctas, std::memory_order_release);
     return ctas;
   }
+
+  // The CTAs of a launch over row_tiles x grid_experts (launch_gemm's grid: each row tile split over its passes).
+  static int64_t ctas(int row_tiles, int grid_experts, int64_t busiest_expert) {
+    return static_cast<int64_t>(row_tiles) * pass_splits(busiest_expert, NP) * grid_experts;
+  }
 };
 
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false>
@@ -497,8 +502,8 @@ void launch_gemm_by_waves(const GemmParams& p, int row_tiles, int grid_experts, 
   if constexpr (FEW_STAGES != STAGES) {
     using G = GemmKernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
     using Few = GemmKernel<T, GATED, ROWS, NTW, WARPS, FEW_STAGES, WR, WG>;
-    const int64_t ctas = static_cast<int64_t>(row_tiles) * pass_splits(busiest_expert, G::NP) * grid_experts;
-    if (ctas > G::prepare() && Few::prepare() > G::prepare()) {
+    const int wave = G::prepare();
+    if (G::ctas(row_tiles, grid_experts, busiest_expert) > wave && Few::prepare() > wave) {
       launch_gemm<T, GATED, ROWS, NTW, WARPS, FEW_STAGES, WR, WG>(p, row_tiles, grid_experts, busiest_expert, stream,
                                                                   pdl);
       return;
@@ -569,7 +574,7 @@ void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
   if constexpr (HALF_TILES) {
     using Full = GemmKernel<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>;
     using Half = GemmKernel<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>;
-    const int64_t ctas = (I / (ROWS / 2)) * pass_splits(busiest_expert, Full::NP) * static_cast<int64_t>(grid_experts);
+    const int64_t ctas = Full::ctas(I / (ROWS / 2), grid_experts, busiest_expert);
     half = ctas > multiprocessors() && 2 * ctas <= Half::prepare();
     if (half)
       launch_gemm<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 4), grid_experts, busiest_expert,
