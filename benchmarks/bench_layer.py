@@ -72,8 +72,13 @@ def router_weights(cfg, gen):
     return router, predictor, torch.zeros(E, device="cuda")
 
 
-def select_experts(x, cfg, router, predictor, predictor_bias, budget):
-    """The BASE selection (select_experts: softmax routing, BASE cost, backfill) with budget M -> ids, weights."""
+def select_experts(x, cfg, router, predictor, predictor_bias, budget, path="fused"):
+    """The BASE selection (softmax routing, BASE cost, backfill) with budget M -> ids, weights: select_experts (one
+    launch), or router_predict + route_select (path "two")."""
+    if path == "two":
+        logits, log_norms = torch.ops.base_moe.router_predict(x, router, None, predictor, predictor_bias)
+        return torch.ops.base_moe.route_select(logits, log_norms, None, 1, cfg["k"], 0, cfg["renormalize"], 1, 1, 1.0,
+                                               0, budget, 0)[:2]
     return torch.ops.base_moe.select_experts(x, router, None, predictor, predictor_bias, None, 1, cfg["k"], 0,
                                              cfg["renormalize"], 1, 1, 1.0, 0, budget, 0)[2:4]
 
@@ -116,11 +121,31 @@ def hf_experts_modules(cfg, copies):
     return mods
 
 
+VARIANT_KNOBS = ("BASE_MOE_EXPERTS_CONFIG", "BASE_MOE_EXPERTS_PDL", "BASE_MOE_EXPERTS_GATE_UP_TILES")
+GATE_UP_TILES = ("full", "half")
+
+
+def set_variant(var):
+    """Set the expert op's benchmark knobs for a variant: "default", or parts joined by "+": a configuration name
+    (T16, T32, W64, W128), "nopdl", or a gate_up tile height (full, half; csrc/experts.cu launch_pair)."""
+    for knob in VARIANT_KNOBS:
+        os.environ.pop(knob, None)
+    for part in var.split("+"):
+        if part == "nopdl":
+            os.environ["BASE_MOE_EXPERTS_PDL"] = "0"
+        elif part in GATE_UP_TILES:
+            os.environ["BASE_MOE_EXPERTS_GATE_UP_TILES"] = part
+        elif part != "default":
+            os.environ["BASE_MOE_EXPERTS_CONFIG"] = part
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--select", choices=["fused", "two"], default="fused",
+                    help="the BASE layer's selection: select_experts, or router_predict + route_select")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--variants-only", action="store_true", help="only the Qwen3 configuration variants")
     ap.add_argument("--variants", default="default,T16,T32,W64,W128,nopdl")
@@ -130,7 +155,8 @@ def main():
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
-    selection = "base_moe CUDA select_experts (one launch for T <= 64, else router_predict + route_select)"
+    selection = ("base_moe CUDA router_predict + route_select (two launches)" if args.select == "two" else
+                 "base_moe CUDA select_experts (one launch for T <= 64, else router_predict + route_select)")
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     print("budget rows: expert op and HF use random routing restricted to M random experts; "
           "the BASE layer selects with its own kernels (budget M)")
@@ -154,7 +180,7 @@ def main():
                 budget = E if M is None else M
 
                 def select():
-                    return select_experts(x, cfg, wr, wp, bp, budget)
+                    return select_experts(x, cfg, wr, wp, bp, budget, args.select)
 
                 def layer(gu, dp):
                     return torch.ops.base_moe.experts(x, *select(), gu, dp, M)
@@ -193,27 +219,31 @@ def main():
                 x, ids, w, active = draw_point(name, cfg, T, M)
                 res = {}
                 for var in args.variants.split(","):
-                    os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
-                    os.environ.pop("BASE_MOE_EXPERTS_PDL", None)
-                    if var == "nopdl":
-                        os.environ["BASE_MOE_EXPERTS_PDL"] = "0"
-                    elif var != "default":
-                        os.environ["BASE_MOE_EXPERTS_CONFIG"] = var
+                    set_variant(var)
                     res[var] = expert_op_us(x, ids, w, copies, M)
-                os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
-                os.environ.pop("BASE_MOE_EXPERTS_PDL", None)
+                set_variant("default")
                 variants.append(dict(batch=T, budget=M, active=active, us=res))
                 print(f"variants T={T:4d} M={str(M):4s} active={active:3d} " +
                       " ".join(f"{key}={val:6.1f}" for key, val in res.items()), flush=True)
         del copies, hf
         torch.cuda.empty_cache()
 
+    # the copy again at the end, the faster of the two for every fraction (the conservative choice)
+    copy_start, copy_end = copy_bw, copy_bandwidth()
+    copy_bw = max(copy_start, copy_end)
+    for r in rows:
+        r["floor_us"] *= copy_start / copy_bw
+        r["ours_frac_copy"] = r["ours_bw_TBps"] * 1e12 / copy_bw
+    print(f"\ncopy bandwidth {copy_start / 1e12:.2f} TB/s at the start, {copy_end / 1e12:.2f} at the end: % of "
+          f"{copy_bw / 1e12:.2f}")
     print("\nmodel           batch budget active  ours_us  %copy  base_layer_us  hf_grouped_mm_us  vllm_us")
     for r in rows:
         print(f"{r['model']:15s} {r['batch']:5d} {str(r['budget']):6s} {r['active']:6d} {r['ours_us']:8.1f} "
               f"{100 * r['ours_frac_copy']:5.0f}% {(r['base_layer_us'] or float('nan')):13.1f} "
               f"{(r['hf_grouped_mm_us'] or float('nan')):17.1f} {r['vllm_us'] or float('nan'):8.1f}")
-    result = run_metadata(copy_bandwidth_TBps=copy_bw / 1e12, selection=selection,
+    result = run_metadata(copy_bandwidth_TBps=copy_bw / 1e12, copy_bandwidth_start_end_TBps=[copy_start / 1e12,
+                                                                                              copy_end / 1e12],
+                          selection=selection,
                           budget_method="expert op and HF: random softmax routing restricted to M random experts; "
                                         "BASE layer: its own selection with budget M on random router/predictor "
                                         "weights",

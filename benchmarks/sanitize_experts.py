@@ -12,8 +12,8 @@ for config in os.environ.get("SANITIZE_CONFIGS", "default,T16,T32,W64,W128").spl
     else:
         os.environ["BASE_MOE_EXPERTS_CONFIG"] = config
     # H = 320: the down GEMM's 64-row fallback of the 128-row configurations; k = 12: the slot sum's 16-slot instance;
-    # E = 160: grids of 320 CTAs, past one wave of T16 at 5 stages (T16 then runs at 3); E = 80: gate_up's 160 CTAs
-    # fit one wave on more CTAs than SMs, so T16 runs it in 64-row tiles
+    # E = 160: grids of 320 CTAs, past one wave of T16 at 5 stages (T16 then runs at 3); E = 80: twice gate_up's 160
+    # CTAs fit one wave of the 64-row kernel, so T16 runs it in those tiles (as every smaller shape)
     for T, H, I, E, k, used in [(1, 128, 64, 4, 2, 4), (37, 256, 128, 8, 3, 5), (150, 128, 64, 3, 2, 2),
                                 (20, 320, 192, 10, 3, 6), (9, 128, 64, 24, 12, 20), (64, 256, 128, 160, 8, 160),
                                 (16, 256, 128, 80, 8, 80)]:

@@ -557,25 +557,46 @@ bool use_pdl(int device) {
   return cuda::env_flag("BASE_MOE_EXPERTS_PDL", true) && cuda::device_has_clusters(device);
 }
 
+// gate_up's tile height: the configuration's ROWS (by waves) or ROWS / 2 (gate + up rows per CTA).
+enum class GateUpTiles { kFull, kHalf };
+
+// BASE_MOE_EXPERTS_GATE_UP_TILES=full|half forces a height where the configuration has it (benchmarks); read per op
+// call, like the other knobs.
+bool forced_gate_up_tiles(GateUpTiles& tiles) {
+  const char* forced = std::getenv("BASE_MOE_EXPERTS_GATE_UP_TILES");
+  if (forced == nullptr) return false;
+  if (!std::strcmp(forced, "full")) tiles = GateUpTiles::kFull;
+  else if (!std::strcmp(forced, "half")) tiles = GateUpTiles::kHalf;
+  else {
+    TORCH_WARN_ONCE("BASE_MOE_EXPERTS_GATE_UP_TILES=", forced, " is not one of full, half: ignored");
+    return false;
+  }
+  return true;
+}
+
 // gate_up then down with the same tile configuration (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
 // gate_up). When ROWS does not divide H (H is a multiple of 64), the down GEMM takes another configuration instead:
 // 64-row tiles, 4 warps splitting 32 tokens per pass, 8 stages. The two GEMMs of the configuration run with
-// FEW_STAGES where their grid exceeds one wave (launch_gemm_by_waves). HALF_TILES: where gate_up's grid has more
-// CTAs than the device has SMs and twice as many still fit one wave of a kernel with half the rows per tile, it runs
-// in those tiles (each warp's 16 rows 8 gate + 8 up, interleaved): the SMs then carry two or three CTAs of half the
-// bytes instead of one or two of the full bytes, so the busiest SM has less to stream. H200, Qwen3 shape
-// (device_runs/session9.txt, call 9): T16 at b16/M16 45.9 -> 44.4 us, b4/M16 42.4 -> 41.4; W64 at b64/M16 did not
-// gain (49.9 vs 50.0), so only T16 uses it.
+// FEW_STAGES where their grid exceeds one wave (launch_gemm_by_waves). HALF_TILES: where twice gate_up's CTAs fit
+// one wave of a kernel with half the rows per tile, it runs in those tiles (each warp's 16 rows 8 gate + 8 up,
+// interleaved): the weight stream spreads over more SMs, or over two or three CTAs of half the bytes per SM instead
+// of one or two of the full bytes. H200, Qwen3 shape, T16, full -> half (device_runs/session10.txt, call 1): b1 26.8
+// -> 26.1 us, b4/M8 28.3 -> 26.4, b16/M8 29.8 -> 27.7, b4/M16 42.4 -> 41.5, b16/M16 45.7 -> 44.4; past one wave
+// half tiles lose (b4/M32 55.2 vs 60.8). W64 at b64/M16 did not gain (session 9: 49.9 vs 50.0), so only T16 has
+// them. Taller tiles at one CTA per SM with a deeper ring (192 rows, 8 stages) were slower at every point (b1 32.6,
+// b16/M16 46.7; W64 at b64/M16 52.3 vs 50.0): the stream needs CTAs on every SM more than bytes in flight per CTA.
+// The down GEMM in half tiles on the same rule gained at most 0.4 us (b1, b16/M8; call 2): not taken.
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false, int FEW_STAGES = STAGES,
           bool HALF_TILES = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
                  int64_t busiest_expert, cudaStream_t stream, bool pdl) {
+  GateUpTiles tiles = GateUpTiles::kFull;
+  const bool forced = forced_gate_up_tiles(tiles);  // read for every configuration, so a malformed value warns
   bool half = false;
   if constexpr (HALF_TILES) {
-    using Full = GemmKernel<T, true, ROWS, NTW, WARPS, STAGES, WR, WG>;
     using Half = GemmKernel<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>;
-    const int64_t ctas = Full::ctas(I / (ROWS / 2), grid_experts, busiest_expert);
-    half = ctas > multiprocessors() && 2 * ctas <= Half::prepare();
+    half = forced ? tiles == GateUpTiles::kHalf
+                  : Half::ctas(I / (ROWS / 4), grid_experts, busiest_expert) <= Half::prepare();
     if (half)
       launch_gemm<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 4), grid_experts, busiest_expert,
                                                                 stream, pdl);
@@ -595,7 +616,7 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
                  int64_t busiest_expert, Config cfg, cudaStream_t stream, bool pdl) {
   switch (cfg) {
     case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM;
-                        // past one wave 3 stages, 3 CTAs/SM; gate_up in 64-row tiles where they even out one wave
+                        // past one wave 3 stages, 3 CTAs/SM; gate_up in 64-row tiles where twice its CTAs fit one wave
       launch_pair<T, 128, 2, 4, 5, 4, false, 3, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass (and 3 stages past one wave)

@@ -146,7 +146,24 @@ def test_pass_splits_same_bits(config, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256")])
+@pytest.mark.parametrize("T,shape", [(16, QWEN3), (40, dict(H=320, I=192, E=10, k=3)),
+                                     (9, dict(H=256, I=128, E=33, k=4))])
+def test_gate_up_tile_heights_same_bits(T, shape, monkeypatch):
+    """T16's gate_up tile heights (full, half: forced) compute every output element in the same order: the same bits,
+    also past one wave (QWEN3: 3072 CTAs of half tiles)."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "T16")
+    hidden, ids, w, gate_up, down = make_problem(T, dtype=torch.bfloat16, **shape, seed=T)
+    outs = []
+    for tiles in ("full", "half"):
+        monkeypatch.setenv("BASE_MOE_EXPERTS_GATE_UP_TILES", tiles)
+        poison_allocator()
+        outs.append(torch.ops.base_moe.experts(hidden, ids, w, gate_up, down))
+    assert torch.equal(outs[0], outs[1])
+    check_accuracy(T, shape, torch.bfloat16, drop=0.15, seed=T)  # under the half tiles (the last knob set)
+
+
+@pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256"),
+                                        ("BASE_MOE_EXPERTS_GATE_UP_TILES", "tall")])
 def test_malformed_knob_warns_and_is_ignored(name, value, monkeypatch, capfd):
     """A benchmark knob with a value the op cannot use is reported (c10's warning on stderr, once per process: no
     other test sets a malformed value) and ignored: the output is the default's."""
