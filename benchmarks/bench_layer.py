@@ -4,8 +4,8 @@ Qwen3-30B-A3B (H=2048, E=128, k=8, I=768) and OLMoE-1B-7B (H=2048, E=64, k=8, I=
 {1, 4, 16, 64, 256}, dense random softmax routing and budgets M in {8, 16, 32, 64}. Budgets are applied to the
 expert op and to HF by restricting the random routing to M random experts (every token's top-k among them),
 and M is passed to our op as its bound on active experts (``max_active_experts``), as the BASE layer does; the
-BASE layer runs its own selection (``select_experts`` with budget M, or M = E when dense) on random router and
-predictor weights. Times: median of CUDA-graph replays, each graph holding several calls
+BASE layer runs its own selection (``select_experts`` with budget M, or M = E when dense; ``--select two``:
+``router_predict`` + ``route_select``) on random router and predictor weights. Times: median of CUDA-graph replays, each graph holding several calls
 that rotate among copies of the layer's expert weights so the 60 MB L2 never holds them; a device-to-device
 copy measured in the same run gives the bandwidth ceiling (2 x bytes / time).
 
@@ -123,6 +123,7 @@ def hf_experts_modules(cfg, copies):
 
 VARIANT_KNOBS = ("BASE_MOE_EXPERTS_CONFIG", "BASE_MOE_EXPERTS_PDL", "BASE_MOE_EXPERTS_GATE_UP_TILES")
 GATE_UP_TILES = ("full", "half")
+CONFIGS = ("T16", "T32", "W64", "W128")
 
 
 def set_variant(var):
@@ -135,8 +136,10 @@ def set_variant(var):
             os.environ["BASE_MOE_EXPERTS_PDL"] = "0"
         elif part in GATE_UP_TILES:
             os.environ["BASE_MOE_EXPERTS_GATE_UP_TILES"] = part
-        elif part != "default":
+        elif part in CONFIGS:
             os.environ["BASE_MOE_EXPERTS_CONFIG"] = part
+        elif part != "default":
+            raise ValueError(f"variant {var!r}: unknown part {part!r}")
 
 
 def main():
@@ -157,7 +160,8 @@ def main():
     copy_bw = copy_bandwidth()
     selection = ("base_moe CUDA router_predict + route_select (two launches)" if args.select == "two" else
                  "base_moe CUDA select_experts (one launch for T <= 64, else router_predict + route_select)")
-    print(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    print(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_bw / 1e12:.2f} TB/s (the % below; the final "
+          "table divides by the faster of this and a copy at the end)")
     print("budget rows: expert op and HF use random routing restricted to M random experts; "
           "the BASE layer selects with its own kernels (budget M)")
     rows, variants = [], []

@@ -582,7 +582,7 @@ bool forced_gate_up_tiles(GateUpTiles& tiles) {
 // interleaved): the weight stream spreads over more SMs, or over two or three CTAs of half the bytes per SM instead
 // of one or two of the full bytes. H200, Qwen3 shape, T16, full -> half (device_runs/session10.txt, call 1): b1 26.8
 // -> 26.1 us, b4/M8 28.3 -> 26.4, b16/M8 29.8 -> 27.7, b4/M16 42.4 -> 41.5, b16/M16 45.7 -> 44.4; past one wave
-// half tiles lose (b4/M32 55.2 vs 60.8). W64 at b64/M16 did not gain (session 9: 49.9 vs 50.0), so only T16 has
+// half tiles at 5 stages lose to full ones at 3 (b4/M32 60.8 vs 55.2; half tiles at 3 stages were not measured). W64 at b64/M16 did not gain (session 9: 49.9 vs 50.0), so only T16 has
 // them. Taller tiles at one CTA per SM with a deeper ring (192 rows, 8 stages) were slower at every point (b1 32.6,
 // b16/M16 46.7; W64 at b64/M16 52.3 vs 50.0): the stream needs CTAs on every SM more than bytes in flight per CTA.
 // The down GEMM in half tiles on the same rule gained at most 0.4 us (b1, b16/M8; call 2): not taken.
@@ -595,11 +595,15 @@ void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
   bool half = false;
   if constexpr (HALF_TILES) {
     using Half = GemmKernel<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>;
+    const int half_row_tiles = static_cast<int>(I / (ROWS / 4));
     half = forced ? tiles == GateUpTiles::kHalf
-                  : Half::ctas(I / (ROWS / 4), grid_experts, busiest_expert) <= Half::prepare();
+                  : Half::ctas(half_row_tiles, grid_experts, busiest_expert) <= Half::prepare();
     if (half)
-      launch_gemm<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>(p1, I / (ROWS / 4), grid_experts, busiest_expert,
+      launch_gemm<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>(p1, half_row_tiles, grid_experts, busiest_expert,
                                                                 stream, pdl);
+  } else {
+    if (forced && tiles == GateUpTiles::kHalf)
+      TORCH_WARN_ONCE("BASE_MOE_EXPERTS_GATE_UP_TILES=half: this tile configuration has no half tiles (only T16)");
   }
   if (!half)
     launch_gemm_by_waves<T, true, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts,

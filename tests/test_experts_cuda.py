@@ -4,6 +4,8 @@ Accuracy rule (flash-attention's): against the reference on fp32-upcast inputs, 
 relative Frobenius) is at most twice the error of the same computation done in plain PyTorch in the input dtype.
 """
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,20 +148,34 @@ def test_pass_splits_same_bits(config, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
+def gate_up_tile_rows(fn):
+    """The tile heights (the ROWS template argument) of the gate_up kernels that ``fn`` launches, from the kernel
+    names the profiler records."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "expert_gemm_kernel" in e.name]
+    rows = {int(m.group(1)) for n in names if (m := re.search(r"expert_gemm_kernel<[^,]+, true, (\d+),", n))}
+    assert rows, names
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,shape", [(16, QWEN3), (40, dict(H=320, I=192, E=10, k=3)),
                                      (9, dict(H=256, I=128, E=33, k=4))])
-def test_gate_up_tile_heights_same_bits(T, shape, monkeypatch):
-    """T16's gate_up tile heights (full, half: forced) compute every output element in the same order: the same bits,
-    also past one wave (QWEN3: 3072 CTAs of half tiles)."""
+def test_gate_up_tile_heights_same_bits(T, shape, dtype, monkeypatch):
+    """T16's gate_up tile heights (full, half: forced; the profiler confirms which kernel ran) compute every output
+    element in the same order: the same bits, also past one wave (QWEN3: 3072 CTAs of half tiles)."""
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "T16")
-    hidden, ids, w, gate_up, down = make_problem(T, dtype=torch.bfloat16, **shape, seed=T)
+    hidden, ids, w, gate_up, down = make_problem(T, dtype=dtype, **shape, seed=T)
     outs = []
-    for tiles in ("full", "half"):
+    for tiles, rows in (("full", 128), ("half", 64)):
         monkeypatch.setenv("BASE_MOE_EXPERTS_GATE_UP_TILES", tiles)
         poison_allocator()
-        outs.append(torch.ops.base_moe.experts(hidden, ids, w, gate_up, down))
+        ran = gate_up_tile_rows(lambda: outs.append(torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)))
+        assert ran == {rows}, (tiles, ran)
     assert torch.equal(outs[0], outs[1])
-    check_accuracy(T, shape, torch.bfloat16, drop=0.15, seed=T)  # under the half tiles (the last knob set)
+    check_accuracy(T, shape, dtype, drop=0.15, seed=T)  # under the half tiles (the last knob set)
 
 
 @pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256"),
