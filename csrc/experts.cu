@@ -582,7 +582,8 @@ bool forced_gate_up_tiles(GateUpTiles& tiles) {
 // interleaved): the weight stream spreads over more SMs, or over two or three CTAs of half the bytes per SM instead
 // of one or two of the full bytes. H200, Qwen3 shape, T16, full -> half (device_runs/session10.txt, call 1): b1 26.8
 // -> 26.1 us, b4/M8 28.3 -> 26.4, b16/M8 29.8 -> 27.7, b4/M16 42.4 -> 41.5, b16/M16 45.7 -> 44.4; past one wave
-// half tiles at 5 stages lose to full ones at 3 (b4/M32 60.8 vs 55.2; half tiles at 3 stages were not measured). W64 at b64/M16 did not gain (session 9: 49.9 vs 50.0), so only T16 has
+// half tiles lose to full ones at 3 stages, at 5 stages (b4/M32 60.8 vs 55.2) and at 3 (56.0-56.1 vs 55.3, b16/M32
+// 80.3-80.4 vs 79.9; call 7). W64 at b64/M16 did not gain (session 9: 49.9 vs 50.0), so only T16 has
 // them. Taller tiles at one CTA per SM with a deeper ring (192 rows, 8 stages) were slower at every point (b1 32.6,
 // b16/M16 46.7; W64 at b64/M16 52.3 vs 50.0): the stream needs CTAs on every SM more than bytes in flight per CTA.
 // The down GEMM in half tiles on the same rule gained at most 0.4 us (b1, b16/M8; call 2): not taken.
