@@ -37,6 +37,10 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <mutex>
+#include <set>
+#include <string>
 
 #include "base_moe/checks.h"
 #include "base_moe/experts_mma.cuh"
@@ -512,6 +516,27 @@ void launch_gemm_by_waves(const GemmParams& p, int row_tiles, int grid_experts, 
   launch_gemm<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>(p, row_tiles, grid_experts, busiest_expert, stream, pdl);
 }
 
+// A benchmark knob that names one of `choices`: the index of the one it names, or -1 where it is unset or names none
+// (with a warning, once per knob and process: TORCH_WARN_ONCE would warn once for all the knobs of this call site).
+int forced_choice(const char* knob, std::initializer_list<const char*> choices) {
+  const char* value = std::getenv(knob);
+  if (value == nullptr) return -1;
+  int index = 0;
+  for (const char* choice : choices) {
+    if (!std::strcmp(value, choice)) return index;
+    ++index;
+  }
+  static std::mutex mutex;
+  static std::set<std::string> warned;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (warned.insert(knob).second) {
+    std::string names;
+    for (const char* choice : choices) names += (names.empty() ? "" : ", ") + std::string(choice);
+    TORCH_WARN(knob, "=", value, " is not one of ", names, ": ignored");
+  }
+  return -1;
+}
+
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
 // mma.sync (m16n8k16, tokens as the narrow n side), W64 / W128 on wgmma (m64nNk16, tokens as N). Picked on the host
 // (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128 forces one (a process-wide setting, so the choice is
@@ -523,14 +548,9 @@ enum class Config { kT16, kT32, kW64, kW128 };
 // and the bound is exact (empty slots or a loose bound make it an overestimate): the best the host knows without a
 // sync.
 Config pick_config(int64_t T, int64_t tokens_per_expert) {
-  const char* forced = std::getenv("BASE_MOE_EXPERTS_CONFIG");  // for benchmarks
-  if (forced != nullptr) {
-    if (!std::strcmp(forced, "T16")) return Config::kT16;
-    if (!std::strcmp(forced, "T32")) return Config::kT32;
-    if (!std::strcmp(forced, "W64")) return Config::kW64;
-    if (!std::strcmp(forced, "W128")) return Config::kW128;
-    TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=", forced, " is not one of T16, T32, W64, W128: ignored");
-  }
+  static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128};
+  const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128"});  // for benchmarks
+  if (forced >= 0) return kConfigs[forced];
   // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
   // bench_layer_wgmma_sweep.json, session 5; notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
   // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 whenever no expert can exceed 16
@@ -558,21 +578,7 @@ bool use_pdl(int device) {
 }
 
 // gate_up's tile height: the configuration's ROWS (by waves) or ROWS / 2 (gate + up rows per CTA).
-enum class GateUpTiles { kFull, kHalf };
-
-// BASE_MOE_EXPERTS_GATE_UP_TILES=full|half forces a height where the configuration has it (benchmarks); read per op
-// call, like the other knobs.
-bool forced_gate_up_tiles(GateUpTiles& tiles) {
-  const char* forced = std::getenv("BASE_MOE_EXPERTS_GATE_UP_TILES");
-  if (forced == nullptr) return false;
-  if (!std::strcmp(forced, "full")) tiles = GateUpTiles::kFull;
-  else if (!std::strcmp(forced, "half")) tiles = GateUpTiles::kHalf;
-  else {
-    TORCH_WARN_ONCE("BASE_MOE_EXPERTS_GATE_UP_TILES=", forced, " is not one of full, half: ignored");
-    return false;
-  }
-  return true;
-}
+enum class GateUpTiles { kFull, kHalf };  // in the order of BASE_MOE_EXPERTS_GATE_UP_TILES's names
 
 // gate_up then down with the same tile configuration (ROWS weight rows per CTA: ROWS / 2 gate + ROWS / 2 up rows for
 // gate_up). When ROWS does not divide H (H is a multiple of 64), the down GEMM takes another configuration instead:
@@ -591,20 +597,20 @@ template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG 
           bool HALF_TILES = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
                  int64_t busiest_expert, cudaStream_t stream, bool pdl) {
-  GateUpTiles tiles = GateUpTiles::kFull;
-  const bool forced = forced_gate_up_tiles(tiles);  // read for every configuration, so a malformed value warns
+  // BASE_MOE_EXPERTS_GATE_UP_TILES=full|half forces a height where the configuration has it (benchmarks); read per
+  // op call like the other knobs, and for every configuration, so that a malformed value warns.
+  const int forced = forced_choice("BASE_MOE_EXPERTS_GATE_UP_TILES", {"full", "half"});
   bool half = false;
   if constexpr (HALF_TILES) {
     using Half = GemmKernel<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>;
     const int half_row_tiles = static_cast<int>(I / (ROWS / 4));
-    half = forced ? tiles == GateUpTiles::kHalf
-                  : Half::ctas(half_row_tiles, grid_experts, busiest_expert) <= Half::prepare();
+    half = forced >= 0 ? forced == static_cast<int>(GateUpTiles::kHalf)
+                       : Half::ctas(half_row_tiles, grid_experts, busiest_expert) <= Half::prepare();
     if (half)
       launch_gemm<T, true, ROWS / 2, NTW, WARPS, STAGES, WR, WG>(p1, half_row_tiles, grid_experts, busiest_expert,
                                                                 stream, pdl);
-  } else {
-    if (forced && tiles == GateUpTiles::kHalf)
-      TORCH_WARN_ONCE("BASE_MOE_EXPERTS_GATE_UP_TILES=half: this tile configuration has no half tiles (only T16)");
+  } else if (forced == static_cast<int>(GateUpTiles::kHalf)) {
+    TORCH_WARN_ONCE("BASE_MOE_EXPERTS_GATE_UP_TILES=half: this tile configuration has no half tiles (only T16)");
   }
   if (!half)
     launch_gemm_by_waves<T, true, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts,
