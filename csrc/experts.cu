@@ -131,9 +131,14 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
   if constexpr (WR == 1) policy = evict_first_policy();
   const uint32_t smem0 = smem_addr(smem);
 
-  // this thread's A chunks: row pointers (fixed for the whole tile)
+  // This thread's chunks of a stage, A and B alike: chunk tid % 8 of rows tid / 8 + i * ROW_STEP. The swizzles
+  // depend on the row's low three bits only, so chunk i's shared-memory offset is chunk 0's + i * ROW_STEP rows (an
+  // immediate), and the global pointers step by KS per k step: the k loop spends few instructions on addresses.
+  constexpr int ROW_STEP = NT / 8;
+  static_assert(NT % 8 == 0 && ROW_STEP % 8 == 0, "chunk rows must keep the swizzle phase");
+  const uint32_t chunk_dst = stage_offset(tid >> 3, tid & 7);
+  // this thread's A chunks: row pointers, advanced by KS per k step issued
   const T* a_src[A_PER_THREAD];
-  uint32_t a_dst[A_PER_THREAD];
 #pragma unroll
   for (int i = 0; i < A_PER_THREAD; ++i) {
     const int c = tid + i * NT, r = c >> 3, ch = c & 7;
@@ -141,13 +146,16 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
     if (IL) grow = ((r & 8) ? p.up_row_offset : 0) + row0 + (r >> 4) * 8 + (r & 7);
     else if (GATED && r >= ROWS / 2) grow = p.up_row_offset + row0 + (r - ROWS / 2);
     a_src[i] = wexp + static_cast<int64_t>(grow) * K + ch * 8;
-    a_dst[i] = stage_offset(r, ch);
   }
-  auto load_a = [&](int slot, int ks) {
+  // the k steps are issued in order, each once
+  auto load_a = [&](int slot) {
+    const uint32_t dst = smem0 + slot * STAGE_BYTES + chunk_dst;
 #pragma unroll
-    for (int i = 0; i < A_PER_THREAD; ++i)
-      if constexpr (WR == 1) cp_async16_stream(smem0 + slot * STAGE_BYTES + a_dst[i], a_src[i] + ks * KS, policy);
-      else cp_async16_nohint(smem0 + slot * STAGE_BYTES + a_dst[i], a_src[i] + ks * KS);
+    for (int i = 0; i < A_PER_THREAD; ++i) {
+      if constexpr (WR == 1) cp_async16_stream(dst + i * ROW_STEP * ROW_BYTES, a_src[i], policy);
+      else cp_async16_nohint(dst + i * ROW_STEP * ROW_BYTES, a_src[i]);
+      a_src[i] += KS;
+    }
   };
 
   for (int c0 = first_pass * NP; c0 < cnt; c0 += pass_step * NP) {
@@ -158,7 +166,7 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
     // for the selection at its start)
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s)
-      if (s < nk) load_a(s, s);
+      if (s < nk) load_a(s);
 
     // this pass's (token, slot) pairs of expert u, in token order
     {
@@ -179,9 +187,8 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
 
     if (!GATED) cuda::pdl_wait();  // act comes from the gate_up kernel
 
-    // this thread's B chunks (token rows)
+    // this thread's B chunks (token rows), advanced like A's
     const T* b_src[B_PER_THREAD];
-    uint32_t b_dst[B_PER_THREAD];
     bool b_valid[B_PER_THREAD], b_live[B_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < B_PER_THREAD; ++i) {
@@ -192,16 +199,18 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       int64_t row = 0;
       if (b_valid[i]) row = GATED ? s_list[r] / p.top_k : off + c0 + r;
       b_src[i] = base + row * K + ch * 8;
-      b_dst[i] = A_BYTES + stage_offset(r, ch);
     }
-    auto load_b = [&](int slot, int ks) {
+    auto load_b = [&](int slot) {
+      const uint32_t dst = smem0 + slot * STAGE_BYTES + A_BYTES + chunk_dst;
 #pragma unroll
-      for (int i = 0; i < B_PER_THREAD; ++i)
-        if (b_live[i]) cp_async16_zfill(smem0 + slot * STAGE_BYTES + b_dst[i], b_src[i] + ks * KS, b_valid[i]);
+      for (int i = 0; i < B_PER_THREAD; ++i) {
+        if (b_live[i]) cp_async16_zfill(dst + i * ROW_STEP * ROW_BYTES, b_src[i], b_valid[i]);
+        b_src[i] += KS;
+      }
     };
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < nk) load_b(s, s);
+      if (s < nk) load_b(s);
       cp_async_commit();
     }
 
@@ -223,22 +232,24 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       {
         const int nx = ks + STAGES - 1;
         if (nx < nk) {
-          load_a(nx % STAGES, nx);
-          load_b(nx % STAGES, nx);
+          load_a(nx % STAGES);
+          load_b(nx % STAGES);
         }
         cp_async_commit();
       }
       if constexpr (WG) {
         const uint32_t sa = smem0 + (ks % STAGES) * STAGE_BYTES;
         const uint32_t sb = sa + A_BYTES;
+        // the stage's two descriptors; the others add their byte offset / 16 to the start-address field (no carry
+        // out of it: shared addresses stay below 256 KB)
+        const uint64_t da = wgmma_desc(sa), db = wgmma_desc(sb);
         fence_registers<RTW * NTW * 4>(&acc[0][0][0]);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KS / 16; ++kk) {
-          const uint64_t db = wgmma_desc(sb + kk * 32);
 #pragma unroll
           for (int rt = 0; rt < RTW; ++rt)
-            wgmma_m64k16<T, NP>(&acc[rt][0][0], wgmma_desc(sa + rt * 64 * ROW_BYTES + kk * 32), db);
+            wgmma_m64k16<T, NP>(&acc[rt][0][0], da + ((rt * 64 * ROW_BYTES + kk * 32) >> 4), db + ((kk * 32) >> 4));
         }
         wgmma_commit();
         // Complete before the next barrier: this stage's slot is refilled right after it (next step's loads).
@@ -310,6 +321,8 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       }
     }
     __syncthreads();  // s_list and the stages are reused by the next pass
+#pragma unroll
+    for (int i = 0; i < A_PER_THREAD; ++i) a_src[i] -= nk * KS;  // the next pass streams the tile from its start
   }
 }
 
