@@ -1,0 +1,121 @@
+"""Length of each expert GEMM's k loop in SASS, from a local compile: no GPU needed.
+
+The expert GEMMs are bound by the k loop's instruction latency at least as much as by DRAM (ncu at batch 64 with 16
+experts: ~5 cycles per issued instruction per warp, DRAM at 61% of peak; notes/experts_kernel.md, session 12), so the
+loop's instruction count is worth watching while csrc/experts.cu changes on a machine without one. This compiles the
+file for sm_90a into a cubin (nvcc and torch's headers, as setup.py does), disassembles it (cuobjdump: $CUOBJDUMP, on
+PATH, or the copy Triton ships) and prints, per kernel instance, its registers, spilled bytes and the instructions of
+its innermost loop that holds the weight loads (LDGSTS), a barrier and the MMAs (HMMA / HGMMA): one k step.
+
+    python benchmarks/micro/sass_k_loop.py [--source csrc/experts.cu] [--match bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+BRANCH = re.compile(r"\bBRA (0x[0-9a-f]+)")
+
+
+def k_loop_length(sass: str) -> int | None:
+    """Instructions of the shortest backward-branch loop of one function's SASS that holds an LDGSTS, a BAR.SYNC and an
+    HMMA or HGMMA (None if there is none)."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in map(LINE.match, sass.splitlines()) if m]
+    best = None
+    for address, instruction in code:
+        branch = BRANCH.search(instruction)
+        if not branch or int(branch.group(1), 16) >= address:
+            continue
+        body = [ins for at, ins in code if int(branch.group(1), 16) <= at <= address]
+        if (any("LDGSTS" in i for i in body) and any("BAR.SYNC" in i for i in body)
+                and any("HMMA" in i or "HGMMA" in i for i in body)):
+            best = len(body) if best is None else min(best, len(body))
+    return best
+
+
+def functions(sass: str) -> dict[str, str]:
+    """cuobjdump -sass output split by function: mangled name -> its SASS."""
+    parts = re.split(r"\n\s*Function : ", sass)
+    return {part.split("\n", 1)[0].strip(): part for part in parts[1:]}
+
+
+def resources(ptxas: str) -> dict[str, str]:
+    """ptxas --resource-usage lines: mangled name -> "R registers, S B spilled"."""
+    out, name = {}, None
+    for line in ptxas.splitlines():
+        if m := re.search(r"Function properties for (\S+)", line):
+            name = m.group(1)
+        elif name and (m := re.search(r"(\d+) bytes spill stores", line)):
+            out[name] = m.group(1)
+        elif name and (m := re.search(r"Used (\d+) registers", line)):
+            out[name] = f"{m.group(1)} registers, {out.get(name, '0')} B spilled"
+            name = None
+    return out
+
+
+def template_args(mangled: str) -> str:
+    """The expert_gemm_kernel template arguments of a mangled name, readable: bf16, gated, rows 128, ..."""
+    m = re.search(r"expert_gemm_kernelI(\w+?)EEEv", mangled)
+    if not m:
+        return mangled
+    args = m.group(1)
+    dtype = "bf16" if args.startswith("13__nv_bfloat16") else "fp16"
+    rest = re.findall(r"L(b|i)(\d+)E", args + "E")
+    return dtype + " " + " ".join(("true" if v == "1" else "false") if kind == "b" else v for kind, v in rest)
+
+
+def cuobjdump() -> str:
+    found = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton  # noqa: PLC0415  (only for the cuobjdump it ships)
+    except ImportError:
+        sys.exit("no cuobjdump: set CUOBJDUMP, put one on PATH or install triton")
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def compile_cubin(source: Path, cubin: Path) -> str:
+    """nvcc -cubin for sm_90a with setup.py's flags; returns ptxas's resource usage."""
+    import torch  # noqa: PLC0415
+    from torch.utils.cpp_extension import include_paths  # noqa: PLC0415
+
+    cuda_include = Path(torch.__file__).parent.parent / "nvidia" / "cu13" / "include"
+    cuda_home = os.environ.get("CUDA_HOME") or ("/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").exists() else "")
+    nvcc = str(Path(cuda_home) / "bin" / "nvcc") if cuda_home else "nvcc"
+    cmd = [nvcc, "-cubin", str(source), "-o", str(cubin), "-std=c++20", "-O3", "--expt-relaxed-constexpr",
+           "-gencode=arch=compute_90a,code=sm_90a", "--resource-usage", f"-I{REPO / 'csrc' / 'include'}",
+           *(f"-I{p}" for p in include_paths("cuda")), f"-I{cuda_include.resolve()}", "-DBASE_MOE_WITH_CUDA",
+           "-DTORCH_EXTENSION_NAME=_C", "-D_GLIBCXX_USE_CXX11_ABI=1"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(done.stderr[-4000:])
+    return done.stdout + done.stderr
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--source", type=Path, default=REPO / "csrc" / "experts.cu")
+    ap.add_argument("--match", default="bfloat16", help="only kernels whose mangled name contains this")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernels.cubin"
+        usage = resources(compile_cubin(args.source, cubin))
+        sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    print(f"{'kernel (dtype, GATED, ROWS, NTW, WARPS, STAGES, WR, WG)':60s} {'k loop':>7s}  resources")
+    for name, code in functions(sass).items():
+        if "expert_gemm_kernel" in name and args.match in name:
+            print(f"{template_args(name):60s} {k_loop_length(code) or '-':>7}  {usage.get(name, '?')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""benchmarks/micro/sass_k_loop.py's parsing of cuobjdump / ptxas output (the compile itself needs nvcc: not run here)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "micro"))
+import sass_k_loop  # noqa: E402
+
+NAME = "_ZN8base_moe43_GLOBAL__N__0_experts_cu_0218expert_gemm_kernelI13__nv_bfloat16Lb1ELi128ELi8ELi4ELi4ELi4ELb1EEEvNS0_10GemmParamsE"
+
+
+def sass(body):
+    """One function's SASS in cuobjdump's layout: addresses 16 bytes apart from 0x0100."""
+    lines = [f"        /*{0x100 + 16 * i:04x}*/                   {ins} ;   /* 0x0 */" for i, ins in enumerate(body)]
+    return f"\n\t\tFunction : {NAME}\n" + "\n".join(lines) + "\n"
+
+
+def test_k_loop_is_the_shortest_loop_with_loads_barrier_and_mma():
+    body = ["MOV R1, R2",                       # 0x100: outer loop start
+            "DEPBAR.LE SB0, 0x2",               # 0x110: k loop start
+            "BAR.SYNC.DEFER_BLOCKING 0x0",
+            "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]",
+            "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24",
+            "@P0 BRA 0x110",                    # 0x150: k loop end (5 instructions)
+            "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]",
+            "@P1 BRA 0x100",                    # outer loop: longer, also qualifies
+            "@P2 BRA 0x1a0",                    # a forward branch: not a loop
+            "EXIT"]
+    functions = sass_k_loop.functions(sass(body))
+    assert list(functions) == [NAME]
+    assert sass_k_loop.k_loop_length(functions[NAME]) == 5
+
+
+def test_no_k_loop_without_mma():
+    body = ["DEPBAR.LE SB0, 0x2", "BAR.SYNC.DEFER_BLOCKING 0x0", "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]",
+            "@P0 BRA 0x100", "EXIT"]
+    assert sass_k_loop.k_loop_length(sass(body)) is None
+
+
+def test_resources_and_template_args():
+    ptxas = (f"ptxas info    : Compiling entry function '{NAME}' for 'sm_90a'\n"
+             f"ptxas info    : Function properties for {NAME}\n"
+             "    0 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads\n"
+             "ptxas info    : Used 128 registers, used 1 barriers, 128 bytes smem\n")
+    assert sass_k_loop.resources(ptxas) == {NAME: "128 registers, 24 B spilled"}
+    assert sass_k_loop.template_args(NAME) == "bf16 true 128 8 4 4 4 true"
