@@ -8,7 +8,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "micro"))
 import sass_k_loop  # noqa: E402
 
-NAME = "_ZN8base_moe43_GLOBAL__N__0_experts_cu_0218expert_gemm_kernelI13__nv_bfloat16Lb1ELi128ELi8ELi4ELi4ELi4ELb1EEEvNS0_10GemmParamsE"
+NAME = "_ZN8base_moe13_GLOBAL__N__118expert_gemm_kernelI13__nv_bfloat16Lb1ELi128ELi8ELi4ELi4ELi4ELb1EEEvNS0_10GemmParamsE"
 
 
 def sass(body):
@@ -18,15 +18,19 @@ def sass(body):
 
 
 def test_k_loop_is_the_shortest_loop_with_loads_barrier_and_mma():
-    body = ["MOV R1, R2",                       # 0x100: outer loop start
-            "DEPBAR.LE SB0, 0x2",               # 0x110: k loop start
+    body = ["MOV R1, R2",                                   # 0x100: a first qualifying loop, 6 instructions
+            "BAR.SYNC.DEFER_BLOCKING 0x0",
+            "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]",
+            "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+            "IADD3 R1, R1, 0x1, RZ",
+            "@P0 BRA 0x100",                                # 0x150
+            "DEPBAR.LE SB0, 0x2",                           # 0x160: the k loop, 5 instructions
             "BAR.SYNC.DEFER_BLOCKING 0x0",
             "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]",
             "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24",
-            "@P0 BRA 0x110",                    # 0x150: k loop end (5 instructions)
-            "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]",
-            "@P1 BRA 0x100",                    # outer loop: longer, also qualifies
-            "@P2 BRA 0x1a0",                    # a forward branch: not a loop
+            "@P0 BRA.U 0x160",                              # 0x1a0: a back branch with a modifier
+            "@P1 BRA 0x100",                                # 0x1b0: the loop around both, 12 instructions
+            "@P2 BRA 0x1d0",                                # a forward branch over the next one
             "EXIT"]
     functions = sass_k_loop.functions(sass(body))
     assert list(functions) == [NAME]

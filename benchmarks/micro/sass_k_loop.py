@@ -1,11 +1,13 @@
-"""Length of each expert GEMM's k loop in SASS, from a local compile: no GPU needed.
+"""Code length of each expert GEMM's k loop in SASS, from a local compile: no GPU needed.
 
 The expert GEMMs are bound by the k loop's instruction latency at least as much as by DRAM (ncu at batch 64 with 16
 experts: ~5 cycles per issued instruction per warp, DRAM at 61% of peak; notes/experts_kernel.md, session 12), so the
-loop's instruction count is worth watching while csrc/experts.cu changes on a machine without one. This compiles the
-file for sm_90a into a cubin (nvcc and torch's headers, as setup.py does), disassembles it (cuobjdump: $CUOBJDUMP, on
-PATH, or the copy Triton ships) and prints, per kernel instance, its registers, spilled bytes and the instructions of
-its innermost loop that holds the weight loads (LDGSTS), a barrier and the MMAs (HMMA / HGMMA): one k step.
+loop's length is worth watching while csrc/experts.cu changes on a machine without one. This compiles the file for
+sm_90a into a cubin (nvcc with torch's headers and nvcc flags, as setup.py's build), disassembles it (cuobjdump:
+$CUOBJDUMP, on PATH, or the copy Triton ships) and prints, per kernel instance, its registers, spilled bytes and the
+code length of its innermost loop that holds the weight loads (LDGSTS), a barrier and the MMAs (HMMA / HGMMA), i.e.
+one k step's code: the instructions between the loop's start and its back branch, including the load block that the
+last STAGES - 1 steps skip and the MMAs that warps without tokens skip (an upper bound on the instructions issued).
 
     python benchmarks/micro/sass_k_loop.py [--source csrc/experts.cu] [--match bfloat16]
 """
@@ -23,11 +25,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-BRANCH = re.compile(r"\bBRA (0x[0-9a-f]+)")
+BRANCH = re.compile(r"\bBRA(?:\.\w+)* (0x[0-9a-f]+)")
 
 
 def k_loop_length(sass: str) -> int | None:
-    """Instructions of the shortest backward-branch loop of one function's SASS that holds an LDGSTS, a BAR.SYNC and an
+    """Code length of the shortest backward-branch loop of one function's SASS that holds an LDGSTS, a BAR.SYNC and an
     HMMA or HGMMA (None if there is none)."""
     code = [(int(m.group(1), 16), m.group(2)) for m in map(LINE.match, sass.splitlines()) if m]
     best = None
@@ -80,22 +82,26 @@ def cuobjdump() -> str:
     try:
         import triton  # noqa: PLC0415  (only for the cuobjdump it ships)
     except ImportError:
+        triton = None
+    bundled = triton and Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not bundled or not bundled.exists():
         sys.exit("no cuobjdump: set CUOBJDUMP, put one on PATH or install triton")
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    return str(bundled)
 
 
 def compile_cubin(source: Path, cubin: Path) -> str:
     """nvcc -cubin for sm_90a with setup.py's flags; returns ptxas's resource usage."""
     import torch  # noqa: PLC0415
-    from torch.utils.cpp_extension import include_paths  # noqa: PLC0415
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths  # noqa: PLC0415
 
-    cuda_include = Path(torch.__file__).parent.parent / "nvidia" / "cu13" / "include"
+    cuda_includes = sorted((Path(torch.__file__).parent.parent / "nvidia").glob("cu*/include"))
     cuda_home = os.environ.get("CUDA_HOME") or ("/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").exists() else "")
     nvcc = str(Path(cuda_home) / "bin" / "nvcc") if cuda_home else "nvcc"
-    cmd = [nvcc, "-cubin", str(source), "-o", str(cubin), "-std=c++20", "-O3", "--expt-relaxed-constexpr",
-           "-gencode=arch=compute_90a,code=sm_90a", "--resource-usage", f"-I{REPO / 'csrc' / 'include'}",
-           *(f"-I{p}" for p in include_paths("cuda")), f"-I{cuda_include.resolve()}", "-DBASE_MOE_WITH_CUDA",
-           "-DTORCH_EXTENSION_NAME=_C", "-D_GLIBCXX_USE_CXX11_ABI=1"]
+    cmd = [nvcc, "-cubin", str(source), "-o", str(cubin), "-std=c++20", "-O3", "-lineinfo", "--expt-relaxed-constexpr",
+           *COMMON_NVCC_FLAGS, "-gencode=arch=compute_90a,code=sm_90a", "--resource-usage",
+           f"-I{REPO / 'csrc' / 'include'}", *(f"-I{p}" for p in include_paths("cuda")),
+           *(f"-I{p.resolve()}" for p in cuda_includes), "-DBASE_MOE_WITH_CUDA", "-DTORCH_EXTENSION_NAME=_C",
+           "-D_GLIBCXX_USE_CXX11_ABI=1"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         sys.exit(done.stderr[-4000:])
@@ -111,7 +117,8 @@ def main():
         cubin = Path(tmp) / "kernels.cubin"
         usage = resources(compile_cubin(args.source, cubin))
         sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    print(f"{'kernel (dtype, GATED, ROWS, NTW, WARPS, STAGES, WR, WG)':60s} {'k loop':>7s}  resources")
+    print(f"{'kernel (dtype, GATED, ROWS, NTW, WARPS, STAGES, WR, WG)':60s} {'k loop':>7s}  resources "
+          "(k loop: instructions of one k step's code)")
     for name, code in functions(sass).items():
         if "expert_gemm_kernel" in name and args.match in name:
             print(f"{template_args(name):60s} {k_loop_length(code) or '-':>7}  {usage.get(name, '?')}")
