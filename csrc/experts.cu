@@ -240,16 +240,15 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       if constexpr (WG) {
         const uint32_t sa = smem0 + (ks % STAGES) * STAGE_BYTES;
         const uint32_t sb = sa + A_BYTES;
-        // the stage's two descriptors; the others add their byte offset / 16 to the start-address field (no carry
-        // out of it: shared addresses stay below 256 KB)
-        const uint64_t da = wgmma_desc(sa), db = wgmma_desc(sb);
+        const uint64_t da = wgmma_desc(sa), db = wgmma_desc(sb);  // the stage's; the others advance from them
         fence_registers<RTW * NTW * 4>(&acc[0][0][0]);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KS / 16; ++kk) {
 #pragma unroll
           for (int rt = 0; rt < RTW; ++rt)
-            wgmma_m64k16<T, NP>(&acc[rt][0][0], da + ((rt * 64 * ROW_BYTES + kk * 32) >> 4), db + ((kk * 32) >> 4));
+            wgmma_m64k16<T, NP>(&acc[rt][0][0], wgmma_desc_advance(da, rt * 64 * ROW_BYTES + kk * 32),
+                                wgmma_desc_advance(db, kk * 32));
         }
         wgmma_commit();
         // Complete before the next barrier: this stage's slot is refilled right after it (next step's loads).

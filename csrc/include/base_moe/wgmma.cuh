@@ -26,6 +26,11 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
   return desc;
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) after the one `desc` describes, in the same tile: only the
+// start-address field moves, and it cannot carry into the next field (shared addresses stay below 256 KB, so the
+// field's 14 bits hold every address / 16). Cheaper than wgmma_desc on the new address inside a k loop.
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // wgmma exists only in sm_90a code. Other device targets (a build that adds 8.0, or plain 9.0) compile these helpers
 // to a trap and kWgmmaCompiled is false there: the expert kernel then runs its wgmma tile configurations on mma.sync
 // (the same tiles), so whatever configuration the host picks runs on every target.
