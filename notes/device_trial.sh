@@ -6,7 +6,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=$(cat .trial_sha 2>/de
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
 s=$SECONDS
 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > $OUT/build.log 2>&1 || { tail -50 $OUT/build.log; exit 1; }
-echo "build $((SECONDS-s)) s"
+# a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13, call 11): name what it compiled
+echo "build $((SECONDS-s)) s; compiled: $(grep -o 'csrc/[a-z_]*\.cu' $OUT/build.log | sort -u | tr '\n' ' ')"
 for step in "$@"; do
   s=$SECONDS
   case $step in

@@ -1,0 +1,401 @@
+// Microbenchmark (standalone, not part of the library): how fast CTAs that only stream weight tiles through a
+// shared-memory ring pull them from HBM, with the expert kernel's access pattern and none of its arithmetic.
+//
+//   nvcc -O3 -std=c++20 -arch=sm_90a benchmarks/micro/stream_rate.cu -o /tmp/stream_rate && /tmp/stream_rate
+//
+// Why: the expert GEMMs' CTAs each complete about one k step per memory round trip whatever their ring depth
+// (notes/experts_kernel.md, sessions 2-12: ~15 GB/s per CTA at one or two CTAs per SM), so b64/M16's 192 gate_up CTAs
+// on 132 SMs stream at ~3 TB/s. This tells whether a CTA that does nothing but stream has the same limit, and which
+// loader, ring depth, stage size and layout lift it.
+//
+// The buffer holds the weight rows of b64/M16's gate_up (16 experts x 1536 rows x 2048 bf16 columns = 100 MB, row
+// stride 4 KB) several times over, a different copy per launch (L2 holds none of it). Tile t = ROWS rows; CTA b
+// streams tiles b, b + grid, ... A k step moves ROWS x KSB bytes (KSB bytes of each row) into one ring slot; the loop
+// is the expert kernel's: wait for the oldest slot, barrier, refill the slot freed one step earlier, read the slot.
+// Loaders:
+//   cp      : 16-byte cp.async per thread (.L2::256B, as the expert kernel), strided rows
+//   cp-nohint: the same without the L2 prefetch hint
+//   cp-contig: 16-byte cp.async, each k step's tile one contiguous block (a packed layout)
+//   bulk    : one cp.async.bulk per k step (contiguous block), mbarrier completion (async proxy)
+//   tma     : a 2-D TMA box of ROWS x KSB per k step from the strided rows, mbarrier completion
+// H200 (session 13, benchmarks/results/device_runs/session13.txt): the W64 shape streams 100 MB in 24-26 us (3.8-4.1
+// TB/s, ~22 GB/s per CTA, the same on SMs holding one CTA as on SMs holding two); ring depth 3-6, TMA, bulk copies,
+// contiguous tiles, the expert layout and random bytes all within 2 us of it. The expert kernel's gate_up takes ~33 us
+// for the same bytes, its k loop included (per-CTA stamps: the loop runs at this rate; the rest is before and after it).
+// Timing: %globaltimer stamps per CTA (kernel span = last end - first start; per-CTA rate split by how many CTAs its
+// SM held), the median of 9 launches; the occupancy is forced with shared-memory padding and reported as measured.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "check.cuh"
+
+constexpr int NT = 128;               // threads per CTA (one warpgroup, as W64 / W128)
+constexpr int64_t K_BYTES = 4096;     // one weight row (2048 bf16)
+constexpr int64_t ROWS_TOTAL = 24576; // 16 experts x 1536 gate_up rows
+constexpr int64_t REGION = ROWS_TOTAL * K_BYTES;
+constexpr int REGIONS = 8;
+
+enum Loader { kCp, kCpNoHint, kCpContig, kBulk, kTma };
+const char* kLoaderNames[] = {"cp", "cp-nohint", "cp-contig", "bulk", "tma"};
+
+struct Stamp {
+  unsigned long long start, end;
+  unsigned sm, pad;
+};
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned smid() {
+  unsigned s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src, bool hint) {
+  if (hint)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int col, int row, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
+          "r"(dst),
+      "l"(map), "r"(col), "r"(row), "r"(bar)
+      : "memory");
+}
+
+constexpr int kExperts = 128, kChosen = 16, kExpertRows = 1536;  // Qwen3-30B-A3B gate_up: [128, 1536, 2048]
+struct Params {
+  const uint8_t* w;  // this launch's region (the whole buffer with the expert layout)
+  int rows, ksb, tiles, loader;
+  int experts;       // 1: tile t = gate rows 64 j.. + up rows 768 + 64 j.. of expert chosen[t / 12], j = t % 12
+  int chosen[kChosen];
+  int delay;         // cycles of pretend arithmetic per k step
+  Stamp* stamps;
+  unsigned* sink;
+};
+
+// CHUNKS: 16-byte chunks per thread per k step (rows x ksb / 16 / NT)
+template <int STAGES, int CHUNKS>
+__global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[STAGES];
+  // TMA wants 128-byte aligned slots: align the ring to 1 KB (the launch adds 1 KB)
+  uint8_t* smem = smem_raw + ((1024 - (__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
+  const unsigned long long t0 = globaltimer();
+  const int tid = threadIdx.x;
+  const int stage_bytes = p.rows * p.ksb;
+  const int nk = static_cast<int>(K_BYTES / p.ksb);
+  const int chunks_per_row = p.ksb / 16;
+  const uint32_t s0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const bool async_proxy = p.loader == kBulk || p.loader == kTma;
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+  if (async_proxy && tid == 0) {
+    for (int s = 0; s < STAGES; ++s) bar_init(bar0 + 8 * s);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // this thread's chunks of a k step: byte offsets from the tile's first row at k step 0
+  int src_off[CHUNKS];
+#pragma unroll
+  for (int i = 0; i < CHUNKS; ++i) {
+    const int c = tid + i * NT;
+    const int r = c / chunks_per_row;
+    const int row = p.experts && r >= 64 ? kExpertRows / 2 + r - 64 : r;
+    src_off[i] = p.loader == kCpContig ? c * 16 : row * K_BYTES + (c % chunks_per_row) * 16;
+  }
+  unsigned acc = 0;
+  int phase_base = 0;  // k steps consumed so far by this CTA (mbarrier parity)
+
+  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const uint8_t* tile_base =
+        p.experts ? p.w + (static_cast<int64_t>(p.chosen[tile / 12]) * kExpertRows + (tile % 12) * 64) * K_BYTES
+                  : p.w + static_cast<int64_t>(tile) * p.rows * K_BYTES;
+    auto issue = [&](int ks) {
+      const int slot = (phase_base + ks) % STAGES;
+      const uint32_t dst = s0 + slot * stage_bytes;
+      if (async_proxy) {
+        if (tid == 0) {
+          const uint32_t bar = bar0 + 8 * slot;
+          bar_expect(bar, stage_bytes);
+          if (p.loader == kBulk)
+            bulk_copy(dst, tile_base + static_cast<int64_t>(ks) * stage_bytes, stage_bytes, bar);
+          else
+            tma_2d(dst, &map, ks * p.ksb / 2, tile * p.rows, bar);
+        }
+        return;
+      }
+      const uint8_t* step = tile_base + static_cast<int64_t>(ks) * (p.loader == kCpContig ? stage_bytes : p.ksb);
+#pragma unroll
+      for (int i = 0; i < CHUNKS; ++i) cp16(dst + (tid + i * NT) * 16, step + src_off[i], p.loader != kCpNoHint);
+    };
+    // k step g of the CTA (g = phase_base + ks) fills ring slot g % STAGES; a slot is refilled only after every thread
+    // passed the barrier that follows its last read
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < nk) issue(s);
+      commit();
+    }
+    for (int ks = 0; ks < nk; ++ks) {
+      const uint32_t slot = (phase_base + ks) % STAGES;
+      if (async_proxy) bar_wait(bar0 + 8 * slot, ((phase_base + ks) / STAGES) & 1);
+      else wait_group<STAGES - 2>();
+      __syncthreads();
+      if (ks + STAGES - 1 < nk) issue(ks + STAGES - 1);
+      commit();
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + slot * stage_bytes + (tid * 16) % stage_bytes);
+      acc ^= v.x ^ v.w;
+      if (p.delay) {
+        const long long c0 = clock64();
+        while (clock64() - c0 < p.delay) {
+        }
+      }
+    }
+    wait_group<0>();
+    __syncthreads();  // the next tile refills every slot
+    phase_base += nk;
+  }
+  if (acc == 0x9e3779b9u) atomicAdd(p.sink, 1u);
+  if (tid == 0) p.stamps[blockIdx.x] = Stamp{t0, globaltimer(), smid(), 0};
+}
+
+struct Case {
+  const char* note;
+  int loader, stages, rows, ksb, occupancy, grid, delay;
+  int experts = 0, random = 0;  // the expert layout (cp loaders, 128 rows); random bytes instead of 0x01
+};
+
+__global__ void fill_kernel(uint32_t* w, int64_t n, uint32_t salt) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 0x9e3779b9u ^ salt;
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    w[i] = salt ? x : 0x01010101u;
+  }
+}
+
+using Kernel = void (*)(Params, CUtensorMap);
+template <int STAGES>
+Kernel pick_chunks(int chunks) {
+  switch (chunks) {
+    case 4: return stream_kernel<STAGES, 4>;
+    case 8: return stream_kernel<STAGES, 8>;
+    case 16: return stream_kernel<STAGES, 16>;
+  }
+  return nullptr;
+}
+Kernel pick(int stages, int chunks) {
+  switch (stages) {
+    case 2: return pick_chunks<2>(chunks);
+    case 3: return pick_chunks<3>(chunks);
+    case 4: return pick_chunks<4>(chunks);
+    case 6: return pick_chunks<6>(chunks);
+    case 8: return pick_chunks<8>(chunks);
+    case 12: return pick_chunks<12>(chunks);
+  }
+  return nullptr;
+}
+
+CUtensorMap make_map(const void* base, int rows, int ksb) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {K_BYTES / 2, ROWS_TOTAL};
+  const cuuint64_t strides[1] = {K_BYTES};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(ksb / 2), static_cast<cuuint32_t>(rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = reinterpret_cast<Encode>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base),
+                                                  dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                                  CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
+    std::exit(1);
+  }
+  return map;
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  uint8_t* w = nullptr;
+  CHECK(cudaMalloc(&w, REGION * REGIONS));
+  CHECK(cudaMemset(w, 1, REGION * REGIONS));
+  Stamp* stamps = nullptr;
+  unsigned* sink = nullptr;
+  CHECK(cudaMalloc(&stamps, sizeof(Stamp) * 4096));
+  CHECK(cudaMalloc(&sink, 4));
+
+  // copy reference: device-to-device of one region into another, median of 9
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::vector<float> copy_ms;
+  for (int r = 0; r < 12; ++r) {
+    CHECK(cudaEventRecord(e0));
+    CHECK(cudaMemcpyAsync(w + REGION * ((r % 4) * 2), w + REGION * ((r % 4) * 2 + 1), REGION,
+                          cudaMemcpyDeviceToDevice));
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 3) copy_ms.push_back(ms);
+  }
+  std::sort(copy_ms.begin(), copy_ms.end());
+  std::printf("%s, %d SMs; copy of %.0f MB: %.2f TB/s (read + write / time)\n", prop.name, sms, REGION / 1e6,
+              2.0 * REGION / (copy_ms[copy_ms.size() / 2] * 1e9));
+
+  const int base_grid = static_cast<int>(ROWS_TOTAL / 128);  // 192: b64/M16's gate_up CTAs
+  std::vector<Case> cases = {
+      {"expert kernel's W64 gate_up shape", kCp, 4, 128, 128, 2, base_grid, 0},
+      {"  + 600 cycles per k step", kCp, 4, 128, 128, 2, base_grid, 600},
+      {"  ring 2", kCp, 2, 128, 128, 2, base_grid, 0},
+      {"  ring 3", kCp, 3, 128, 128, 2, base_grid, 0},
+      {"  ring 6", kCp, 6, 128, 128, 2, base_grid, 0},
+      {"  ring 12 (1 CTA/SM)", kCp, 12, 128, 128, 1, base_grid, 0},
+      {"  no L2 hint", kCpNoHint, 4, 128, 128, 2, base_grid, 0},
+      {"  contiguous tiles", kCpContig, 4, 128, 128, 2, base_grid, 0},
+      {"  bulk copy, contiguous", kBulk, 4, 128, 128, 2, base_grid, 0},
+      {"  TMA 2-D box", kTma, 4, 128, 128, 2, base_grid, 0},
+      {"  TMA, ring 6", kTma, 6, 128, 128, 2, base_grid, 0},
+      {"  256 B per row per k step", kCp, 3, 128, 256, 2, base_grid, 0},
+      {"  TMA 256 B per row", kTma, 3, 128, 256, 2, base_grid, 0},
+      {"64-row tiles, 384 CTAs, 3/SM", kCp, 4, 64, 128, 3, 2 * base_grid, 0},
+      {"64-row tiles, 264 CTAs (balanced-ish)", kCp, 4, 64, 128, 2, 2 * sms, 0},
+      {"128-row tiles, 132 CTAs, 1/SM, ring 12", kCp, 12, 128, 128, 1, sms, 0},
+      {"TMA 128-row, 132 CTAs 1/SM ring 12", kTma, 12, 128, 128, 1, sms, 0},
+      {"W64 shape, random bytes", kCp, 4, 128, 128, 2, base_grid, 0, 0, 1},
+      {"W64 shape, expert layout (16 of 128)", kCp, 4, 128, 128, 2, base_grid, 0, 1, 0},
+      {"W64 shape, expert layout, random bytes", kCp, 4, 128, 128, 2, base_grid, 0, 1, 1},
+      {"  same, ring 6", kCp, 6, 128, 128, 2, base_grid, 0, 1, 1},
+      {"TMA 2-D box, random bytes", kTma, 4, 128, 128, 2, base_grid, 0, 0, 1},
+  };
+  int filled_random = 0;
+  std::printf("%-40s %-9s %2s %4s %4s %4s %4s | %7s %6s | %8s %8s %8s | %8s\n", "case", "loader", "S", "rows", "KSB",
+              "occ", "grid", "span us", "TB/s", "CTA us", "GB/s@1", "GB/s@2+", "burst us");
+  int launch = 0;
+  for (const Case& c : cases) {
+    const int chunks = c.rows * c.ksb / 16 / NT;
+    Kernel kernel = pick(c.stages, chunks);
+    if (kernel == nullptr) {
+      std::printf("%-40s: no instance\n", c.note);
+      continue;
+    }
+    const int ring = c.stages * c.rows * c.ksb;
+    const int padded = std::max(ring + 1024, static_cast<int>(228 * 1024 / c.occupancy) - 1024 - 2048);
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, padded));
+    int occ = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, NT, padded));
+    const int tiles = static_cast<int>(ROWS_TOTAL / c.rows);
+    if (c.random != filled_random) {
+      fill_kernel<<<4 * sms, 256>>>(reinterpret_cast<uint32_t*>(w), REGION * REGIONS / 4, c.random ? 0x2545f491u : 0);
+      CHECK(cudaDeviceSynchronize());
+      filled_random = c.random;
+    }
+    uint32_t lcg = 12345;
+    std::vector<double> spans, cta_us, rate1, rate2;
+    for (int r = 0; r < 12; ++r) {
+      const uint8_t* region = w + REGION * (launch++ % REGIONS);
+      const CUtensorMap map = make_map(region, c.rows, c.ksb);
+      Params p{c.experts ? w : region, c.rows, c.ksb, tiles, c.loader, c.experts, {}, c.delay, stamps, sink};
+      for (int i = 0; i < kChosen; ++i) {  // distinct random experts
+        bool fresh = false;
+        while (!fresh) {
+          lcg = lcg * 1664525u + 1013904223u;
+          p.chosen[i] = (lcg >> 8) % kExperts;
+          fresh = std::find(p.chosen, p.chosen + i, p.chosen[i]) == p.chosen + i;
+        }
+      }
+      kernel<<<c.grid, NT, padded>>>(p, map);
+      CHECK(cudaGetLastError());
+      CHECK(cudaDeviceSynchronize());
+      if (r < 3) continue;
+      std::vector<Stamp> s(c.grid);
+      CHECK(cudaMemcpy(s.data(), stamps, sizeof(Stamp) * c.grid, cudaMemcpyDeviceToHost));
+      unsigned long long first = ~0ull, last = 0;
+      std::map<unsigned, int> per_sm;
+      for (const Stamp& x : s) {
+        first = std::min(first, x.start);
+        last = std::max(last, x.end);
+        ++per_sm[x.sm];
+      }
+      spans.push_back((last - first) / 1e3);
+      double sum_us = 0, b1 = 0, t1 = 0, b2 = 0, t2 = 0;
+      for (int b = 0; b < c.grid; ++b) {
+        const double us = (s[b].end - s[b].start) / 1e3;
+        const int my_tiles = (tiles - b + c.grid - 1) / c.grid;
+        const double bytes = static_cast<double>(my_tiles) * c.rows * K_BYTES;
+        sum_us += us;
+        if (per_sm[s[b].sm] == 1) b1 += bytes, t1 += us;
+        else b2 += bytes, t2 += us;
+      }
+      cta_us.push_back(sum_us / c.grid);
+      rate1.push_back(t1 > 0 ? b1 / t1 / 1e3 : 0);
+      rate2.push_back(t2 > 0 ? b2 / t2 / 1e3 : 0);
+    }
+    // the same launches back to back (no host sync between them, as kernels run in a replayed graph)
+    CHECK(cudaEventRecord(e0));
+    constexpr int kBurst = 30;
+    for (int r = 0; r < kBurst; ++r) {
+      const uint8_t* region = w + REGION * (launch++ % REGIONS);
+      Params p{c.experts ? w : region, c.rows, c.ksb, tiles, c.loader, c.experts, {}, c.delay, stamps, sink};
+      for (int i = 0; i < kChosen; ++i) p.chosen[i] = (i * 8 + r) % kExperts;
+      kernel<<<c.grid, NT, padded>>>(p, make_map(region, c.rows, c.ksb));
+    }
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    float burst_ms;
+    CHECK(cudaEventElapsedTime(&burst_ms, e0, e1));
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double span = median(spans);
+    std::printf("%-40s %-9s %2d %4d %4d %4d %4d | %7.1f %6.2f | %8.1f %8.1f %8.1f | %8.1f\n", c.note,
+                kLoaderNames[c.loader], c.stages, c.rows, c.ksb, occ, c.grid, span, REGION / span / 1e6,
+                median(cta_us), median(rate1), median(rate2), burst_ms * 1e3 / kBurst);
+  }
+  CHECK(cudaFree(w));
+  return 0;
+}
