@@ -334,10 +334,9 @@ int main() {
       filled_random = c.random;
     }
     uint32_t lcg = 12345;
-    std::vector<double> spans, cta_us, rate1, rate2;
-    for (int r = 0; r < 12; ++r) {
+    // one launch on the next region (L2 holds none of it) or, with the expert layout, on 16 other random experts
+    auto launch_next = [&] {
       const uint8_t* region = w + REGION * (launch++ % REGIONS);
-      const CUtensorMap map = make_map(region, c.rows, c.ksb);
       Params p{c.experts ? w : region, c.rows, c.ksb, tiles, c.loader, c.experts, {}, c.delay, stamps, sink};
       for (int i = 0; i < kChosen; ++i) {  // distinct random experts
         bool fresh = false;
@@ -347,8 +346,12 @@ int main() {
           fresh = std::find(p.chosen, p.chosen + i, p.chosen[i]) == p.chosen + i;
         }
       }
-      kernel<<<c.grid, NT, padded>>>(p, map);
+      kernel<<<c.grid, NT, padded>>>(p, make_map(region, c.rows, c.ksb));
       CHECK(cudaGetLastError());
+    };
+    std::vector<double> spans, cta_us, rate1, rate2;
+    for (int r = 0; r < 12; ++r) {
+      launch_next();
       CHECK(cudaDeviceSynchronize());
       if (r < 3) continue;
       std::vector<Stamp> s(c.grid);
@@ -377,12 +380,7 @@ int main() {
     // the same launches back to back (no host sync between them, as kernels run in a replayed graph)
     CHECK(cudaEventRecord(e0));
     constexpr int kBurst = 30;
-    for (int r = 0; r < kBurst; ++r) {
-      const uint8_t* region = w + REGION * (launch++ % REGIONS);
-      Params p{c.experts ? w : region, c.rows, c.ksb, tiles, c.loader, c.experts, {}, c.delay, stamps, sink};
-      for (int i = 0; i < kChosen; ++i) p.chosen[i] = (i * 8 + r) % kExperts;
-      kernel<<<c.grid, NT, padded>>>(p, make_map(region, c.rows, c.ksb));
-    }
+    for (int r = 0; r < kBurst; ++r) launch_next();
     CHECK(cudaEventRecord(e1));
     CHECK(cudaEventSynchronize(e1));
     float burst_ms;
