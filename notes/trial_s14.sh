@@ -16,7 +16,8 @@ run() {
   done
 }
 git apply notes/epilogue_ilp_v2.patch || { echo "v2 does not apply"; exit 1; }
-SAN=default,T32,W64,W128 run v2 texp var mem race
+export SAN=default,T32,W64,W128
+run v2 texp var mem race
 git apply notes/batch_rows_v3.patch || { echo "v3 does not apply"; exit 1; }
 run v3 texp var
 git apply -R notes/batch_rows_v3.patch && git apply -R notes/epilogue_ilp_v2.patch || { echo "revert failed"; exit 1; }
