@@ -1,6 +1,6 @@
 #!/bin/bash
 # Session 14's first device call, prepared in session 13 (developer tooling; run from the repo root on main):
-#   git rev-parse HEAD > .trial_sha; run: bash notes/trial_s14.sh   (about 7-9 minutes: three builds)
+#   git rev-parse HEAD > .trial_sha; run: bash notes/trial_s14.sh   (about 8-9 minutes: four builds)
 # 1. v2 = notes/epilogue_ilp_v2.patch (wip/epilogue-ilp): the expert tests, the layer variants, memcheck / racecheck
 # 2. v3 = v2 + notes/batch_rows_v3.patch (wip/batch-rows): the expert tests and the layer variants
 # 3. main again: the layer variants, so all three come from one machine
@@ -32,3 +32,12 @@ print("batch budget active " + " ".join(f"{n:>8}" for n in names))
 for i, r in enumerate(d[names[0]]["variants"]):
     print(f"{r['batch']:5} {str(r['budget']):6} {r['active']:6} " + " ".join(f"{d[n]['variants'][i]['us']['default']:8.1f}" for n in names))
 PY
+# 4. (last: only this is lost if the call runs out of time) per-CTA stamps of v3, to see what batch rows changed in
+#    gate_up's prologue (compare with session13.txt call 9)
+git apply notes/epilogue_ilp_v2.patch && git apply notes/batch_rows_v3.patch && git apply notes/diag_stamps_v3.patch || { echo "diag does not apply"; exit 1; }
+touch csrc/experts.cu
+bash notes/device_trial.sh | grep -E "build|error"
+for pt in "--batch 64 --budget 16" "--batch 16 --budget 16" "--batch 1"; do
+  echo "== stamps $pt"
+  BASE_MOE_DIAG=64 timeout 60 python3 benchmarks/profile_layer.py --op experts --calls 4 $pt 2>&1 | grep -E "^(gate_up|down)" | tail -2
+done
