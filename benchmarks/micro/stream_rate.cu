@@ -1,7 +1,7 @@
 // Microbenchmark (standalone, not part of the library): how fast CTAs that only stream weight tiles through a
 // shared-memory ring pull them from HBM, with the expert kernel's access pattern and none of its arithmetic.
 //
-//   nvcc -O3 -std=c++20 -arch=sm_90a benchmarks/micro/stream_rate.cu -o /tmp/stream_rate && /tmp/stream_rate
+//   nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/stream_rate.cu -o /tmp/stream_rate && /tmp/stream_rate
 //
 // Why: the expert GEMMs' CTAs each complete about one k step per memory round trip whatever their ring depth
 // (notes/experts_kernel.md, sessions 2-12: ~15 GB/s per CTA at one or two CTAs per SM), so b64/M16's 192 gate_up CTAs
@@ -14,8 +14,9 @@
 // streams tiles b, b + grid, ... A k step moves ROWS x KSB bytes (KSB bytes of each row) into one ring slot; the loop
 // is the expert kernel's: wait for the oldest slot, barrier, refill the slot freed one step earlier, read the slot.
 // Loaders:
-//   cp      : 16-byte cp.async per thread (.L2::256B, as the expert kernel), strided rows
-//   cp-nohint: the same without the L2 prefetch hint
+//   cp      : 16-byte cp.async per thread, strided rows: the expert kernel's own copy (experts_mma.cuh,
+//             cp_async16_nohint: .L2::256B prefetch hint, no cache policy)
+//   cp-nohint: the same without the L2 prefetch hint (cp_async16_zfill with every byte valid)
 //   cp-contig: 16-byte cp.async, each k step's tile one contiguous block (a packed layout)
 //   bulk    : one cp.async.bulk per k step (contiguous block), mbarrier completion (async proxy)
 //   tma     : a 2-D TMA box of ROWS x KSB per k step from the strided rows, mbarrier completion
@@ -35,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "base_moe/experts_mma.cuh"
 #include "check.cuh"
 
 constexpr int NT = 128;               // threads per CTA (one warpgroup, as W64 / W128)
@@ -61,17 +63,11 @@ __device__ __forceinline__ unsigned smid() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
   return s;
 }
-__device__ __forceinline__ void cp16(uint32_t dst, const void* src, bool hint) {
-  if (hint)
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-  else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wait_group() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
+using base_moe::experts_detail::cp_async16_nohint;
+using base_moe::experts_detail::cp_async16_zfill;
+using base_moe::experts_detail::cp_async_commit;
+using base_moe::experts_detail::cp_async_wait;
+using base_moe::experts_detail::smem_addr;
 __device__ __forceinline__ void bar_init(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
 }
@@ -117,15 +113,15 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[STAGES];
   // TMA wants 128-byte aligned slots: align the ring to 1 KB (the launch adds 1 KB)
-  uint8_t* smem = smem_raw + ((1024 - (__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const unsigned long long t0 = globaltimer();
   const int tid = threadIdx.x;
   const int stage_bytes = p.rows * p.ksb;
   const int nk = static_cast<int>(K_BYTES / p.ksb);
   const int chunks_per_row = p.ksb / 16;
-  const uint32_t s0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t s0 = smem_addr(smem);
   const bool async_proxy = p.loader == kBulk || p.loader == kTma;
-  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+  const uint32_t bar0 = smem_addr(bars);
   if (async_proxy && tid == 0) {
     for (int s = 0; s < STAGES; ++s) bar_init(bar0 + 8 * s);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -163,21 +159,25 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
       }
       const uint8_t* step = tile_base + static_cast<int64_t>(ks) * (p.loader == kCpContig ? stage_bytes : p.ksb);
 #pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) cp16(dst + (tid + i * NT) * 16, step + src_off[i], p.loader != kCpNoHint);
+      for (int i = 0; i < CHUNKS; ++i) {
+        const uint32_t to = dst + (tid + i * NT) * 16;
+        if (p.loader == kCpNoHint) cp_async16_zfill(to, step + src_off[i], true);
+        else cp_async16_nohint(to, step + src_off[i]);
+      }
     };
     // k step g of the CTA (g = phase_base + ks) fills ring slot g % STAGES; a slot is refilled only after every thread
     // passed the barrier that follows its last read
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < nk) issue(s);
-      commit();
+      cp_async_commit();
     }
     for (int ks = 0; ks < nk; ++ks) {
       const uint32_t slot = (phase_base + ks) % STAGES;
       if (async_proxy) bar_wait(bar0 + 8 * slot, ((phase_base + ks) / STAGES) & 1);
-      else wait_group<STAGES - 2>();
+      else cp_async_wait<STAGES - 2>();
       __syncthreads();
       if (ks + STAGES - 1 < nk) issue(ks + STAGES - 1);
-      commit();
+      cp_async_commit();
       const uint4 v = *reinterpret_cast<const uint4*>(smem + slot * stage_bytes + (tid * 16) % stage_bytes);
       acc ^= v.x ^ v.w;
       if (p.delay) {
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
         }
       }
     }
-    wait_group<0>();
+    cp_async_wait<0>();
     __syncthreads();  // the next tile refills every slot
     phase_base += nk;
   }
