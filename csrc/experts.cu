@@ -73,6 +73,15 @@ struct GemmParams {
   int pass_splits;         // CTAs per (row tile, expert), each taking every pass_splits-th pass; set by the launcher
 };
 
+// SiLU(gate) * up for the gate_up epilogue. __fdividef instead of IEEE division: the division's slow-path branch kept
+// ptxas from interleaving a thread's 16-64 epilogue values, and with one or two warps per scheduler each dependent
+// instruction costs its full latency (the W64 epilogue took ~2 us per CTA, stamped on the H200; session 13).
+// __fdividef returns 0 for denominators above 2^126, i.e. for gate values below 126 ln 2 = -87.3, where |SiLU| <
+// 1e-36 (the IEEE division gave that tiny value; for gate values below -88.7 both give -0).
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+  return __fdividef(gate, 1.f + __expf(-gate)) * up;
+}
+
 // Byte offset of 16-byte chunk `ch` (0..7) of stage row `r`: odd rows swap halves so that the 8 lanes of a
 // quarter warp (two rows x 64 bytes) hit all 32 banks.
 __device__ __forceinline__ uint32_t swz(int r, int ch) { return r * ROW_BYTES + ((ch ^ ((r & 1) << 2)) << 4); }
@@ -87,8 +96,8 @@ __device__ __forceinline__ uint32_t swz(int r, int ch) { return r * ROW_BYTES + 
 // rows, then the 64 up rows) times the pass's NP tokens, both operands read from shared memory in the 128-byte swizzle;
 // warp w holds rows 16w..16w+15 of each block, for every token (the m16n8 accumulator layout per 8 tokens).
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
-__device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, int* s_list, int* s_scan, int u,
-                                            int off, int tile, int first_pass, int pass_step) {
+__device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, int* s_list, float* s_weight,
+                                            int* s_scan, int u, int off, int tile, int first_pass, int pass_step) {
   constexpr int NT = WARPS * 32;
   constexpr int WN = WARPS / WR;
   constexpr int NP = WN * NTW * 8;
@@ -213,6 +222,12 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
       if (s < nk) load_b(s);
       cp_async_commit();
     }
+    // The down GEMM's routing weights of this pass's tokens, for the epilogue, loaded while the first stages are in
+    // flight (the k loop's barriers publish them: nk >= 1, as the op's H and I are positive multiples of 64).
+    // Loaded in the epilogue itself, after stores to y that might alias p.weights for all the compiler knows, they
+    // cost one memory round trip per token (session 13: b256/M8 -6 us).
+    if constexpr (!GATED)
+      for (int t = tid; t < nv; t += NT) s_weight[t] = p.weights[s_list[t]];
 
     float acc[RTW][NTW][4];
 #pragma unroll
@@ -285,6 +300,21 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
 
     // ---- epilogue: accumulator (row g [+8], tokens 2q, 2q+1) ---------------------------------------------
     if (warp_has_tokens) {
+      if constexpr (GATED) {
+        // SiLU(gate) * up of every pair first, in place of the gate value, for every column (those past the pass's
+        // tokens are never stored): one branch-free block, so the thread's 16-64 values interleave
+#pragma unroll
+        for (int j = 0; j < NTW; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            if constexpr (IL) acc[0][j][e] = silu_mul(acc[0][j][e], acc[0][j][2 + e]);
+#pragma unroll
+            for (int rt = 0; rt < HALF; ++rt)
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                acc[rt][j][2 * h + e] = silu_mul(acc[rt][j][2 * h + e], acc[rt + HALF][j][2 * h + e]);
+          }
+      }
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
         const int nt = wn + j * WN;
@@ -294,22 +324,15 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
           if (tok >= nv) continue;
           if constexpr (GATED) {
             T* act = static_cast<T*>(p.out) + static_cast<int64_t>(off + c0 + tok) * p.out_stride + row0;
-            if constexpr (IL) {
-              const float gv = acc[0][j][e], uv = acc[0][j][2 + e];
-              act[wr * 8 + g] = from_float<T>(gv / (1.f + __expf(-gv)) * uv);
-            }
+            if constexpr (IL) act[wr * 8 + g] = from_float<T>(acc[0][j][e]);
 #pragma unroll
             for (int rt = 0; rt < HALF; ++rt) {
 #pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                const float gv = acc[rt][j][2 * h + e], uv = acc[rt + HALF][j][2 * h + e];
-                act[tile_row(rt) + g + 8 * h] = from_float<T>(gv / (1.f + __expf(-gv)) * uv);
-              }
+              for (int h = 0; h < 2; ++h) act[tile_row(rt) + g + 8 * h] = from_float<T>(acc[rt][j][2 * h + e]);
             }
           } else {
-            const int flat = s_list[tok];
-            const float wv = p.weights[flat];
-            float* y = static_cast<float*>(p.out) + static_cast<int64_t>(flat) * p.out_stride + row0;
+            float* y = static_cast<float*>(p.out) + static_cast<int64_t>(s_list[tok]) * p.out_stride + row0;
+            const float wv = s_weight[tok];  // once: a store to y might alias shared memory, for all the compiler knows
 #pragma unroll
             for (int rt = 0; rt < RTW; ++rt) {
 #pragma unroll
@@ -344,6 +367,7 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
   int* s_list = s_cnt + kMaxE;                                      // [NP] flat (t*k+j) of this pass's tokens
   int* s_active = s_list + NP;                                      // [kMaxE] active experts, ascending
   int* s_offset = s_active + kMaxE;                                 // [kMaxE] their first expert-sorted position
+  float* s_weight = reinterpret_cast<float*>(s_offset + kMaxE);     // [NP] down: the pass's routing weights
   __shared__ int s_scan[WARPS];
   __shared__ int s_num_active;
 
@@ -390,8 +414,8 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
 #pragma unroll 1
   for (int a = blockIdx.y; a < s_num_active; a += gridDim.y) {
     expert_item<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG && kWgmmaCompiled>(
-        p, smem, s_list, s_scan, s_active[a], s_offset[a], blockIdx.x / p.pass_splits, blockIdx.x % p.pass_splits,
-        p.pass_splits);
+        p, smem, s_list, s_weight, s_scan, s_active[a], s_offset[a], blockIdx.x / p.pass_splits,
+        blockIdx.x % p.pass_splits, p.pass_splits);
   }
 }
 
@@ -461,8 +485,10 @@ int multiprocessors() {
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG>
 struct GemmKernel {
   static constexpr int NP = WARPS / WR * NTW * 8;
-  // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE]
-  static constexpr size_t smem = STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int) + (WG ? 1024 : 0);
+  // stages, then counts [kMaxE], the pass's token list [NP], active experts and their offsets [2 kMaxE], the pass's
+  // routing weights [NP]
+  static constexpr size_t smem =
+      STAGES * (ROWS + NP) * ROW_BYTES + (3 * kMaxE + NP) * sizeof(int) + NP * sizeof(float) + (WG ? 1024 : 0);
   static constexpr auto kernel = expert_gemm_kernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
 
   // Sets the shared-memory attribute (it belongs to each device's copy of the kernel; two threads may both set it,
@@ -555,10 +581,10 @@ int forced_choice(const char* knob, std::initializer_list<const char*> choices) 
 // graph-safe).
 enum class Config { kT16, kT32, kW64, kW128 };
 
-// T: tokens of the batch (no expert gets more: one slot per token); tokens_per_expert: T * k over the most experts
-// that can be active (min(E, T * k, max_active_experts)), the average load per active expert when no slot is empty
-// and the bound is exact (empty slots or a loose bound make it an overestimate): the best the host knows without a
-// sync.
+// T: tokens of the batch (no expert gets more unless a token lists it twice); tokens_per_expert: T * k over the most
+// experts that can be active (min(E, T * k, max_active_experts)), the average load per active expert when no slot is
+// empty and the bound is exact (empty slots or a loose bound make it an overestimate): the best the host knows
+// without a sync.
 Config pick_config(int64_t T, int64_t tokens_per_expert) {
   static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128};
   const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128"});  // for benchmarks
@@ -710,7 +736,8 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   const int64_t tokens_per_expert = tk / grid_experts;
   const Config cfg = pick_config(T, tokens_per_expert);
   // The busiest expert's tokens, estimated without a sync: the average plus a third (random routings of the benchmark
-  // points spread about that far), never more than T (one slot per token).
+  // points spread about that far), never more than T (a token lists an expert once; if twice, the estimate is low,
+  // which costs time, not correctness).
   const int64_t busiest_expert = std::min(T, tokens_per_expert + tokens_per_expert / 3);
   const bool pdl = use_pdl(hidden.get_device());
   if (hidden.scalar_type() == at::kBFloat16) {

@@ -24,9 +24,10 @@ Tensor experts_cuda(const Tensor& hidden, const Tensor& expert_ids, const Tensor
               " (cast the inputs, or run the op on the CPU)");
   const int64_t T = hidden.size(0), H = hidden.size(1), k = expert_ids.size(1);
   const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
-  BASE_MOE_CHECK(H % 64 == 0, "experts on CUDA needs hidden_size to be a multiple of 64, got ", H);
-  BASE_MOE_CHECK(I % 64 == 0, "experts on CUDA needs the intermediate size (gate_up_proj.size(1) / 2) to be a "
-              "multiple of 64, got ", I);
+  // positive: the kernels' k loops then run at least once (their barriers publish each pass's shared tables)
+  BASE_MOE_CHECK(H > 0 && H % 64 == 0, "experts on CUDA needs hidden_size to be a positive multiple of 64, got ", H);
+  BASE_MOE_CHECK(I > 0 && I % 64 == 0, "experts on CUDA needs the intermediate size (gate_up_proj.size(1) / 2) to be "
+              "a positive multiple of 64, got ", I);
   BASE_MOE_CHECK(E >= 1 && E <= 512, "experts on CUDA supports 1 to 512 experts, got ", E);
   BASE_MOE_CHECK(T * k < (int64_t{1} << 30), "experts on CUDA: too many (token, slot) pairs: ", T * k);
   for (const Tensor* t : {&hidden, &gate_up_proj, &down_proj}) {

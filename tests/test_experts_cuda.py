@@ -256,6 +256,13 @@ except RuntimeError as e:
     assert "multiple of 64" in str(e), e
 else:
     raise AssertionError("H=96 accepted")
+args = make_problem(2, dtype=torch.bfloat16, H=64, I=0, E=3, k=2)
+try:
+    torch.ops.base_moe.experts(*args)
+except RuntimeError as e:
+    assert "positive multiple of 64" in str(e), e
+else:
+    raise AssertionError("I=0 accepted")
 args = [a.float() if a.is_floating_point() else a for a in make_problem(2, dtype=torch.bfloat16, H=64, I=64, E=3, k=2)]
 try:
     torch.ops.base_moe.experts(*args)
