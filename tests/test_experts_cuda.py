@@ -249,27 +249,21 @@ def test_opcheck():
 _SHAPE_ERRORS = """
 import torch, base_moe.ops
 from tests.test_experts_cuda import make_problem
-args = make_problem(2, dtype=torch.bfloat16, H=96, I=64, E=3, k=2)
-try:
-    torch.ops.base_moe.experts(*args)
-except RuntimeError as e:
-    assert "multiple of 64" in str(e), e
-else:
-    raise AssertionError("H=96 accepted")
-args = make_problem(2, dtype=torch.bfloat16, H=64, I=0, E=3, k=2)
-try:
-    torch.ops.base_moe.experts(*args)
-except RuntimeError as e:
-    assert "positive multiple of 64" in str(e), e
-else:
-    raise AssertionError("I=0 accepted")
-args = [a.float() if a.is_floating_point() else a for a in make_problem(2, dtype=torch.bfloat16, H=64, I=64, E=3, k=2)]
-try:
-    torch.ops.base_moe.experts(*args)
-except RuntimeError as e:
-    assert "bfloat16 or float16" in str(e), e
-else:
-    raise AssertionError("float32 accepted")
+
+
+def expect_rejected(args, message, what):
+    try:
+        torch.ops.base_moe.experts(*args)
+    except RuntimeError as e:
+        assert message in str(e), e
+    else:
+        raise AssertionError(what + " accepted")
+
+
+expect_rejected(make_problem(2, dtype=torch.bfloat16, H=96, I=64, E=3, k=2), "multiple of 64", "H=96")
+expect_rejected(make_problem(2, dtype=torch.bfloat16, H=64, I=0, E=3, k=2), "positive multiple of 64", "I=0")
+fp32 = [a.float() if a.is_floating_point() else a for a in make_problem(2, dtype=torch.bfloat16, H=64, I=64, E=3, k=2)]
+expect_rejected(fp32, "bfloat16 or float16", "float32")
 print("ok")
 """
 

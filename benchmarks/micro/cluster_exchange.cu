@@ -1,7 +1,7 @@
 // Microbenchmark (standalone, not part of the library): what one exchange between the CTAs of a 16-CTA cluster
 // costs on the H200, to decide the selection kernel's design (notes/research_selection_s3.md, section 8).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/micro/cluster_exchange.cu -o /tmp/cluster_exchange && /tmp/cluster_exchange
+//   nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/cluster_exchange.cu -o /tmp/cluster_exchange && /tmp/cluster_exchange
 //
 // Each kernel runs one cluster of C CTAs x 512 threads with ~200 KB of shared memory (the selection kernel's
 // occupancy) and repeats one exchange ITERS times; CTA 0 times every repetition with clock64 between the moment it
@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "base_moe/experts_mma.cuh"
 #include "check.cuh"
 
 namespace cg = cooperative_groups;
@@ -29,7 +30,7 @@ constexpr int kThreads = 512;
 constexpr int kIters = 200;
 constexpr int kSmemBytes = 200 * 1024;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+using base_moe::experts_detail::smem_addr;
 
 __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
   uint32_t out;
@@ -41,25 +42,11 @@ __device__ __forceinline__ void cluster_barrier() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n.reg .pred p;\nWAIT_%=:\n"
       "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
       "r"(parity)
       : "memory");
 }
@@ -84,17 +71,18 @@ __global__ void __launch_bounds__(kThreads, 1) exchange_kernel(int mode, int byt
   uint4* inbox = reinterpret_cast<uint4*>(smem);  // CTA 0: (C - 1) slots of `bytes`
   const int chunks = bytes / 16;                  // 16-byte pieces each sender writes
   if (tid == 0) {
-    mbar_init(&bar, 1);
+    mbar_init(smem_addr(&bar), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   cluster_barrier();
-  const uint32_t inbox0 = map_rank(smem_u32(inbox), 0), bar0 = map_rank(smem_u32(&bar), 0);
+  const uint32_t inbox0 = map_rank(smem_addr(inbox), 0), bar0 = map_rank(smem_addr(&bar), 0);
   for (int it = 0; it < kIters; ++it) {
-    if (mode == kStAsync && rank == 0 && tid == 0) mbar_expect_tx(&bar, static_cast<uint32_t>((C - 1) * bytes));
+    if (mode == kStAsync && rank == 0 && tid == 0)
+      mbar_arrive_expect_tx(smem_addr(&bar), static_cast<uint32_t>((C - 1) * bytes));
     cluster_barrier();  // everyone starts together (not timed for the pushes' senders)
     const long long t0 = clock64();
-    const uint64_t g0 = global_ns();
+    const uint64_t g0 = globaltimer();
     switch (mode) {
       case kBarrier:
         cluster_barrier();
@@ -125,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange_kernel(int mode, int byt
         if (rank == 0 && tid < 32) {
           float acc = 0.f;
           for (uint32_t r = 1; r < C; ++r) {
-            const uint32_t src = map_rank(smem_u32(inbox) + tid * 16, r);
+            const uint32_t src = map_rank(smem_addr(inbox) + tid * 16, r);
             float4 v;
             asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
                          : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
@@ -140,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange_kernel(int mode, int byt
     }
     if (rank == 0 && tid == 0) {
       times[it] = clock64() - t0;
-      ns[it] = global_ns() - g0;
+      ns[it] = globaltimer() - g0;
     }
   }
   cluster_barrier();  // no CTA exits while another may still write into it

@@ -53,11 +53,6 @@ struct Stamp {
   unsigned sm, pad;
 };
 
-__device__ __forceinline__ unsigned long long globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 __device__ __forceinline__ unsigned smid() {
   unsigned s;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
@@ -68,12 +63,6 @@ using base_moe::experts_detail::cp_async16_zfill;
 using base_moe::experts_detail::cp_async_commit;
 using base_moe::experts_detail::cp_async_wait;
 using base_moe::experts_detail::smem_addr;
-__device__ __forceinline__ void bar_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void bar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done)
@@ -123,7 +112,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
   const bool async_proxy = p.loader == kBulk || p.loader == kTma;
   const uint32_t bar0 = smem_addr(bars);
   if (async_proxy && tid == 0) {
-    for (int s = 0; s < STAGES; ++s) bar_init(bar0 + 8 * s);
+    for (int s = 0; s < STAGES; ++s) mbar_init(bar0 + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -149,7 +138,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
       if (async_proxy) {
         if (tid == 0) {
           const uint32_t bar = bar0 + 8 * slot;
-          bar_expect(bar, stage_bytes);
+          mbar_arrive_expect_tx(bar, stage_bytes);
           if (p.loader == kBulk)
             bulk_copy(dst, tile_base + static_cast<int64_t>(ks) * stage_bytes, stage_bytes, bar);
           else
