@@ -24,6 +24,12 @@
 // TB/s, ~22 GB/s per CTA, the same on SMs holding one CTA as on SMs holding two); ring depth 3-6, TMA, bulk copies,
 // contiguous tiles, the expert layout and random bytes all within 2 us of it. The expert kernel's gate_up takes ~33 us
 // for the same bytes, its k loop included (per-CTA stamps: the loop runs at this rate; the rest is before and after it).
+// Token rows and pass splits (session 14, not yet run): a case may add token_rows rows per stage from a 1 MB buffer
+// that stays in L2 (a pass's token rows) and let `share` neighbouring CTAs stream each tile (the kernel's pass
+// splits; the tile's HBM bytes are read once, the rest hit L2 when the CTAs run together). The b256/M16 rows compare
+// W64 as it runs today past one wave with wider passes that stream each tile once: what a restructured kernel could
+// gain before it is written. With them, "TB/s" still counts the weights' bytes once (the expert op's measure) and the
+// per-CTA GB/s count every byte a CTA stages (token rows and shared tiles included).
 // Timing: %globaltimer stamps per CTA (kernel span = last end - first start; per-CTA rate split by whether another
 // CTA ran on its SM at the same time), the median of 9 launches. Shared-memory padding caps the CTAs per SM; the
 // "max/SM" column is the occupancy API's answer for the padded kernel (the grid decides how many an SM really holds).
@@ -44,6 +50,7 @@ constexpr int64_t K_BYTES = 4096;     // one weight row (2048 bf16)
 constexpr int64_t ROWS_TOTAL = 24576; // 16 experts x 1536 gate_up rows
 constexpr int64_t REGION = ROWS_TOTAL * K_BYTES;
 constexpr int REGIONS = 8;
+constexpr int kTokenRows = 256;       // the token buffer's rows (1 MB: stays in L2, like a batch's hidden states)
 
 enum Loader { kCp, kCpNoHint, kCpContig, kBulk, kTma };
 const char* kLoaderNames[] = {"cp", "cp-nohint", "cp-contig", "bulk", "tma"};
@@ -94,9 +101,12 @@ struct Params {
   int delay;         // cycles of pretend arithmetic per k step
   Stamp* stamps;
   unsigned* sink;
+  int share;             // CTAs per tile (the expert kernel's pass splits): CTA item i streams tile i / share
+  int token_rows;        // rows per stage from the token buffer, after the tile's rows (a pass's token rows)
+  const uint8_t* tokens; // [kTokenRows, K_BYTES]: pass j of a tile reads rows j * token_rows.. (mod kTokenRows)
 };
 
-// CHUNKS: 16-byte chunks per thread per k step (rows x ksb / 16 / NT)
+// CHUNKS: 16-byte chunks per thread per k step ((rows + token_rows) x ksb / 16 / NT)
 template <int STAGES, int CHUNKS>
 __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
   extern __shared__ uint8_t smem_raw[];
@@ -105,7 +115,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const unsigned long long t0 = globaltimer();
   const int tid = threadIdx.x;
-  const int stage_bytes = p.rows * p.ksb;
+  const int stage_bytes = (p.rows + p.token_rows) * p.ksb;
   const int nk = static_cast<int>(K_BYTES / p.ksb);
   const int chunks_per_row = p.ksb / 16;
   const uint32_t s0 = smem_addr(smem);
@@ -116,19 +126,24 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  // this thread's chunks of a k step: byte offsets from the tile's first row at k step 0
+  // this thread's chunks of a k step: byte offsets from the tile's first row (or the pass's first token row) at k
+  // step 0
   int src_off[CHUNKS];
+  bool token_chunk[CHUNKS];
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int c = tid + i * NT;
     const int r = c / chunks_per_row;
-    const int row = p.experts && r >= 64 ? kExpertRows / 2 + r - 64 : r;
+    token_chunk[i] = r >= p.rows;
+    const int row = token_chunk[i] ? r - p.rows : p.experts && r >= 64 ? kExpertRows / 2 + r - 64 : r;
     src_off[i] = p.loader == kCpContig ? c * 16 : row * K_BYTES + (c % chunks_per_row) * 16;
   }
   unsigned acc = 0;
   int phase_base = 0;  // k steps consumed so far by this CTA (mbarrier parity)
 
-  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+  for (int item = blockIdx.x; item < p.tiles * p.share; item += gridDim.x) {
+    const int tile = item / p.share;
+    const uint8_t* token_base = p.tokens + static_cast<int64_t>(item % p.share * p.token_rows % kTokenRows) * K_BYTES;
     const uint8_t* tile_base =
         p.experts ? p.w + (static_cast<int64_t>(p.chosen[tile / 12]) * kExpertRows + (tile % 12) * 64) * K_BYTES
                   : p.w + static_cast<int64_t>(tile) * p.rows * K_BYTES;
@@ -147,11 +162,13 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
         return;
       }
       const uint8_t* step = tile_base + static_cast<int64_t>(ks) * (p.loader == kCpContig ? stage_bytes : p.ksb);
+      const uint8_t* token_step = token_base + static_cast<int64_t>(ks) * p.ksb;
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) {
         const uint32_t to = dst + (tid + i * NT) * 16;
-        if (p.loader == kCpNoHint) cp_async16_zfill(to, step + src_off[i], true);
-        else cp_async16_nohint(to, step + src_off[i]);
+        const uint8_t* from = (token_chunk[i] ? token_step : step) + src_off[i];
+        if (p.loader == kCpNoHint) cp_async16_zfill(to, from, true);
+        else cp_async16_nohint(to, from);
       }
     };
     // k step g of the CTA (g = phase_base + ks) fills ring slot g % STAGES; a slot is refilled only after every thread
@@ -187,6 +204,7 @@ struct Case {
   const char* note;
   int loader, stages, rows, ksb, occupancy, grid, delay;
   int experts = 0, random = 0;  // the expert layout (cp loaders, 128 rows); random bytes instead of 0x01
+  int share = 1, token_rows = 0;  // CTAs per tile and token rows per stage (Params; cp / cp-nohint loaders)
 };
 
 __global__ void fill_kernel(uint32_t* w, int64_t n, uint32_t salt) {
@@ -205,7 +223,9 @@ Kernel pick_chunks(int chunks) {
   switch (chunks) {
     case 4: return stream_kernel<STAGES, 4>;
     case 8: return stream_kernel<STAGES, 8>;
+    case 12: return stream_kernel<STAGES, 12>;
     case 16: return stream_kernel<STAGES, 16>;
+    case 20: return stream_kernel<STAGES, 20>;
   }
   return nullptr;
 }
@@ -256,6 +276,9 @@ int main() {
   unsigned* sink = nullptr;
   CHECK(cudaMalloc(&stamps, sizeof(Stamp) * 4096));
   CHECK(cudaMalloc(&sink, 4));
+  uint8_t* tokens = nullptr;
+  CHECK(cudaMalloc(&tokens, kTokenRows * K_BYTES));
+  CHECK(cudaMemset(tokens, 1, kTokenRows * K_BYTES));
 
   // copy reference: device-to-device of one region into another, median of 9
   cudaEvent_t e0, e1;
@@ -301,13 +324,22 @@ int main() {
       {"W64 shape, expert layout, random bytes", kCp, 4, 128, 128, 2, base_grid, 0, 1, 1},
       {"  same, ring 6", kCp, 6, 128, 128, 2, base_grid, 0, 1, 1},
       {"TMA 2-D box, random bytes", kTma, 4, 128, 128, 2, base_grid, 0, 0, 1},
+      // b256/M16's gate_up (~128 tokens per expert) with its token rows (from L2) and pass splits: W64 today (3 CTAs
+      // per tile, 64 token rows each; 2 stages at 4 CTAs per SM past one wave), and wider passes that stream each
+      // tile once (the shapes a warp-specialised kernel with one or two consumer warpgroups would have)
+      {"b256/M16 W64: 2 st, 4/SM, 3 per tile", kCp, 2, 128, 128, 4, 3 * base_grid, 0, 0, 0, 3, 64},
+      {"  same, no token rows", kCp, 2, 128, 128, 4, 3 * base_grid, 0, 0, 0, 3, 0},
+      {"  same, 4 st, 2/SM", kCp, 4, 128, 128, 2, 3 * base_grid, 0, 0, 0, 3, 64},
+      {"b256/M16 W128: 3 st, 2/SM, 2 per tile", kCp, 3, 128, 128, 2, 2 * base_grid, 0, 0, 0, 2, 128},
+      {"b256/M16 one pass of 192: 4 st, 1/SM", kCp, 4, 128, 128, 1, base_grid, 0, 0, 0, 1, 192},
+      {"  64-row tiles + 192 tokens, 3 st, 2/SM", kCp, 3, 64, 128, 2, 2 * base_grid, 0, 0, 0, 1, 192},
   };
   int filled_random = 0;
   std::printf("%-40s %-9s %2s %4s %4s %4s %4s | %7s %6s | %8s %8s %8s | %8s\n", "case", "loader", "S", "rows", "KSB",
               "max/SM", "grid", "span us", "TB/s", "CTA us", "GB/s@1", "GB/s@2+", "burst us");
   int launch = 0;
   for (const Case& c : cases) {
-    const int chunks = c.rows * c.ksb / 16 / NT;
+    const int chunks = (c.rows + c.token_rows) * c.ksb / 16 / NT;
     Kernel kernel = pick(c.stages, chunks);
     if (kernel == nullptr) {
       std::printf("%-40s: no instance\n", c.note);
@@ -317,7 +349,11 @@ int main() {
       std::printf("%-40s: the expert layout takes the cp loaders with 128-row tiles only\n", c.note);
       continue;
     }
-    const int ring = c.stages * c.rows * c.ksb;
+    if (c.token_rows && c.loader != kCp && c.loader != kCpNoHint) {
+      std::printf("%-40s: token rows take the cp loaders only\n", c.note);
+      continue;
+    }
+    const int ring = c.stages * (c.rows + c.token_rows) * c.ksb;
     const int padded = std::max(ring + 1024, static_cast<int>(228 * 1024 / c.occupancy) - 1024 - 2048);
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, padded));
     int occ = 0;
@@ -332,7 +368,8 @@ int main() {
     // one launch on the next region (L2 holds none of it) or, with the expert layout, on 16 other random experts
     auto launch_next = [&] {
       const uint8_t* region = w + REGION * (launch++ % REGIONS);
-      Params p{c.experts ? w : region, c.rows, c.ksb, tiles, c.loader, c.experts, {}, c.delay, stamps, sink};
+      Params p{c.experts ? w : region, c.rows, c.ksb, tiles, c.loader, c.experts, {}, c.delay, stamps, sink,
+               c.share, c.token_rows, tokens};
       for (int i = 0; i < kChosen; ++i) {  // distinct random experts
         bool fresh = false;
         while (!fresh) {
@@ -365,8 +402,8 @@ int main() {
       double sum_us = 0, b1 = 0, t1 = 0, b2 = 0, t2 = 0;
       for (int b = 0; b < c.grid; ++b) {
         const double us = (s[b].end - s[b].start) / 1e3;
-        const int my_tiles = (tiles - b + c.grid - 1) / c.grid;
-        const double bytes = static_cast<double>(my_tiles) * c.rows * K_BYTES;
+        const int my_items = (tiles * c.share - b + c.grid - 1) / c.grid;
+        const double bytes = static_cast<double>(my_items) * (c.rows + c.token_rows) * K_BYTES;
         sum_us += us;
         if (!shared[b]) b1 += bytes, t1 += us;
         else b2 += bytes, t2 += us;
@@ -394,5 +431,6 @@ int main() {
                 median(cta_us), median(rate1), median(rate2), burst_ms * 1e3 / kBurst);
   }
   CHECK(cudaFree(w));
+  CHECK(cudaFree(tokens));
   return 0;
 }
