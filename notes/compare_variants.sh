@@ -3,15 +3,24 @@
 # (developer tooling, notes/STATUS.md). From the repo root, after `git rev-parse HEAD > .trial_sha` on this machine
 # (the device copy's .git does not follow local commits):
 #   bash notes/compare_variants.sh [-s "STEPS"] NAME=PATCH[,PATCH...] [-s "STEPS"] NAME=... ...
-# Each variant: its patches applied in order, a forced build, the steps of notes/device_trial.sh given by the last -s
-# before it (default "texp var"; e.g. "texp var mem race", or "stamps" with notes/diag_stamps_s14.patch among the
-# patches), the patches reverted. Then, if any variant ran "var", main's "var" and one table of the default
-# configuration's microseconds at every batch x budget point of those variants, main first. Logs and JSON under $OUT,
-# named by variant.
+# Every variant's patches are checked against main first. Then each variant: its patches applied (all or none), a
+# forced build, the steps of notes/device_trial.sh given by the last -s before it (default "texp var"; e.g. "texp var
+# mem race", "stamps" with notes/diag_stamps_main.patch among the patches, "phases" with
+# notes/select_phases_main.patch), the patches reverted. The JSON's git_commit names .trial_sha plus the patches.
+# Then, if any variant ran "var", main's "var" and one table of the default configuration's microseconds at every
+# batch x budget point of those variants, main first. Under $OUT the variants / pytest_experts / memcheck / racecheck
+# files are renamed by variant; other steps' logs keep device_trial.sh's names (the last variant's survive).
 # Session 14 ran its calls 2, 3 and 5 as one-off scripts of this form (git history: 4dbf907).
 steps="texp var"
 names=()
 compared=0
+main_commit=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
+for arg in "$@"; do  # every variant's patches must apply to main before any device time goes to a build
+  case $arg in
+    *=*) IFS=, read -ra patches <<< "${arg#*=}"
+         git apply --check "${patches[@]}" || { echo "${arg%%=*}: its patches do not apply to main"; exit 1; };;
+  esac
+done
 export VARIANTS=${VARIANTS:-default} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 run() {  # NAME STEP...
   local name=$1
@@ -28,21 +37,23 @@ while [ $# -gt 0 ]; do
   name=${1%%=*}
   IFS=, read -ra patches <<< "${1#*=}"
   shift
-  for p in "${patches[@]}"; do git apply "$p" || { echo "$p does not apply"; exit 1; }; done
-  run "$name" $steps
+  git apply "${patches[@]}" || { echo "$name: its patches do not apply"; exit 1; }
+  BASE_MOE_COMMIT="$main_commit + ${patches[*]}" run "$name" $steps
   [[ " $steps " == *" var "* ]] && compared=1
-  for ((i = ${#patches[@]} - 1; i >= 0; i--)); do
-    git apply -R "${patches[i]}" || { echo "reverting ${patches[i]} failed"; exit 1; }
-  done
+  reversed=()
+  for ((i = ${#patches[@]} - 1; i >= 0; i--)); do reversed+=("${patches[i]}"); done
+  git apply -R "${reversed[@]}" || { echo "$name: reverting its patches failed"; exit 1; }
   names+=("$name")
 done
 [ $compared = 1 ] || exit 0
-run main var
+BASE_MOE_COMMIT=$main_commit run main var
 NAMES="main ${names[*]}" python3 - <<'PY'
 import json, os
 out = os.environ["OUT"]
 names = [n for n in os.environ["NAMES"].split() if os.path.exists(f"{out}/variants_{n}.json")]
 runs = {n: json.load(open(f"{out}/variants_{n}.json")) for n in names}
+if "main" not in runs:
+    raise SystemExit("main's variants did not run: no table")
 print("copy TB/s", {n: round(r["copy_bandwidth_TBps"], 2) for n, r in runs.items()})
 print("batch budget active " + " ".join(f"{n:>8}" for n in names))
 for i, row in enumerate(runs["main"]["variants"]):

@@ -2,7 +2,7 @@
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
 #   bash notes/device_trial.sh texp tall mem race var layer layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
 s=$SECONDS
 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > $OUT/build.log 2>&1 || { tail -50 $OUT/build.log; exit 1; }
@@ -36,7 +36,7 @@ for step in "$@"; do
     sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128} timeout 200 compute-sanitizer --tool synccheck python3 benchmarks/sanitize_experts.py > $OUT/synccheck.log 2>&1; tail -6 $OUT/synccheck.log;;
     timeline) for pt in ${POINTS:-1:0 16:16 64:16 256:16}; do b=${pt%:*}; m=${pt#*:}; [ "$m" = 0 ] && m=; for op in experts layer; do
            timeout 60 python3 benchmarks/profile_layer.py --timeline --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning; done; done;;
-    stamps) # per-CTA phase stamps of the expert GEMMs (needs notes/diag_stamps_s14.patch, or a stamp patch like it, applied)
+    stamps) # per-CTA phase stamps of the expert GEMMs (needs notes/diag_stamps_main.patch, or one like it, applied)
       for pt in ${POINTS:-64:16 16:16 1:0 256:16}; do b=${pt%:*}; m=${pt#*:}; [ "$m" = 0 ] && m=
         echo "stamps b$b/M${m:-dense}"
         BASE_MOE_DIAG=64 timeout 60 python3 benchmarks/profile_layer.py --op experts --calls 4 --batch $b ${m:+--budget $m} 2>&1 | grep -E "^(gate_up|down)" | tail -2

@@ -11,8 +11,9 @@
 // The buffer holds the weight rows of b64/M16's gate_up (16 experts x 1536 rows x 2048 bf16 columns = 100 MB, row
 // stride 4 KB) several times over, a different copy per launch (L2 holds none of it; with the expert layout, 16
 // random experts of 128 per launch, about 2 of them shared with the previous launch). Tile t = ROWS rows; CTA b
-// streams tiles b, b + grid, ... A k step moves ROWS x KSB bytes (KSB bytes of each row) into one ring slot; the loop
-// is the expert kernel's: wait for the oldest slot, barrier, refill the slot freed one step earlier, read the slot.
+// streams items b, b + grid, ..., item i being tile i / share (share = 1 but in the token-row cases below). A k step
+// moves (ROWS + token rows) x KSB bytes (KSB bytes of each row) into one ring slot; the loop is the expert kernel's:
+// wait for the oldest slot, barrier, refill the slot freed one step earlier, read the slot.
 // Loaders:
 //   cp      : 16-byte cp.async per thread, strided rows: the expert kernel's own copy (experts_mma.cuh,
 //             cp_async16_nohint: .L2::256B prefetch hint, no cache policy)
@@ -29,7 +30,9 @@
 // splits; the tile's HBM bytes are read once, the rest hit L2 when the CTAs run together). The b256/M16 rows compare
 // W64 as it runs today past one wave with wider passes that stream each tile once: what a restructured kernel could
 // gain before it is written. With them, "TB/s" still counts the weights' bytes once (the expert op's measure) and the
-// per-CTA GB/s count every byte a CTA stages (token rows and shared tiles included).
+// per-CTA GB/s count every byte a CTA stages (token rows and shared tiles included). The cases without token rows run
+// their own instances, whose k loops are within a few SASS instructions of session 13's (not identical: the item /
+// share indexing changed the register allocation); compare rows of one run, not with session 13's figures.
 // Timing: %globaltimer stamps per CTA (kernel span = last end - first start; per-CTA rate split by whether another
 // CTA ran on its SM at the same time), the median of 9 launches. Shared-memory padding caps the CTAs per SM; the
 // "max/SM" column is the occupancy API's answer for the padded kernel (the grid decides how many an SM really holds).
@@ -106,8 +109,9 @@ struct Params {
   const uint8_t* tokens; // [kTokenRows, K_BYTES]: pass j of a tile reads rows j * token_rows.. (mod kTokenRows)
 };
 
-// CHUNKS: 16-byte chunks per thread per k step ((rows + token_rows) x ksb / 16 / NT)
-template <int STAGES, int CHUNKS>
+// CHUNKS: 16-byte chunks per thread per k step ((rows + token_rows) x ksb / 16 / NT); TOKENS: token_rows > 0 (a
+// separate instance, so that the cases without token rows run session 13's k loop)
+template <int STAGES, int CHUNKS, bool TOKENS>
 __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[STAGES];
@@ -134,7 +138,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
   for (int i = 0; i < CHUNKS; ++i) {
     const int c = tid + i * NT;
     const int r = c / chunks_per_row;
-    token_chunk[i] = r >= p.rows;
+    token_chunk[i] = TOKENS && r >= p.rows;
     const int row = token_chunk[i] ? r - p.rows : p.experts && r >= 64 ? kExpertRows / 2 + r - 64 : r;
     src_off[i] = p.loader == kCpContig ? c * 16 : row * K_BYTES + (c % chunks_per_row) * 16;
   }
@@ -166,7 +170,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) {
         const uint32_t to = dst + (tid + i * NT) * 16;
-        const uint8_t* from = (token_chunk[i] ? token_step : step) + src_off[i];
+        const uint8_t* from = (TOKENS && token_chunk[i] ? token_step : step) + src_off[i];
         if (p.loader == kCpNoHint) cp_async16_zfill(to, from, true);
         else cp_async16_nohint(to, from);
       }
@@ -218,25 +222,29 @@ __global__ void fill_kernel(uint32_t* w, int64_t n, uint32_t salt) {
 }
 
 using Kernel = void (*)(Params, CUtensorMap);
-template <int STAGES>
+template <int STAGES, bool TOKENS>
 Kernel pick_chunks(int chunks) {
   switch (chunks) {
-    case 4: return stream_kernel<STAGES, 4>;
-    case 8: return stream_kernel<STAGES, 8>;
-    case 12: return stream_kernel<STAGES, 12>;
-    case 16: return stream_kernel<STAGES, 16>;
-    case 20: return stream_kernel<STAGES, 20>;
+    case 4: return stream_kernel<STAGES, 4, TOKENS>;
+    case 8: return stream_kernel<STAGES, 8, TOKENS>;
+    case 12: return stream_kernel<STAGES, 12, TOKENS>;
+    case 16: return stream_kernel<STAGES, 16, TOKENS>;
+    case 20: return stream_kernel<STAGES, 20, TOKENS>;
   }
   return nullptr;
 }
-Kernel pick(int stages, int chunks) {
+template <int STAGES>
+Kernel pick_tokens(int chunks, bool tokens) {
+  return tokens ? pick_chunks<STAGES, true>(chunks) : pick_chunks<STAGES, false>(chunks);
+}
+Kernel pick(int stages, int chunks, bool tokens) {
   switch (stages) {
-    case 2: return pick_chunks<2>(chunks);
-    case 3: return pick_chunks<3>(chunks);
-    case 4: return pick_chunks<4>(chunks);
-    case 6: return pick_chunks<6>(chunks);
-    case 8: return pick_chunks<8>(chunks);
-    case 12: return pick_chunks<12>(chunks);
+    case 2: return pick_tokens<2>(chunks, tokens);
+    case 3: return pick_tokens<3>(chunks, tokens);
+    case 4: return pick_tokens<4>(chunks, tokens);
+    case 6: return pick_tokens<6>(chunks, tokens);
+    case 8: return pick_tokens<8>(chunks, tokens);
+    case 12: return pick_tokens<12>(chunks, tokens);
   }
   return nullptr;
 }
@@ -335,12 +343,12 @@ int main() {
       {"  64-row tiles + 192 tokens, 3 st, 2/SM", kCp, 3, 64, 128, 2, 2 * base_grid, 0, 0, 0, 1, 192},
   };
   int filled_random = 0;
-  std::printf("%-40s %-9s %2s %4s %4s %4s %4s | %7s %6s | %8s %8s %8s | %8s\n", "case", "loader", "S", "rows", "KSB",
-              "max/SM", "grid", "span us", "TB/s", "CTA us", "GB/s@1", "GB/s@2+", "burst us");
+  std::printf("%-40s %-9s %2s %4s %4s %3s %5s %4s %4s | %7s %6s | %8s %8s %8s | %8s\n", "case", "loader", "S", "rows",
+              "tok", "shr", "KSB", "max/SM", "grid", "span us", "TB/s", "CTA us", "GB/s@1", "GB/s@2+", "burst us");
   int launch = 0;
   for (const Case& c : cases) {
     const int chunks = (c.rows + c.token_rows) * c.ksb / 16 / NT;
-    Kernel kernel = pick(c.stages, chunks);
+    Kernel kernel = pick(c.stages, chunks, c.token_rows > 0);
     if (kernel == nullptr) {
       std::printf("%-40s: no instance\n", c.note);
       continue;
@@ -351,6 +359,13 @@ int main() {
     }
     if (c.token_rows && c.loader != kCp && c.loader != kCpNoHint) {
       std::printf("%-40s: token rows take the cp loaders only\n", c.note);
+      continue;
+    }
+    bool tokens_fit = true;  // every pass's token rows inside the token buffer
+    for (int j = 0; j < c.share; ++j) tokens_fit &= j * c.token_rows % kTokenRows + c.token_rows <= kTokenRows;
+    if (!tokens_fit) {
+      std::printf("%-40s: %d passes of %d token rows do not fit the %d-row token buffer\n", c.note, c.share,
+                  c.token_rows, kTokenRows);
       continue;
     }
     const int ring = c.stages * (c.rows + c.token_rows) * c.ksb;
@@ -426,9 +441,9 @@ int main() {
       return v[v.size() / 2];
     };
     const double span = median(spans);
-    std::printf("%-40s %-9s %2d %4d %4d %4d %4d | %7.1f %6.2f | %8.1f %8.1f %8.1f | %8.1f\n", c.note,
-                kLoaderNames[c.loader], c.stages, c.rows, c.ksb, occ, c.grid, span, REGION / span / 1e6,
-                median(cta_us), median(rate1), median(rate2), burst_ms * 1e3 / kBurst);
+    std::printf("%-40s %-9s %2d %4d %4d %3d %5d %4d %4d | %7.1f %6.2f | %8.1f %8.1f %8.1f | %8.1f\n", c.note,
+                kLoaderNames[c.loader], c.stages, c.rows, c.token_rows, c.share, c.ksb, occ, c.grid, span,
+                REGION / span / 1e6, median(cta_us), median(rate1), median(rate2), burst_ms * 1e3 / kBurst);
   }
   CHECK(cudaFree(w));
   CHECK(cudaFree(tokens));
