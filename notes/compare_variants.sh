@@ -15,10 +15,26 @@ steps="texp var"
 names=()
 compared=0
 main_commit=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
+# One git apply per patch (one call over several patches of the same file does not always compose them); on a
+# failure the patches already applied are reverted, so the tree is main again.
+revert_all() {  # PATCH...: reverted last first
+  local i
+  for ((i = $#; i >= 1; i--)); do git apply -R "${!i}" || return 1; done
+}
+apply_all() {  # PATCH...: applied in order, all or none
+  local applied=() p
+  for p in "$@"; do
+    git apply "$p" || { revert_all "${applied[@]}"; return 1; }
+    applied+=("$p")
+  done
+}
 for arg in "$@"; do  # every variant's patches must apply to main before any device time goes to a build
   case $arg in
     *=*) IFS=, read -ra patches <<< "${arg#*=}"
-         git apply --check "${patches[@]}" || { echo "${arg%%=*}: its patches do not apply to main"; exit 1; };;
+         if ! { apply_all "${patches[@]}" && revert_all "${patches[@]}"; }; then
+           echo "${arg%%=*}: its patches do not apply to main"
+           exit 1
+         fi;;
   esac
 done
 export VARIANTS=${VARIANTS:-default} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -27,7 +43,8 @@ run() {  # NAME STEP...
   shift
   touch csrc/experts.cu  # a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13)
   echo "### $name: experts.cu $(md5sum csrc/experts.cu | cut -c1-8)"
-  bash notes/device_trial.sh "$@" | grep -E "build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== "
+  local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== "
+  bash notes/device_trial.sh "$@" | grep -E "$keep"
   for f in variants pytest_experts memcheck racecheck; do
     for x in json log; do [ -f "$OUT/$f.$x" ] && mv "$OUT/$f.$x" "$OUT/${f}_$name.$x"; done
   done
@@ -37,12 +54,10 @@ while [ $# -gt 0 ]; do
   name=${1%%=*}
   IFS=, read -ra patches <<< "${1#*=}"
   shift
-  git apply "${patches[@]}" || { echo "$name: its patches do not apply"; exit 1; }
+  apply_all "${patches[@]}" || { echo "$name: its patches do not apply"; exit 1; }
   BASE_MOE_COMMIT="$main_commit + ${patches[*]}" run "$name" $steps
   [[ " $steps " == *" var "* ]] && compared=1
-  reversed=()
-  for ((i = ${#patches[@]} - 1; i >= 0; i--)); do reversed+=("${patches[i]}"); done
-  git apply -R "${reversed[@]}" || { echo "$name: reverting its patches failed"; exit 1; }
+  revert_all "${patches[@]}" || { echo "$name: reverting its patches failed"; exit 1; }
   names+=("$name")
 done
 [ $compared = 1 ] || exit 0
