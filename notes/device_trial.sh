@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh texp tall mem race var layer layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh texp tall mem race var layer layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -51,6 +51,9 @@ for step in "$@"; do
            timeout 200 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,W64,W128} --out $OUT/splits_$n.json > $OUT/splits_$n.log 2>&1; echo "splits=$n"; grep -E "T= *(64|256)" $OUT/splits_$n.log | tail -12
          done; unset BASE_MOE_EXPERTS_SPLITS;;
     tsel) timeout 200 python3 -m pytest -m cuda tests/test_select_cuda.py -q -x > $OUT/pytest_select.log 2>&1; tail -5 $OUT/pytest_select.log;;
+    stream) # benchmarks/micro/stream_rate.cu: pure weight streams of the expert GEMMs' shapes (no torch needed)
+      /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/stream_rate.cu \
+        -o /tmp/stream_rate && timeout 120 /tmp/stream_rate > $OUT/stream.log 2>&1; cat $OUT/stream.log;;
     micro) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/route_token.cu -o /tmp/route_token && /tmp/route_token > $OUT/micro.log 2>&1; cat $OUT/micro.log;;
     selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;
     e2e) timeout 200 python3 benchmarks/bench_e2e.py --repeats 2 --json $OUT/bench_e2e.json > $OUT/e2e.log 2>&1; tail -25 $OUT/e2e.log;;
