@@ -50,3 +50,9 @@ def test_resources_and_template_args():
              "ptxas info    : Used 128 registers, used 1 barriers, 128 bytes smem\n")
     assert sass_k_loop.resources(ptxas) == {NAME: "128 registers, 24 B spilled"}
     assert sass_k_loop.template_args(NAME) == "bf16 true 128 8 4 4 4 true"
+
+
+def test_compiles_with_setup_py_nvcc_flags():
+    flags = sass_k_loop.setup_nvcc_flags()
+    assert flags and all(isinstance(f, str) for f in flags)
+    assert "-DBASE_MOE_WITH_CUDA" in flags  # the kernels' host glue is compiled only with it

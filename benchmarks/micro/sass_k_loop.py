@@ -15,6 +15,7 @@ last STAGES - 1 steps skip and the MMAs that warps without tokens skip (an upper
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shutil
@@ -89,6 +90,14 @@ def cuobjdump() -> str:
     return str(bundled)
 
 
+def setup_nvcc_flags() -> list[str]:
+    """setup.py's nvcc flags: its ``nvcc_flags`` list, read with ast (importing setup.py would run the build)."""
+    for node in ast.walk(ast.parse((REPO / "setup.py").read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "nvcc_flags" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    sys.exit("setup.py has no nvcc_flags list")
+
+
 def compile_cubin(source: Path, cubin: Path) -> str:
     """nvcc -cubin for sm_90a with setup.py's flags; returns ptxas's resource usage."""
     import torch  # noqa: PLC0415
@@ -97,11 +106,10 @@ def compile_cubin(source: Path, cubin: Path) -> str:
     cuda_includes = sorted((Path(torch.__file__).parent.parent / "nvidia").glob("cu*/include"))
     cuda_home = os.environ.get("CUDA_HOME") or ("/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").exists() else "")
     nvcc = str(Path(cuda_home) / "bin" / "nvcc") if cuda_home else "nvcc"
-    cmd = [nvcc, "-cubin", str(source), "-o", str(cubin), "-std=c++20", "-O3", "-lineinfo", "--expt-relaxed-constexpr",
-           *COMMON_NVCC_FLAGS, "-gencode=arch=compute_90a,code=sm_90a", "--resource-usage",
-           f"-I{REPO / 'csrc' / 'include'}", *(f"-I{p}" for p in include_paths("cuda")),
-           *(f"-I{p.resolve()}" for p in cuda_includes), "-DBASE_MOE_WITH_CUDA", "-DTORCH_EXTENSION_NAME=_C",
-           "-D_GLIBCXX_USE_CXX11_ABI=1"]
+    cmd = [nvcc, "-cubin", str(source), "-o", str(cubin), "-std=c++20", *setup_nvcc_flags(), *COMMON_NVCC_FLAGS,
+           "-gencode=arch=compute_90a,code=sm_90a", "--resource-usage", f"-I{REPO / 'csrc' / 'include'}",
+           *(f"-I{p}" for p in include_paths("cuda")), *(f"-I{p.resolve()}" for p in cuda_includes),
+           "-DTORCH_EXTENSION_NAME=_C", "-D_GLIBCXX_USE_CXX11_ABI=1"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         sys.exit(done.stderr[-4000:])
