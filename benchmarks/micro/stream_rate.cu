@@ -21,6 +21,8 @@
 //   cp-contig: 16-byte cp.async, each k step's tile one contiguous block (a packed layout)
 //   bulk    : one cp.async.bulk per k step (contiguous block), mbarrier completion (async proxy)
 //   tma     : a 2-D TMA box of ROWS x KSB per k step from the strided rows, mbarrier completion
+//   ws2, ws3: warp-specialised (session 14, not yet run): one persistent CTA per SM, a producer warpgroup (weights by
+//             TMA, token rows by cp.async) and 2 or 3 consumer warpgroups on full / empty mbarriers (ws_stream_kernel)
 // H200 (session 13, benchmarks/results/device_runs/session13.txt): the W64 shape streams 100 MB in 24-26 us (3.8-4.1
 // TB/s, ~22 GB/s per CTA, the same on SMs holding one CTA as on SMs holding two); ring depth 3-6, TMA, bulk copies,
 // contiguous tiles, the expert layout and random bytes all within 2 us of it. The expert kernel's gate_up takes ~33 us
@@ -55,8 +57,9 @@ constexpr int64_t REGION = ROWS_TOTAL * K_BYTES;
 constexpr int REGIONS = 8;
 constexpr int kTokenRows = 256;       // the token buffer's rows (1 MB: stays in L2, like a batch's hidden states)
 
-enum Loader { kCp, kCpNoHint, kCpContig, kBulk, kTma };
-const char* kLoaderNames[] = {"cp", "cp-nohint", "cp-contig", "bulk", "tma"};
+enum Loader { kCp, kCpNoHint, kCpContig, kBulk, kTma, kWs2, kWs3 };
+const char* kLoaderNames[] = {"cp", "cp-nohint", "cp-contig", "bulk", "tma", "ws2", "ws3"};
+constexpr int consumer_warpgroups(int loader) { return loader == kWs2 ? 2 : loader == kWs3 ? 3 : 0; }
 
 struct Stamp {
   unsigned long long start, end;
@@ -93,6 +96,14 @@ __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int
           "r"(dst),
       "l"(map), "r"(col), "r"(row), "r"(bar)
       : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// An arrival on `bar` once this thread's earlier cp.async copies have landed; noinc: `bar`'s initial count includes it.
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
 constexpr int kExperts = 128, kChosen = 16, kExpertRows = 1536;  // Qwen3-30B-A3B gate_up: [128, 1536, 2048]
@@ -204,6 +215,88 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
   if (tid == 0) p.stamps[blockIdx.x] = Stamp{t0, globaltimer(), smid(), 0};
 }
 
+using Kernel = void (*)(Params, CUtensorMap);
+
+// Loaders ws2 / ws3: the warp-specialised stream that notes/research_b256_s14.md proposes for the b256 expert GEMMs.
+// One persistent CTA per SM (grid = SMs; tiles b, b + grid, ...): warpgroup 0 produces, CONSUMERS warpgroups consume,
+// and the ring runs on across tiles, so the producer stays STAGES k steps ahead. Thread 0 issues each stage's
+// weight box by TMA (full[s]: expect_tx); with token rows, warps 1-3 gather them by cp.async (rows 0.. of the
+// L2-resident token buffer) and arrive on full[s] as they land (noinc: full[s]'s initial count has the 96
+// arrivals). Consumer warps wait on full[s], read the stage, spend p.delay cycles (pretend wgmma) and release the
+// slot on empty[s], which the producers wait on before they refill it. No __syncthreads in the loop.
+template <int STAGES, int CONSUMERS>
+__global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const Params p,
+                                                                          const __grid_constant__ CUtensorMap map) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const unsigned long long t0 = globaltimer();
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int weight_bytes = p.rows * p.ksb, stage_bytes = (p.rows + p.token_rows) * p.ksb;
+  const int nk = static_cast<int>(K_BYTES / p.ksb);
+  const bool tokens = p.token_rows > 0;
+  const uint32_t s0 = smem_addr(smem), full0 = smem_addr(full), empty0 = smem_addr(empty);
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, tokens ? 1 + 96 : 1);
+      mbar_init(empty0 + 8 * s, CONSUMERS * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int steps = (p.tiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                    static_cast<int>(gridDim.x) * nk;  // this CTA's k steps over all its tiles
+  unsigned acc = 0;
+  if (warp >= 4) {  // consumers
+    for (int g = 0; g < steps; ++g) {
+      const int s = g % STAGES;
+      bar_wait(full0 + 8 * s, (g / STAGES) & 1);
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + s * stage_bytes + ((tid - 128) * 16) % stage_bytes);
+      acc ^= v.x ^ v.w;
+      if (p.delay) {
+        const long long c0 = clock64();
+        while (clock64() - c0 < p.delay) {
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    }
+  } else if (tid == 0 || (warp > 0 && tokens)) {  // producers: the weight TMA thread, the token warps
+    const int chunks = p.token_rows * p.ksb / 16, per_row = p.ksb / 16;
+    for (int g = 0; g < steps; ++g) {
+      const int s = g % STAGES, ks = g % nk;
+      const int tile = static_cast<int>(blockIdx.x) + g / nk * static_cast<int>(gridDim.x);
+      if (g >= STAGES) bar_wait(empty0 + 8 * s, (g / STAGES - 1) & 1);
+      const uint32_t dst = s0 + s * stage_bytes;
+      if (tid == 0) {
+        mbar_arrive_expect_tx(full0 + 8 * s, weight_bytes);
+        tma_2d(dst, &map, ks * p.ksb / 2, tile * p.rows, full0 + 8 * s);
+      } else {
+        for (int c = tid - 32; c < chunks; c += 96)
+          cp_async16_nohint(dst + weight_bytes + c * 16,
+                            p.tokens + static_cast<int64_t>(c / per_row) * K_BYTES + ks * p.ksb + (c % per_row) * 16);
+        cp_async_arrive_noinc(full0 + 8 * s);
+      }
+    }
+  }
+  if (acc == 0x9e3779b9u) atomicAdd(p.sink, 1u);
+  __syncthreads();
+  if (tid == 0) p.stamps[blockIdx.x] = Stamp{t0, globaltimer(), smid(), 0};
+}
+
+template <int CONSUMERS>
+Kernel pick_ws_consumers(int stages) {
+  switch (stages) {
+    case 4: return ws_stream_kernel<4, CONSUMERS>;
+    case 5: return ws_stream_kernel<5, CONSUMERS>;
+    case 6: return ws_stream_kernel<6, CONSUMERS>;
+  }
+  return nullptr;
+}
+Kernel pick_ws(int stages, int consumers) {
+  return consumers == 2 ? pick_ws_consumers<2>(stages) : consumers == 3 ? pick_ws_consumers<3>(stages) : nullptr;
+}
+
 struct Case {
   const char* note;
   int loader, stages, rows, ksb, occupancy, grid, delay;
@@ -221,7 +314,6 @@ __global__ void fill_kernel(uint32_t* w, int64_t n, uint32_t salt) {
   }
 }
 
-using Kernel = void (*)(Params, CUtensorMap);
 template <int STAGES, bool TOKENS>
 Kernel pick_chunks(int chunks) {
   switch (chunks) {
@@ -341,24 +433,38 @@ int main() {
       {"b256/M16 W128: 3 st, 2/SM, 2 per tile", kCp, 3, 128, 128, 2, 2 * base_grid, 0, 0, 0, 2, 128},
       {"b256/M16 one pass of 192: 4 st, 1/SM", kCp, 4, 128, 128, 1, base_grid, 0, 0, 0, 1, 192},
       {"  64-row tiles + 192 tokens, 3 st, 2/SM", kCp, 3, 64, 128, 2, 2 * base_grid, 0, 0, 0, 1, 192},
+      // the warp-specialised stream of notes/research_b256_s14.md: one persistent CTA per SM, one pass of an
+      // expert's ~144 tokens per tile; 1000 cycles per stage stand in for the wgmmas of N = 144 (~3.5 MFLOP per
+      // 192-row stage: ~0.47 us at the tensor peak of one SM)
+      {"ws3 192-row tiles, 5 st", kWs3, 5, 192, 128, 1, sms, 0},
+      {"  + 144 token rows", kWs3, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
+      {"  + 144 token rows, 1000 cycles/stage", kWs3, 5, 192, 128, 1, sms, 1000, 0, 0, 1, 144},
+      {"ws2 128-row tiles, 6 st", kWs2, 6, 128, 128, 1, sms, 0},
+      {"  + 144 token rows, 5 st", kWs2, 5, 128, 128, 1, sms, 0, 0, 0, 1, 144},
   };
   int filled_random = 0;
   std::printf("%-40s %-9s %2s %4s %4s %3s %5s %4s %4s | %7s %6s | %8s %8s %8s | %8s\n", "case", "loader", "S", "rows",
               "tok", "shr", "KSB", "max/SM", "grid", "span us", "TB/s", "CTA us", "GB/s@1", "GB/s@2+", "burst us");
   int launch = 0;
   for (const Case& c : cases) {
+    const int consumers = consumer_warpgroups(c.loader);
+    const int threads = consumers ? (consumers + 1) * 128 : NT;
     const int chunks = (c.rows + c.token_rows) * c.ksb / 16 / NT;
-    Kernel kernel = pick(c.stages, chunks, c.token_rows > 0);
+    Kernel kernel = consumers ? pick_ws(c.stages, consumers) : pick(c.stages, chunks, c.token_rows > 0);
     if (kernel == nullptr) {
       std::printf("%-40s: no instance\n", c.note);
+      continue;
+    }
+    if (consumers && (c.share != 1 || c.experts || c.token_rows > kTokenRows || c.rows > 256)) {
+      std::printf("%-40s: the ws loaders take one CTA per tile, plain tiles of <= 256 rows\n", c.note);
       continue;
     }
     if (c.experts && (c.rows != 128 || (c.loader != kCp && c.loader != kCpNoHint))) {
       std::printf("%-40s: the expert layout takes the cp loaders with 128-row tiles only\n", c.note);
       continue;
     }
-    if (c.token_rows && c.loader != kCp && c.loader != kCpNoHint) {
-      std::printf("%-40s: token rows take the cp loaders only\n", c.note);
+    if (c.token_rows && c.loader != kCp && c.loader != kCpNoHint && !consumers) {
+      std::printf("%-40s: token rows take the cp and ws loaders only\n", c.note);
       continue;
     }
     bool tokens_fit = true;  // every pass's token rows inside the token buffer
@@ -372,7 +478,7 @@ int main() {
     const int padded = std::max(ring + 1024, static_cast<int>(228 * 1024 / c.occupancy) - 1024 - 2048);
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, padded));
     int occ = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, NT, padded));
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, padded));
     const int tiles = static_cast<int>(ROWS_TOTAL / c.rows);
     if (c.random != filled_random) {
       fill_kernel<<<4 * sms, 256>>>(reinterpret_cast<uint32_t*>(w), REGION * REGIONS / 4, c.random ? 0x2545f491u : 0);
@@ -393,7 +499,7 @@ int main() {
           fresh = std::find(p.chosen, p.chosen + i, p.chosen[i]) == p.chosen + i;
         }
       }
-      kernel<<<c.grid, NT, padded>>>(p, make_map(region, c.rows, c.ksb));
+      kernel<<<c.grid, threads, padded>>>(p, make_map(region, c.rows, c.ksb));
       CHECK(cudaGetLastError());
     };
     std::vector<double> spans, cta_us, rate1, rate2;
