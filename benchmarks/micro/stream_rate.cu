@@ -223,7 +223,9 @@ using Kernel = void (*)(Params, CUtensorMap);
 // weight box by TMA (full[s]: expect_tx); with token rows, warps 1-3 gather them by cp.async (rows 0.. of the
 // L2-resident token buffer) and arrive on full[s] as they land (noinc: full[s]'s initial count has the 96
 // arrivals). Consumer warps wait on full[s], read the stage, spend p.delay cycles (pretend wgmma) and release the
-// slot on empty[s], which the producers wait on before they refill it. No __syncthreads in the loop.
+// previous stage's slot on empty[], as a kernel that keeps one stage's wgmmas in flight (wait<1>) would; the
+// producers wait on empty[s] before they refill slot s. No __syncthreads in the loop. CONSUMERS only sets how many
+// warps wait and spin: the rows differ in tile height and stage count, not in work split between consumers.
 template <int STAGES, int CONSUMERS>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const Params p,
                                                                           const __grid_constant__ CUtensorMap map) {
@@ -259,8 +261,9 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
         }
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+      if (lane == 0 && g > 0) mbar_arrive(empty0 + 8 * ((g - 1) % STAGES));
     }
+    if (lane == 0 && steps > 0) mbar_arrive(empty0 + 8 * ((steps - 1) % STAGES));
   } else if (tid == 0 || (warp > 0 && tokens)) {  // producers: the weight TMA thread, the token warps
     const int chunks = p.token_rows * p.ksb / 16, per_row = p.ksb / 16;
     for (int g = 0; g < steps; ++g) {
@@ -434,13 +437,17 @@ int main() {
       {"b256/M16 one pass of 192: 4 st, 1/SM", kCp, 4, 128, 128, 1, base_grid, 0, 0, 0, 1, 192},
       {"  64-row tiles + 192 tokens, 3 st, 2/SM", kCp, 3, 64, 128, 2, 2 * base_grid, 0, 0, 0, 1, 192},
       // the warp-specialised stream of notes/research_b256_s14.md: one persistent CTA per SM, one pass of an
-      // expert's ~144 tokens per tile; 1000 cycles per stage stand in for the wgmmas of N = 144 (~3.5 MFLOP per
-      // 192-row stage: ~0.47 us at the tensor peak of one SM)
+      // expert's ~144 tokens per tile. 192-row tiles: 128 tiles, one per CTA (4 SMs idle); 128-row tiles: 192 tiles,
+      // 60 CTAs take two, so their span is set by those (compare the per-CTA GB/s, not TB/s, across tile heights).
+      // The delay stands in for the wgmmas of N = 144: 3.5 MFLOP per 192-row stage = 864 cycles at one SM's tensor
+      // peak (4096 FLOP/clock), so 1000 cycles ~ 86% of peak; ~670 for 128-row stages.
       {"ws3 192-row tiles, 5 st", kWs3, 5, 192, 128, 1, sms, 0},
       {"  + 144 token rows", kWs3, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
       {"  + 144 token rows, 1000 cycles/stage", kWs3, 5, 192, 128, 1, sms, 1000, 0, 0, 1, 144},
+      {"ws2 192-row tiles, 5 st, + 144 tokens", kWs2, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
       {"ws2 128-row tiles, 6 st", kWs2, 6, 128, 128, 1, sms, 0},
       {"  + 144 token rows, 5 st", kWs2, 5, 128, 128, 1, sms, 0, 0, 0, 1, 144},
+      {"  + 144 token rows, 670 cycles/stage", kWs2, 5, 128, 128, 1, sms, 670, 0, 0, 1, 144},
   };
   int filled_random = 0;
   std::printf("%-40s %-9s %2s %4s %4s %3s %5s %4s %4s | %7s %6s | %8s %8s %8s | %8s\n", "case", "loader", "S", "rows",
