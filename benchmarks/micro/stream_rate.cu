@@ -120,6 +120,18 @@ struct Params {
   const uint8_t* tokens; // [kTokenRows, K_BYTES]: pass j of a tile reads rows j * token_rows.. (mod kTokenRows)
 };
 
+// What a CTA does with a landed stage instead of MMAs: thread `thread` reads 16 of its bytes (so the copy is used),
+// then spends `delay` cycles of pretend arithmetic. Returns the bits the caller folds into its checksum.
+__device__ __forceinline__ unsigned consume_stage(const uint8_t* stage, int stage_bytes, int thread, int delay) {
+  const uint4 v = *reinterpret_cast<const uint4*>(stage + (thread * 16) % stage_bytes);
+  if (delay) {
+    const long long c0 = clock64();
+    while (clock64() - c0 < delay) {
+    }
+  }
+  return v.x ^ v.w;
+}
+
 // CHUNKS: 16-byte chunks per thread per k step ((rows + token_rows) x ksb / 16 / NT); TOKENS: token_rows > 0 (a
 // separate instance, so that the cases without token rows run session 13's k loop)
 template <int STAGES, int CHUNKS, bool TOKENS>
@@ -199,13 +211,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
       __syncthreads();
       if (ks + STAGES - 1 < nk) issue(ks + STAGES - 1);
       cp_async_commit();
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + slot * stage_bytes + (tid * 16) % stage_bytes);
-      acc ^= v.x ^ v.w;
-      if (p.delay) {
-        const long long c0 = clock64();
-        while (clock64() - c0 < p.delay) {
-        }
-      }
+      acc ^= consume_stage(smem + slot * stage_bytes, stage_bytes, tid, p.delay);
     }
     cp_async_wait<0>();
     __syncthreads();  // the next tile refills every slot
@@ -253,13 +259,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
     for (int g = 0; g < steps; ++g) {
       const int s = g % STAGES;
       bar_wait(full0 + 8 * s, (g / STAGES) & 1);
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + s * stage_bytes + ((tid - 128) * 16) % stage_bytes);
-      acc ^= v.x ^ v.w;
-      if (p.delay) {
-        const long long c0 = clock64();
-        while (clock64() - c0 < p.delay) {
-        }
-      }
+      acc ^= consume_stage(smem + s * stage_bytes, stage_bytes, tid - 128, p.delay);
       __syncwarp();
       if (lane == 0 && g > 0) mbar_arrive(empty0 + 8 * ((g - 1) % STAGES));
     }
