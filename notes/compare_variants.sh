@@ -8,8 +8,11 @@
 # mem race", "stamps" with notes/diag_stamps_main.patch among the patches, "phases" with
 # notes/select_phases_main.patch), the patches reverted. The JSON's git_commit names .trial_sha plus the patches.
 # Then, if any variant ran "var", main's "var" and one table of the default configuration's microseconds at every
-# batch x budget point of those variants, main first. Under $OUT the variants / pytest_experts / memcheck / racecheck
-# files are renamed by variant; other steps' logs keep device_trial.sh's names (the last variant's survive).
+# batch x budget point of those variants, main first. Under $OUT the variants / pytest_experts / memcheck / racecheck /
+# bench_layer_q / bench_select files are renamed by variant; other steps' logs keep device_trial.sh's names (the last
+# variant's survive). An empty patch list (`main=`) runs the steps on main itself, e.g. the selection bisect of
+# session 15: -s "bsel layerq" main= bias=notes/select_bisect_bias.patch push=notes/select_bisect_push.patch
+# all=notes/select_replicated_s15.patch
 # Session 14 ran its calls 2, 3 and 5 as one-off scripts of this form (git history: 4dbf907).
 steps="texp var"
 names=()
@@ -43,9 +46,9 @@ run() {  # NAME STEP...
   shift
   touch csrc/experts.cu  # a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13)
   echo "### $name: experts.cu $(md5sum csrc/experts.cu | cut -c1-8)"
-  local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== "
+  local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== |^qwen3|^\\| qwen3"
   bash notes/device_trial.sh "$@" | grep -E "$keep"
-  for f in variants pytest_experts memcheck racecheck; do
+  for f in variants pytest_experts memcheck racecheck bench_layer_q bench_select; do
     for x in json log; do [ -f "$OUT/$f.$x" ] && mv "$OUT/$f.$x" "$OUT/${f}_$name.$x"; done
   done
 }

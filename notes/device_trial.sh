@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh texp tall mem race var layer layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh texp tall mem race var layer layerq layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -29,6 +29,7 @@ for step in "$@"; do
         echo "b$b/M$m"; grep -E "expert_gemm|duration|issue_active|stalled" $OUT/ncuexp_b${b}_m${m}.txt | awk '$NF+0 >= 0.2 || /expert_gemm|duration|issue_active/' | cut -c1-140
       done;;
     layer) timeout 300 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
+    layerq) timeout 150 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --out $OUT/bench_layer_q.json > $OUT/bench_layer_q.log 2>&1; grep -E "^qwen3.* (1|4|16|64|256) +(16|None) " $OUT/bench_layer_q.log;;
     layertwo) timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --select two --out $OUT/bench_layer_two.json > $OUT/bench_layer_two.log 2>&1; tail -22 $OUT/bench_layer_two.log;;
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --hidden hot --out $OUT/bench_select_hot.json > $OUT/bench_select_hot.log 2>&1; tail -8 $OUT/bench_select_hot.log;;
