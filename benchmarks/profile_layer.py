@@ -8,6 +8,9 @@ sm__warps_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_barri
         -k regex:expert_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch 64 --budget 16
 
 (the first call warms up: skip its launches). BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128 forces a tile configuration.
+--op layer runs the selection and then the expert op on its routing, call after call (the BASE layer), so a profiler
+sees each kernel after the other one, as in decode; e.g. with ncu --cache-control none, whether select_experts waits
+on instruction fetches more after the expert kernels than after another selection (--op select).
 
 --timeline replays the calls (--op layer: selection + expert op, as bench_layer.py's BASE layer) back to back on three
 weight copies in one CUDA graph under torch.profiler and prints, per kernel, the median start and end in microseconds from the call's
@@ -43,16 +46,14 @@ def main():
     if args.timeline:
         timeline(args, cfg, gen, x, ids, w)
         return
-    if args.op == "layer":
-        raise SystemExit("--op layer is for --timeline")
-    if args.op == "experts":
-        gate_up, down = expert_weights(cfg, gen)
-        for _ in range(args.calls):
-            torch.ops.base_moe.experts(x, ids, w, gate_up, down, args.budget)
-    else:
-        router, predictor, predictor_bias = router_weights(cfg, gen)
-        for _ in range(args.calls):
-            select_experts(x, cfg, router, predictor, predictor_bias, args.budget or cfg["E"])
+    selection = router_weights(cfg, gen) if args.op != "experts" else None
+    gate_up, down = expert_weights(cfg, gen) if args.op != "select" else (None, None)
+    for _ in range(args.calls):
+        route = (ids, w)
+        if selection is not None:
+            route = select_experts(x, cfg, *selection, args.budget or cfg["E"])
+        if args.op != "select":
+            torch.ops.base_moe.experts(x, *route, gate_up, down, args.budget)
     torch.cuda.synchronize()
 
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh texp tall mem race var layer layerq layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -27,6 +27,12 @@ for step in "$@"; do
       for pt in "64 16" "256 16"; do read -r b m <<< "$pt"
         timeout 150 ncu --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:expert_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch $b --budget $m --calls 3 > $OUT/ncuexp_b${b}_m${m}.txt 2>&1
         echo "b$b/M$m"; grep -E "expert_gemm|duration|issue_active|stalled" $OUT/ncuexp_b${b}_m${m}.txt | awk '$NF+0 >= 0.2 || /expert_gemm|duration|issue_active/' | cut -c1-140
+      done;;
+    ncuicache) # select_experts' stall reasons after another selection (--op select) and after the expert kernels
+      # (--op layer), caches not flushed: is it bound by instruction fetches in a decode step? (session 15's hypothesis)
+      for op in select layer; do
+        timeout 150 ncu --cache-control none --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:select_experts --launch-skip 3 --launch-count 2 python3 benchmarks/profile_layer.py --op $op --batch ${B:-16} --budget 16 --calls 6 > $OUT/ncuicache_$op.txt 2>&1
+        echo "select_experts after: $op"; grep -E "duration|issue_active|stalled" $OUT/ncuicache_$op.txt | awk '$NF+0 >= 0.2 || /duration|issue_active/' | cut -c1-140
       done;;
     layer) timeout 300 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
     layerq) timeout 150 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --out $OUT/bench_layer_q.json > $OUT/bench_layer_q.log 2>&1; grep -E "^qwen3.* (1|4|16|64|256) +(16|None) " $OUT/bench_layer_q.log;;
