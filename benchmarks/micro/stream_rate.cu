@@ -21,8 +21,11 @@
 //   cp-contig: 16-byte cp.async, each k step's tile one contiguous block (a packed layout)
 //   bulk    : one cp.async.bulk per k step (contiguous block), mbarrier completion (async proxy)
 //   tma     : a 2-D TMA box of ROWS x KSB per k step from the strided rows, mbarrier completion
-//   ws2, ws3: warp-specialised (session 14, not yet run): one persistent CTA per SM, a producer warpgroup (weights by
-//             TMA, token rows by cp.async) and 2 or 3 consumer warpgroups on full / empty mbarriers (ws_stream_kernel)
+//   ws2, ws3: warp-specialised (session 14, first run in session 15): one persistent CTA per SM, a producer
+//             warpgroup (weights by TMA, token rows by cp.async) and 2 or 3 consumer warpgroups on full / empty
+//             mbarriers (ws_stream_kernel)
+//   ws3-mma : ws3 whose consumers run the stage's real wgmmas (N = 144 tokens) instead of a delay (session 15, compiled
+//             for sm_90a: 98 registers, not yet run)
 // H200 (session 13, benchmarks/results/device_runs/session13.txt): the W64 shape streams 100 MB in 24-26 us (3.8-4.1
 // TB/s, ~22 GB/s per CTA, the same on SMs holding one CTA as on SMs holding two); ring depth 3-6, TMA, bulk copies,
 // contiguous tiles, the expert layout and random bytes all within 2 us of it. The expert kernel's gate_up takes ~33 us
@@ -48,6 +51,7 @@
 #include <vector>
 
 #include "base_moe/experts_mma.cuh"
+#include "base_moe/wgmma.cuh"
 #include "check.cuh"
 
 constexpr int NT = 128;               // threads per CTA (one warpgroup, as W64 / W128)
@@ -57,9 +61,9 @@ constexpr int64_t REGION = ROWS_TOTAL * K_BYTES;
 constexpr int REGIONS = 8;
 constexpr int kTokenRows = 256;       // the token buffer's rows (1 MB: stays in L2, like a batch's hidden states)
 
-enum Loader { kCp, kCpNoHint, kCpContig, kBulk, kTma, kWs2, kWs3 };
-const char* kLoaderNames[] = {"cp", "cp-nohint", "cp-contig", "bulk", "tma", "ws2", "ws3"};
-constexpr int consumer_warpgroups(int loader) { return loader == kWs2 ? 2 : loader == kWs3 ? 3 : 0; }
+enum Loader { kCp, kCpNoHint, kCpContig, kBulk, kTma, kWs2, kWs3, kWs3Mma };
+const char* kLoaderNames[] = {"cp", "cp-nohint", "cp-contig", "bulk", "tma", "ws2", "ws3", "ws3-mma"};
+constexpr int consumer_warpgroups(int loader) { return loader == kWs2 ? 2 : loader == kWs3 || loader == kWs3Mma ? 3 : 0; }
 
 struct Stamp {
   unsigned long long start, end;
@@ -76,6 +80,13 @@ using base_moe::experts_detail::cp_async16_zfill;
 using base_moe::experts_detail::cp_async_commit;
 using base_moe::experts_detail::cp_async_wait;
 using base_moe::experts_detail::smem_addr;
+using base_moe::experts_detail::fence_proxy_async_shared;
+using base_moe::experts_detail::fence_registers;
+using base_moe::experts_detail::wgmma_commit;
+using base_moe::experts_detail::wgmma_desc;
+using base_moe::experts_detail::wgmma_desc_advance;
+using base_moe::experts_detail::wgmma_fence;
+using base_moe::experts_detail::wgmma_wait_all;
 __device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done)
@@ -223,6 +234,20 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
 
 using Kernel = void (*)(Params, CUtensorMap);
 
+// ws3-mma's consumer arithmetic: D[64 x 144] += A[64 x 16] * B[16 x 144] (bf16, fp32 accumulators: 72 per thread),
+// both operands in shared memory through 128-byte-swizzle descriptors (wgmma.cuh). The stages are not swizzled
+// (TMA without swizzle, plain cp.async rows), so the products are garbage; the tensor pipe's work and the shared-memory
+// reads are those of the real kernel, which is all a stream-rate case needs.
+__device__ __forceinline__ void wgmma_m64n144k16_bf16(float* d, uint64_t desc_a, uint64_t desc_b) {
+  BASE_MOE_WGMMA(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n144k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}, %72, %73, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+// Waits until at most one committed group of this warpgroup's wgmmas is in flight.
+__device__ __forceinline__ void wgmma_wait_1() { BASE_MOE_WGMMA("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+
 // Loaders ws2 / ws3: the warp-specialised stream that notes/research_b256_s14.md proposes for the b256 expert GEMMs.
 // One persistent CTA per SM (grid = SMs; tiles b, b + grid, ...): warpgroup 0 produces, CONSUMERS warpgroups consume,
 // and the ring runs on across tiles, so the producer stays STAGES k steps ahead. Thread 0 issues each stage's
@@ -232,7 +257,10 @@ using Kernel = void (*)(Params, CUtensorMap);
 // previous stage's slot on empty[], as a kernel that keeps one stage's wgmmas in flight (wait<1>) would; the
 // producers wait on empty[s] before they refill slot s. No __syncthreads in the loop. CONSUMERS only sets how many
 // warps wait and spin: the rows differ in tile height and stage count, not in work split between consumers.
-template <int STAGES, int CONSUMERS>
+// MMA (loader ws3-mma; 3 x 64 rows, 144 token rows, 128-byte k steps): consumer warpgroup c runs the stage's real
+// wgmmas instead of the delay, rows 64 c.. of the weight box times the 144 token rows (N = 144), four k16 steps per
+// stage, and keeps one stage's wgmmas in flight: wait<1> after committing stage g frees stage g - 1's slot.
+template <int STAGES, int CONSUMERS, bool MMA>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const Params p,
                                                                           const __grid_constant__ CUtensorMap map) {
   extern __shared__ uint8_t smem_raw[];
@@ -256,12 +284,33 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
                     static_cast<int>(gridDim.x) * nk;  // this CTA's k steps over all its tiles
   unsigned acc = 0;
   if (warp >= 4) {  // consumers
+    float d[MMA ? 72 : 1] = {};
     for (int g = 0; g < steps; ++g) {
       const int s = g % STAGES;
       bar_wait(full0 + 8 * s, (g / STAGES) & 1);
-      acc ^= consume_stage(smem + s * stage_bytes, stage_bytes, tid - 128, p.delay);
+      if constexpr (MMA) {
+        fence_proxy_async_shared();  // the token rows came by cp.async (generic proxy); wgmma reads the async one
+        const uint32_t stage = s0 + s * stage_bytes;
+        const uint64_t da = wgmma_desc(stage + (warp / 4 - 1) * 64 * p.ksb), db = wgmma_desc(stage + weight_bytes);
+        fence_registers<72>(d);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_m64n144k16_bf16(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
+        }
+        wgmma_commit();
+        wgmma_wait_1();
+        fence_registers<72>(d);
+      } else {
+        acc ^= consume_stage(smem + s * stage_bytes, stage_bytes, tid - 128, p.delay);
+      }
       __syncwarp();
       if (lane == 0 && g > 0) mbar_arrive(empty0 + 8 * ((g - 1) % STAGES));
+    }
+    if constexpr (MMA) {
+      wgmma_wait_all();
+      fence_registers<72>(d);
+      for (float v : d) acc ^= __float_as_uint(v);
     }
     if (lane == 0 && steps > 0) mbar_arrive(empty0 + 8 * ((steps - 1) % STAGES));
   } else if (tid == 0 || (warp > 0 && tokens)) {  // producers: the weight TMA thread, the token warps
@@ -287,17 +336,18 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
   if (tid == 0) p.stamps[blockIdx.x] = Stamp{t0, globaltimer(), smid(), 0};
 }
 
-template <int CONSUMERS>
+template <int CONSUMERS, bool MMA = false>
 Kernel pick_ws_consumers(int stages) {
   switch (stages) {
-    case 4: return ws_stream_kernel<4, CONSUMERS>;
-    case 5: return ws_stream_kernel<5, CONSUMERS>;
-    case 6: return ws_stream_kernel<6, CONSUMERS>;
+    case 4: return ws_stream_kernel<4, CONSUMERS, MMA>;
+    case 5: return ws_stream_kernel<5, CONSUMERS, MMA>;
+    case 6: return ws_stream_kernel<6, CONSUMERS, MMA>;
   }
   return nullptr;
 }
-Kernel pick_ws(int stages, int consumers) {
-  return consumers == 2 ? pick_ws_consumers<2>(stages) : consumers == 3 ? pick_ws_consumers<3>(stages) : nullptr;
+Kernel pick_ws(int loader, int stages) {
+  if (loader == kWs3Mma) return pick_ws_consumers<3, true>(stages);
+  return loader == kWs2 ? pick_ws_consumers<2>(stages) : loader == kWs3 ? pick_ws_consumers<3>(stages) : nullptr;
 }
 
 struct Case {
@@ -444,6 +494,8 @@ int main() {
       {"ws3 192-row tiles, 5 st", kWs3, 5, 192, 128, 1, sms, 0},
       {"  + 144 token rows", kWs3, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
       {"  + 144 token rows, 1000 cycles/stage", kWs3, 5, 192, 128, 1, sms, 1000, 0, 0, 1, 144},
+      {"  + 144 token rows, real wgmmas (N 144)", kWs3Mma, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
+      {"  same, 4 stages", kWs3Mma, 4, 192, 128, 1, sms, 0, 0, 0, 1, 144},
       {"ws2 192-row tiles, 5 st, + 144 tokens", kWs2, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
       {"ws2 128-row tiles, 6 st", kWs2, 6, 128, 128, 1, sms, 0},
       {"  + 144 token rows, 5 st", kWs2, 5, 128, 128, 1, sms, 0, 0, 0, 1, 144},
@@ -457,13 +509,17 @@ int main() {
     const int consumers = consumer_warpgroups(c.loader);
     const int threads = consumers ? (consumers + 1) * 128 : NT;
     const int chunks = (c.rows + c.token_rows) * c.ksb / 16 / NT;
-    Kernel kernel = consumers ? pick_ws(c.stages, consumers) : pick(c.stages, chunks, c.token_rows > 0);
+    Kernel kernel = consumers ? pick_ws(c.loader, c.stages) : pick(c.stages, chunks, c.token_rows > 0);
     if (kernel == nullptr) {
       std::printf("%-40s: no instance\n", c.note);
       continue;
     }
     if (consumers && (c.share != 1 || c.experts || c.token_rows > kTokenRows || c.rows > 256)) {
       std::printf("%-40s: the ws loaders take one CTA per tile, plain tiles of <= 256 rows\n", c.note);
+      continue;
+    }
+    if (c.loader == kWs3Mma && (c.rows != 192 || c.token_rows != 144 || c.ksb != 128)) {
+      std::printf("%-40s: ws3-mma's wgmmas take 3 x 64 rows, 144 token rows and 128-byte k steps\n", c.note);
       continue;
     }
     if (c.experts && (c.rows != 128 || (c.loader != kCp && c.loader != kCpNoHint))) {
