@@ -46,7 +46,7 @@ run() {  # NAME STEP...
   shift
   touch csrc/experts.cu  # a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13)
   echo "### $name: experts.cu $(md5sum csrc/experts.cu | cut -c1-8)"
-  local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== |^qwen3|^\\| qwen3"
+  local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== |^qwen3|^\\| qwen3|^select_experts after|stalled_|gpu__time_duration|issue_active"
   bash notes/device_trial.sh "$@" | grep -E "$keep"
   for f in variants pytest_experts memcheck racecheck bench_layer_q bench_select; do
     for x in json log; do [ -f "$OUT/$f.$x" ] && mv "$OUT/$f.$x" "$OUT/${f}_$name.$x"; done
