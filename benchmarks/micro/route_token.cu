@@ -16,10 +16,12 @@
 //                 0e4657b with shared-memory slot writes (H200: 2070 -> 1999 -> 1080 cycles)
 //   topk_shfl   : a scan of every lane's keys per round, with a butterfly of shuffles instead of redux.sync
 //   topk_key64  : 64-bit keys (value, ~index): a butterfly max gives every lane the winner; no ballot, no branch
-// Then a candidate rewrite of backfill's slow path (session 15, not yet run), fill_smem: the token's choice scores,
-// logits and group bits go to the warp's shared memory once, each kept expert's key is ranked against the others'
-// with broadcast shared-memory loads, and the ranks are scattered through shared memory, instead of EPL shuffles per
-// value, two shuffles per kept expert and k ballot + shuffle rounds (routing_device.cuh's top_k_of_kept). It is
+// Then a candidate rewrite of backfill's slow path (session 15, not yet run), fill_smem: the token's choice scores
+// and group bits go to the warp's shared memory once, each kept expert's key is ranked against the others' with
+// broadcast shared-memory loads, and the ranks are scattered through shared memory, instead of EPL shuffles per
+// score, two shuffles per kept expert and k ballot + shuffle rounds (routing_device.cuh's top_k_of_kept). The weight
+// rule still takes the slot's logit by shuffles, so that the kernels' per-warp scratch grows by 128 words only (E
+// scores fit in score_token's scratch row of E + 2 n_group). It is
 // checked bitwise (slot, id, weight) against the library's fill_token on random tokens with tied scores, random kept
 // lists (some shorter than W: sentinel E), W in {4, 16, 32}, softmax and DeepSeek-style grouped sigmoid routing.
 #include <cuda_runtime.h>
@@ -174,10 +176,9 @@ __global__ void route_kernel(const SelectParams p, const float* logits, const fl
 
 
 // ---- fill_smem: the candidate slow path (see the header) ----
-// Per-warp shared scratch of fill_smem: E choice scores, E logits, 32 group masks, 32 keys, 32 slots.
+// Per-warp shared scratch of fill_smem: E choice scores, 32 group masks, 32 keys, 32 slots.
 struct FillScratch {
   float choice[E];
-  float logit[E];
   uint32_t allowed[32];
   uint64_t key[32];
   int slot[32];
@@ -194,10 +195,7 @@ __device__ __forceinline__ void fill_smem(const SelectParams& p, const Token<EPL
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int u = lane * EPL + j;
-    if (u < p.E) {
-      f.choice[u] = s.choice[j];
-      f.logit[u] = s.logit[j];
-    }
+    if (u < p.E) f.choice[u] = s.choice[j];
   }
   f.allowed[lane] = s.allowed;
   const int u = lane < W ? kept[lane] : p.E;
@@ -218,7 +216,7 @@ __device__ __forceinline__ void fill_smem(const SelectParams& p, const Token<EPL
   if (valid && above < p.k) f.slot[above] = u;
   __syncwarp();
   id = lane < p.k && lane < n_valid ? f.slot[lane] : p.E;
-  weight = slot_weight<EPL>(p, s, id, id < p.E ? f.logit[id] : 0.0f);
+  weight = slot_weight<EPL>(p, s, id, expert_value<EPL>(s.logit, id));
 }
 
 // Each warp (one per CTA) fills REPS tokens with the library (variant 0) or fill_smem (1); per token: the cycles of
