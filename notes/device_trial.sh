@@ -32,8 +32,9 @@ for step in "$@"; do
       # (--op layer), caches not flushed: is it bound by instruction fetches in a decode step? (session 15's hypothesis)
       # Application replay: each of ncu's passes re-runs the program, so every pass sees the kernel before it (kernel
       # replay would run each pass right after the previous pass of select_experts itself: a warm cache every time).
+      # A few metrics only: every pass re-runs the whole program.
       for op in select layer; do
-        timeout 150 ncu --cache-control none --replay-mode application --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:select_experts --launch-skip 3 --launch-count 2 python3 benchmarks/profile_layer.py --op $op --batch ${B:-16} --budget 16 --calls 6 > $OUT/ncuicache_$op.txt 2>&1
+        timeout 200 ncu --cache-control none --replay-mode application --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio -k regex:select_experts --launch-skip 3 --launch-count 2 python3 benchmarks/profile_layer.py --op $op --batch ${B:-16} --budget 16 --calls 6 > $OUT/ncuicache_$op.txt 2>&1
         echo "select_experts after: $op"; grep -E "duration|issue_active|stalled" $OUT/ncuicache_$op.txt | awk '$NF+0 >= 0.2 || /duration|issue_active/' | cut -c1-140
       done;;
     layer) timeout 300 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
