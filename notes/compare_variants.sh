@@ -9,7 +9,7 @@
 # notes/select_phases_main.patch), the patches reverted. The JSON's git_commit names .trial_sha plus the patches.
 # Then, if any variant ran "var", main's "var" and one table of the default configuration's microseconds at every
 # batch x budget point of those variants, main first. Under $OUT the variants / pytest_experts / memcheck / racecheck /
-# bench_layer_q / bench_select files are renamed by variant; other steps' logs keep device_trial.sh's names (the last
+# bench_layer_q / bench_select / ncuicache files are renamed by variant; other steps' logs keep device_trial.sh's names (the last
 # variant's survive). An empty patch list (`main=`) runs the steps on main itself, e.g. the selection bisect of
 # session 15: -s "bsel layerq" main= bias=notes/select_bisect_bias.patch push=notes/select_bisect_push.patch
 # all=notes/select_replicated_s15.patch
@@ -48,8 +48,8 @@ run() {  # NAME STEP...
   echo "### $name: experts.cu $(md5sum csrc/experts.cu | cut -c1-8)"
   local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== |^qwen3|^\\| qwen3|^select_experts after|stalled_|gpu__time_duration|issue_active"
   bash notes/device_trial.sh "$@" | grep -E "$keep"
-  for f in variants pytest_experts memcheck racecheck bench_layer_q bench_select; do
-    for x in json log; do [ -f "$OUT/$f.$x" ] && mv "$OUT/$f.$x" "$OUT/${f}_$name.$x"; done
+  for f in variants pytest_experts memcheck racecheck bench_layer_q bench_select ncuicache_select ncuicache_layer; do
+    for x in json log txt; do [ -f "$OUT/$f.$x" ] && mv "$OUT/$f.$x" "$OUT/${f}_$name.$x"; done
   done
 }
 while [ $# -gt 0 ]; do

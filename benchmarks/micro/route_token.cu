@@ -207,6 +207,7 @@ __device__ __forceinline__ void fill_smem(const SelectParams& p, const Token<EPL
                                    static_cast<uint64_t>(1023 - u)
                              : 0u;
   if (lane < W) f.key[lane] = key;
+  if (lane < p.k) f.slot[lane] = p.E;  // ranks no kept expert takes stay empty (kept experts are distinct)
   __syncwarp();
   int above = 0;
 #pragma unroll 4
@@ -237,14 +238,16 @@ __global__ void fill_variant_kernel(const SelectParams p, const float* logits, c
       s.logit[j] = logits[token * E + lane * EPL + j];
       s.log_norm[j] = 0.0f;
     }
-    for (int u = lane; u < E; u += 32) kept_flag[u] = 0;
-    __syncwarp();
-    kept[lane] = kept_lists[token * 32 + lane];
-    if (kept[lane] < E) kept_flag[kept[lane]] = 1;
     score_token<EPL>(p, lane, scratch, scratch + E, s);
     int32_t routed;
     float w, ln;
     route_token<EPL>(p, s, lane, routed, w, ln);
+    // the kept list: the host's random one, or every 8th token its routed experts (the fast path, where W >= k)
+    const bool routed_kept = token % 8 == 7 && p.W >= p.k;
+    for (int u = lane; u < E; u += 32) kept_flag[u] = 0;
+    __syncwarp();
+    kept[lane] = routed_kept ? (lane < p.k ? routed : E) : kept_lists[token * 32 + lane];
+    if (kept[lane] < E) kept_flag[kept[lane]] = 1;
     __syncwarp();
     int slot;
     int32_t fid;
@@ -276,7 +279,7 @@ __global__ void fill_variant_kernel(const SelectParams p, const float* logits, c
 }
 
 // fill variants: both on the same tokens and kept lists; median cycles over the tokens (random kept lists: nearly all
-// take the slow path), outputs compared bitwise
+// take the slow path; every 8th token keeps its routed experts: the fast path), outputs compared bitwise
 void compare_fills(SelectParams p, const char* routing, const float* logits, int* kept_lists, long long* cycles) {
   const int tokens = CTAS * REPS;
   uint32_t* out;
@@ -302,6 +305,7 @@ void compare_fills(SelectParams p, const char* routing, const float* logits, int
     std::vector<long long> c(tokens);
     long long med[2];
     for (int v = 0; v < 2; ++v) {
+      CHECK(cudaMemset(out, 0xff, tokens * K * 3 * sizeof(uint32_t)));  // no output is inherited from the other variant
       for (int launch = 0; launch < 2; ++launch) fill_variant_kernel<<<CTAS, 32>>>(p, logits, kept_lists, v, cycles, out);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
