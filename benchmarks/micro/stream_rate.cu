@@ -75,18 +75,7 @@ __device__ __forceinline__ unsigned smid() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
   return s;
 }
-using base_moe::experts_detail::cp_async16_nohint;
-using base_moe::experts_detail::cp_async16_zfill;
-using base_moe::experts_detail::cp_async_commit;
-using base_moe::experts_detail::cp_async_wait;
-using base_moe::experts_detail::smem_addr;
-using base_moe::experts_detail::fence_proxy_async_shared;
-using base_moe::experts_detail::fence_registers;
-using base_moe::experts_detail::wgmma_commit;
-using base_moe::experts_detail::wgmma_desc;
-using base_moe::experts_detail::wgmma_desc_advance;
-using base_moe::experts_detail::wgmma_fence;
-using base_moe::experts_detail::wgmma_wait_all;
+using namespace base_moe::experts_detail;  // the expert kernel's copy, swizzle and wgmma helpers
 __device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done)
