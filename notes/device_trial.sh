@@ -8,6 +8,13 @@ s=$SECONDS
 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > $OUT/build.log 2>&1 || { tail -50 $OUT/build.log; exit 1; }
 # a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13, call 11): name what it compiled
 echo "build $((SECONDS-s)) s; compiled: $(grep -o 'csrc/[a-z_]*\.cu' $OUT/build.log | sort -u | tr '\n' ' ')"
+# ncu --metrics output FILE: the kernel name lines (KERNEL, a regex), duration, issue activity and the stall ratios of
+# 0.2 or more cycles per issued instruction (the two steps' copies of this filter let every stall through: each stall
+# metric's name ends in _per_issue_active, which their "issue_active" pattern matched)
+stall_lines() {
+  grep -E "$2|duration|issue_active|stalled" "$1" | awk -v k="$2" '$NF+0 >= 0.2 || $0 ~ k || /duration|issue_active\.avg/' |
+    cut -c1-140
+}
 for step in "$@"; do
   s=$SECONDS
   case $step in
@@ -26,7 +33,7 @@ for step in "$@"; do
     ncuexp) # the expert kernels' stall reasons (cycles per issued instruction, by reason) at b64/M16 and b256/M16
       for pt in "64 16" "256 16"; do read -r b m <<< "$pt"
         timeout 150 ncu --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:expert_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch $b --budget $m --calls 3 > $OUT/ncuexp_b${b}_m${m}.txt 2>&1
-        echo "b$b/M$m"; grep -E "expert_gemm|duration|issue_active|stalled" $OUT/ncuexp_b${b}_m${m}.txt | awk '$NF+0 >= 0.2 || /expert_gemm|duration|issue_active/' | cut -c1-140
+        echo "b$b/M$m"; stall_lines $OUT/ncuexp_b${b}_m${m}.txt expert_gemm
       done;;
     ncuicache) # select_experts' stall reasons after another selection (--op select) and after the expert kernels
       # (--op layer), caches not flushed: is it bound by instruction fetches in a decode step? (session 15's hypothesis)
@@ -35,7 +42,7 @@ for step in "$@"; do
       # A few metrics only: every pass re-runs the whole program.
       for op in select layer; do
         timeout 200 ncu --cache-control none --replay-mode application --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio -k regex:select_experts --launch-skip 3 --launch-count 2 python3 benchmarks/profile_layer.py --op $op --batch ${B:-16} --budget 16 --calls 6 > $OUT/ncuicache_$op.txt 2>&1
-        echo "select_experts after: $op"; grep -E "duration|issue_active|stalled" $OUT/ncuicache_$op.txt | awk '$NF+0 >= 0.2 || /duration|issue_active/' | cut -c1-140
+        echo "select_experts after: $op"; stall_lines $OUT/ncuicache_$op.txt select_experts
       done;;
     layer) timeout 300 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
     layerq) timeout 150 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --out $OUT/bench_layer_q.json > $OUT/bench_layer_q.log 2>&1; grep -E "^qwen3.* (1|4|16|64|256) +(16|None) " $OUT/bench_layer_q.log;;
