@@ -21,9 +21,9 @@
 // broadcast shared-memory loads, and the ranks are scattered through shared memory, instead of EPL shuffles per
 // score, two shuffles per kept expert and k ballot + shuffle rounds (routing_device.cuh's top_k_of_kept). The weight
 // rule still takes the slot's logit by shuffles, so that the kernels' per-warp scratch grows by 128 words only (E
-// scores fit in score_token's scratch row of E + 2 n_group). It is
-// checked bitwise (slot, id, weight) against the library's fill_token on random tokens with tied scores, random kept
-// lists (some shorter than W: sentinel E), W in {4, 16, 32}, softmax and DeepSeek-style grouped sigmoid routing.
+// scores fit in score_token's scratch row of E + 2 n_group). It is checked bitwise (slot, id, weight) against the
+// library's fill_token on random tokens with tied scores, random kept lists (some shorter than W: sentinel E), W in
+// {4, 16, 32}, softmax and DeepSeek-style grouped sigmoid routing.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -306,7 +306,8 @@ void compare_fills(SelectParams p, const char* routing, const float* logits, int
     long long med[2];
     for (int v = 0; v < 2; ++v) {
       CHECK(cudaMemset(out, 0xff, tokens * K * 3 * sizeof(uint32_t)));  // no output is inherited from the other variant
-      for (int launch = 0; launch < 2; ++launch) fill_variant_kernel<<<CTAS, 32>>>(p, logits, kept_lists, v, cycles, out);
+      for (int launch = 0; launch < 2; ++launch)
+        fill_variant_kernel<<<CTAS, 32>>>(p, logits, kept_lists, v, cycles, out);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
       CHECK(cudaMemcpy(c.data(), cycles, c.size() * sizeof(long long), cudaMemcpyDeviceToHost));

@@ -63,7 +63,9 @@ constexpr int kTokenRows = 256;       // the token buffer's rows (1 MB: stays in
 
 enum Loader { kCp, kCpNoHint, kCpContig, kBulk, kTma, kWs2, kWs3, kWs3Mma };
 const char* kLoaderNames[] = {"cp", "cp-nohint", "cp-contig", "bulk", "tma", "ws2", "ws3", "ws3-mma"};
-constexpr int consumer_warpgroups(int loader) { return loader == kWs2 ? 2 : loader == kWs3 || loader == kWs3Mma ? 3 : 0; }
+constexpr int consumer_warpgroups(int loader) {
+  return loader == kWs2 ? 2 : loader == kWs3 || loader == kWs3Mma ? 3 : 0;
+}
 
 struct Stamp {
   unsigned long long start, end;
