@@ -105,16 +105,21 @@ __device__ __forceinline__ const T* gemv_row(const FusedSelectParams& f, int rg,
   return static_cast<const T*>(w) + static_cast<int64_t>(u) * f.gemv.H;
 }
 
-// The biases of the CTA's GEMV rows to shared memory, after the PDL wait (the caller may have just written them: the
-// HF integration casts a bf16 router bias to fp32 per call) and before the GEMV, so its epilogue does not wait on
-// global loads.
+// The biases of the CTA's GEMV rows to shared memory, issued after the PDL wait (the caller may have just written
+// them: the HF integration casts a bf16 router bias to fp32 per call) as one cp.async group, which gemv_tile waits
+// for only before its epilogue: their load overlaps the GEMV's instead of preceding it.
 __device__ __forceinline__ void stage_biases(const FusedSelectParams& f, int rg, float* bias) {
   const int EC = f.experts_per_cta, rows = EC * (f.predict ? 2 : 1);
   for (int r = threadIdx.x; r < rows; r += kThreads) {
     const int u = rg * EC + r % EC;
     const float* b = r < EC ? f.gemv.router_bias : f.gemv.predictor_bias;
-    bias[r] = u < f.sel.E && b != nullptr ? b[u] : 0.0f;
+    if (u < f.sel.E && b != nullptr) {
+      cuda::cp_async4(bias + r, b + u);
+    } else {
+      bias[r] = 0.0f;
+    }
   }
+  cuda::cp_async_commit();
 }
 
 // Phase 1: this CTA's [rows x tokens] tile of the GEMV, into shared memory (the op's outputs are written at the end).
@@ -183,6 +188,7 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
         partial[(ks * rows_pad + r) * tokens_pad + i] = acc[n][c];
       }
   }
+  cuda::cp_async_wait<0>();  // this thread's bias copies
   __syncthreads();
 
   // Add the k slices in order, then the biases.
@@ -291,6 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
       const T* row = gemv_row<T>(f, rg, i / chunks);
       if (row != nullptr) cuda::cp_async16(weights + (i / chunks) * stride + (i % chunks) * 16, row + (i % chunks) * 8);
     }
+    cuda::cp_async_commit();
   }
   for (int i = tid; i < EO * B; i += kThreads) own[i] = 0.0f;
   for (int i = tid; i < EO; i += kThreads) flags[i] = 0;
@@ -305,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   stage_biases(f, rg, smem + L.bias);
 
   // ---- 1. GEMV ----
-  cuda::cp_async_wait_all();
+  cuda::cp_async_wait<1>();  // the weight rows; the biases may still be in flight
   __syncthreads();
   gemv_tile<T>(f, group, tg, rg, smem, L);
   cuda::cluster_sync();

@@ -134,13 +134,22 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// 16-byte asynchronous copy global -> shared (cp.async, bypassing L1), and the wait for all of the thread's copies.
+// 16-byte asynchronous copy global -> shared (cp.async, bypassing L1).
 __device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src) : "memory");
 }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
+// 4 bytes (cp.async.ca: the .cg form takes 16 bytes only).
+__device__ __forceinline__ void cp_async4(void* shared_dst, const void* global_src) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(global_src) : "memory");
+}
+// Groups: commit closes the thread's copies issued since the last commit into a group; wait<N> returns once at most
+// N of the thread's groups are still in flight.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Hint: pull the line holding `ptr` into L2.
