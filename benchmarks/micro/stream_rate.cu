@@ -24,8 +24,9 @@
 //   ws2, ws3: warp-specialised (session 14, first run in session 15): one persistent CTA per SM, a producer
 //             warpgroup (weights by TMA, token rows by cp.async) and 2 or 3 consumer warpgroups on full / empty
 //             mbarriers (ws_stream_kernel)
-//   ws3-mma : ws3 whose consumers run the stage's real wgmmas (N = 144 tokens) instead of a delay (session 15, compiled
-//             for sm_90a: 98 registers, not yet run)
+//   ws3-mma : ws3 whose consumers run the stage's real wgmmas (N = 144 tokens) instead of a delay (session 15; first
+//             run in session 16: 39.9 us with 144 token rows per stage, against 26.7 with no wgmmas). WsMode: token
+//             rows per stage, resident, or no loads at all. MHz: the CTAs' clock64 ticks per ns (throttling?)
 // H200 (session 13, benchmarks/results/device_runs/session13.txt): the W64 shape streams 100 MB in 24-26 us (3.8-4.1
 // TB/s, ~22 GB/s per CTA, the same on SMs holding one CTA as on SMs holding two); ring depth 3-6, TMA, bulk copies,
 // contiguous tiles, the expert layout and random bytes all within 2 us of it. The expert kernel's gate_up takes ~33 us
@@ -60,7 +61,18 @@ constexpr int64_t ROWS_TOTAL = 24576; // 16 experts x 1536 gate_up rows
 constexpr int64_t REGION = ROWS_TOTAL * K_BYTES;
 constexpr int REGIONS = 8;
 constexpr int kTokenRows = 256;       // the token buffer's rows (1 MB: stays in L2, like a batch's hidden states)
+constexpr int kTokenPool = 2304;      // its allocation: the rows of packed per-expert token copies (kPacked, 9 MB)
 
+// ws loaders: token rows per stage (as a kernel would stream them), loaded once and resident in shared memory (the
+// wgmmas read the same B every stage: the weight stream and the tensor pipe without the token traffic), or resident
+// and no loads at all (consumers run their wgmmas without waiting: the tensor pipe's time alone)
+enum WsMode { kTokensPerStage, kTokensResident, kComputeOnly };
+// ws loaders' token rows per stage: which rows (all CTAs rows 0..; each CTA its own 144 of the 256 batch rows, as an
+// expert's token list gathers them; or rows packed per expert, [expert][token], 8 consecutive CTAs = one expert's
+// tiles) and how (cp.async by 3 warps; one bulk copy per row by warp 0, async proxy, on the stage's mbarrier; one TMA
+// box, which needs the packed rows)
+enum TokenPattern { kFirstRows, kGathered, kPacked };
+enum TokenLoader { kTokensCp, kTokensBulk, kTokensTma };
 enum Loader { kCp, kCpNoHint, kCpContig, kBulk, kTma, kWs2, kWs3, kWs3Mma };
 const char* kLoaderNames[] = {"cp", "cp-nohint", "cp-contig", "bulk", "tma", "ws2", "ws3", "ws3-mma"};
 constexpr int consumer_warpgroups(int loader) {
@@ -69,7 +81,7 @@ constexpr int consumer_warpgroups(int loader) {
 
 struct Stamp {
   unsigned long long start, end;
-  unsigned sm, pad;
+  unsigned sm, cycles;  // cycles: the CTA's clock64 ticks from start to end (its SM clock = cycles / ns)
 };
 
 __device__ __forceinline__ unsigned smid() {
@@ -120,7 +132,16 @@ struct Params {
   int share;             // CTAs per tile (the expert kernel's pass splits): CTA item i streams tile i / share
   int token_rows;        // rows per stage from the token buffer, after the tile's rows (a pass's token rows)
   const uint8_t* tokens; // [kTokenRows, K_BYTES]: pass j of a tile reads rows j * token_rows.. (mod kTokenRows)
+  int ws_mode;           // ws loaders: a WsMode
+  int token_pattern, token_loader;  // ws loaders: a TokenPattern, a TokenLoader
 };
+
+// Row j of this CTA's token rows (ws loaders)
+__device__ __forceinline__ int token_row(const Params& p, int j) {
+  if (p.token_pattern == kGathered) return (j * 97 + static_cast<int>(blockIdx.x) * 31) % kTokenRows;  // 97: odd
+  if (p.token_pattern == kPacked) return static_cast<int>(blockIdx.x) / 8 * 128 + j;
+  return j;
+}
 
 // What a CTA does with a landed stage instead of MMAs: thread `thread` reads 16 of its bytes (so the copy is used),
 // then spends `delay` cycles of pretend arithmetic. Returns the bits the caller folds into its checksum.
@@ -137,12 +158,14 @@ __device__ __forceinline__ unsigned consume_stage(const uint8_t* stage, int stag
 // CHUNKS: 16-byte chunks per thread per k step ((rows + token_rows) x ksb / 16 / NT); TOKENS: token_rows > 0 (a
 // separate instance, so that the cases without token rows run session 13's k loop)
 template <int STAGES, int CHUNKS, bool TOKENS>
-__global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
+__global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid_constant__ CUtensorMap map,
+                                                    const __grid_constant__ CUtensorMap) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[STAGES];
   // TMA wants 128-byte aligned slots: align the ring to 1 KB (the launch adds 1 KB)
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const unsigned long long t0 = globaltimer();
+  const long long c0 = clock64();
   const int tid = threadIdx.x;
   const int stage_bytes = (p.rows + p.token_rows) * p.ksb;
   const int nk = static_cast<int>(K_BYTES / p.ksb);
@@ -220,10 +243,10 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
     phase_base += nk;
   }
   if (acc == 0x9e3779b9u) atomicAdd(p.sink, 1u);
-  if (tid == 0) p.stamps[blockIdx.x] = Stamp{t0, globaltimer(), smid(), 0};
+  if (tid == 0) p.stamps[blockIdx.x] = Stamp{t0, globaltimer(), smid(), static_cast<unsigned>(clock64() - c0)};
 }
 
-using Kernel = void (*)(Params, CUtensorMap);
+using Kernel = void (*)(Params, CUtensorMap, CUtensorMap);  // the weights' and the token pool's maps
 
 // ws3-mma's consumer arithmetic: D[64 x 144] += A[64 x 16] * B[16 x 144] (bf16, fp32 accumulators: 72 per thread),
 // both operands in shared memory through 128-byte-swizzle descriptors (wgmma.cuh). The stages are not swizzled
@@ -253,19 +276,29 @@ __device__ __forceinline__ void wgmma_wait_1() { BASE_MOE_WGMMA("wgmma.wait_grou
 // stage, and keeps one stage's wgmmas in flight: wait<1> after committing stage g frees stage g - 1's slot.
 template <int STAGES, int CONSUMERS, bool MMA>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const Params p,
-                                                                          const __grid_constant__ CUtensorMap map) {
+                                                                          const __grid_constant__ CUtensorMap map,
+                                                                          const __grid_constant__ CUtensorMap token_map) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const unsigned long long t0 = globaltimer();
+  const long long c0 = clock64();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int weight_bytes = p.rows * p.ksb, stage_bytes = (p.rows + p.token_rows) * p.ksb;
+  const bool tokens = p.token_rows > 0 && p.ws_mode == kTokensPerStage;  // token rows in every stage
+  const bool tokens_cp = tokens && p.token_loader == kTokensCp;
+  const int token_bytes = tokens ? p.token_rows * p.ksb : 0;
+  const int weight_bytes = p.rows * p.ksb, stage_bytes = (p.rows + (tokens ? p.token_rows : 0)) * p.ksb;
   const int nk = static_cast<int>(K_BYTES / p.ksb);
-  const bool tokens = p.token_rows > 0;
   const uint32_t s0 = smem_addr(smem), full0 = smem_addr(full), empty0 = smem_addr(empty);
+  if (p.ws_mode != kTokensPerStage) {  // the resident token rows, after the ring
+    for (int i = tid; i < p.token_rows * p.ksb / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(smem + STAGES * stage_bytes)[i] =
+          reinterpret_cast<const uint4*>(p.tokens)[i / (p.ksb / 16) * (K_BYTES / 16) + i % (p.ksb / 16)];
+    fence_proxy_async_shared();  // generic-proxy stores, read by wgmma (async proxy) after the barrier
+  }
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, tokens ? 1 + 96 : 1);
+      mbar_init(full0 + 8 * s, tokens_cp ? 1 + 96 : 1);
       mbar_init(empty0 + 8 * s, CONSUMERS * 4);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -278,11 +311,12 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
     float d[MMA ? 72 : 1] = {};
     for (int g = 0; g < steps; ++g) {
       const int s = g % STAGES;
-      bar_wait(full0 + 8 * s, (g / STAGES) & 1);
+      if (p.ws_mode != kComputeOnly) bar_wait(full0 + 8 * s, (g / STAGES) & 1);
       if constexpr (MMA) {
         fence_proxy_async_shared();  // the token rows came by cp.async (generic proxy); wgmma reads the async one
         const uint32_t stage = s0 + s * stage_bytes;
-        const uint64_t da = wgmma_desc(stage + (warp / 4 - 1) * 64 * p.ksb), db = wgmma_desc(stage + weight_bytes);
+        const uint64_t da = wgmma_desc(stage + (warp / 4 - 1) * 64 * p.ksb);
+        const uint64_t db = wgmma_desc(tokens ? stage + weight_bytes : s0 + STAGES * stage_bytes);
         fence_registers<72>(d);
         wgmma_fence();
 #pragma unroll
@@ -304,27 +338,38 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
       for (float v : d) acc ^= __float_as_uint(v);
     }
     if (lane == 0 && steps > 0) mbar_arrive(empty0 + 8 * ((steps - 1) % STAGES));
-  } else if (tid == 0 || (warp > 0 && tokens)) {  // producers: the weight TMA thread, the token warps
+  } else if (p.ws_mode != kComputeOnly && (warp == 0 || tokens_cp)) {
+    // producers: warp 0 (lane 0: the weight TMA, the token TMA; every lane: bulk token row copies), warps 1-3 the
+    // token rows by cp.async
     const int chunks = p.token_rows * p.ksb / 16, per_row = p.ksb / 16;
     for (int g = 0; g < steps; ++g) {
       const int s = g % STAGES, ks = g % nk;
       const int tile = static_cast<int>(blockIdx.x) + g / nk * static_cast<int>(gridDim.x);
       if (g >= STAGES) bar_wait(empty0 + 8 * s, (g / STAGES - 1) & 1);
-      const uint32_t dst = s0 + s * stage_bytes;
-      if (tid == 0) {
-        mbar_arrive_expect_tx(full0 + 8 * s, weight_bytes);
-        tma_2d(dst, &map, ks * p.ksb / 2, tile * p.rows, full0 + 8 * s);
+      const uint32_t dst = s0 + s * stage_bytes, full = full0 + 8 * s;
+      if (warp == 0) {
+        if (lane == 0) {
+          mbar_arrive_expect_tx(full, weight_bytes + (tokens_cp ? 0 : token_bytes));
+          tma_2d(dst, &map, ks * p.ksb / 2, tile * p.rows, full);
+          if (tokens && p.token_loader == kTokensTma)
+            tma_2d(dst + weight_bytes, &token_map, ks * p.ksb / 2, token_row(p, 0), full);
+        }
+        __syncwarp();  // the expect_tx before any token row's complete_tx
+        if (tokens && p.token_loader == kTokensBulk)
+          for (int j = lane; j < p.token_rows; j += 32)
+            bulk_copy(dst + weight_bytes + j * p.ksb, p.tokens + static_cast<int64_t>(token_row(p, j)) * K_BYTES +
+                                                          ks * p.ksb, p.ksb, full);
       } else {
         for (int c = tid - 32; c < chunks; c += 96)
-          cp_async16_nohint(dst + weight_bytes + c * 16,
-                            p.tokens + static_cast<int64_t>(c / per_row) * K_BYTES + ks * p.ksb + (c % per_row) * 16);
-        cp_async_arrive_noinc(full0 + 8 * s);
+          cp_async16_nohint(dst + weight_bytes + c * 16, p.tokens + static_cast<int64_t>(token_row(p, c / per_row)) *
+                                                                        K_BYTES + ks * p.ksb + (c % per_row) * 16);
+        cp_async_arrive_noinc(full);
       }
     }
   }
   if (acc == 0x9e3779b9u) atomicAdd(p.sink, 1u);
   __syncthreads();
-  if (tid == 0) p.stamps[blockIdx.x] = Stamp{t0, globaltimer(), smid(), 0};
+  if (tid == 0) p.stamps[blockIdx.x] = Stamp{t0, globaltimer(), smid(), static_cast<unsigned>(clock64() - c0)};
 }
 
 template <int CONSUMERS, bool MMA = false>
@@ -333,6 +378,7 @@ Kernel pick_ws_consumers(int stages) {
     case 4: return ws_stream_kernel<4, CONSUMERS, MMA>;
     case 5: return ws_stream_kernel<5, CONSUMERS, MMA>;
     case 6: return ws_stream_kernel<6, CONSUMERS, MMA>;
+    case 8: return ws_stream_kernel<8, CONSUMERS, MMA>;
   }
   return nullptr;
 }
@@ -346,6 +392,8 @@ struct Case {
   int loader, stages, rows, ksb, occupancy, grid, delay;
   int experts = 0, random = 0;  // the expert layout (cp loaders, 128 rows); random bytes instead of 0x01
   int share = 1, token_rows = 0;  // CTAs per tile and token rows per stage (Params; cp / cp-nohint loaders)
+  int ws_mode = kTokensPerStage;
+  int token_pattern = kFirstRows, token_loader = kTokensCp;
 };
 
 __global__ void fill_kernel(uint32_t* w, int64_t n, uint32_t salt) {
@@ -385,7 +433,7 @@ Kernel pick(int stages, int chunks, bool tokens) {
   return nullptr;
 }
 
-CUtensorMap make_map(const void* base, int rows, int ksb) {
+CUtensorMap make_map(const void* base, int rows, int ksb, int64_t total_rows = ROWS_TOTAL) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -393,7 +441,7 @@ CUtensorMap make_map(const void* base, int rows, int ksb) {
   cudaDriverEntryPointQueryResult q;
   CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
   CUtensorMap map;
-  const cuuint64_t dims[2] = {K_BYTES / 2, ROWS_TOTAL};
+  const cuuint64_t dims[2] = {K_BYTES / 2, static_cast<cuuint64_t>(total_rows)};
   const cuuint64_t strides[1] = {K_BYTES};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(ksb / 2), static_cast<cuuint32_t>(rows)};
   const cuuint32_t elem[2] = {1, 1};
@@ -421,8 +469,8 @@ int main() {
   CHECK(cudaMalloc(&stamps, sizeof(Stamp) * 4096));
   CHECK(cudaMalloc(&sink, 4));
   uint8_t* tokens = nullptr;
-  CHECK(cudaMalloc(&tokens, kTokenRows * K_BYTES));
-  CHECK(cudaMemset(tokens, 1, kTokenRows * K_BYTES));
+  CHECK(cudaMalloc(&tokens, kTokenPool * K_BYTES));
+  CHECK(cudaMemset(tokens, 1, kTokenPool * K_BYTES));
 
   // copy reference: device-to-device of one region into another, median of 9
   cudaEvent_t e0, e1;
@@ -487,14 +535,32 @@ int main() {
       {"  + 144 token rows, 1000 cycles/stage", kWs3, 5, 192, 128, 1, sms, 1000, 0, 0, 1, 144},
       {"  + 144 token rows, real wgmmas (N 144)", kWs3Mma, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
       {"  same, 4 stages", kWs3Mma, 4, 192, 128, 1, sms, 0, 0, 0, 1, 144},
+      // session 16: why real wgmmas cost 13 us over the stream (39.9 against 26.7, call 1): the tensor pipe alone,
+      // and the weight stream under real wgmmas without the per-stage token rows (8 stages fit then)
+      {"  wgmmas alone (no loads)", kWs3Mma, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144, kComputeOnly},
+      {"  token rows resident, 5 st", kWs3Mma, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144, kTokensResident},
+      {"  token rows resident, 8 st", kWs3Mma, 8, 192, 128, 1, sms, 0, 0, 0, 1, 144, kTokensResident},
+      {"ws3 192-row tiles, 8 st, no tokens", kWs3, 8, 192, 128, 1, sms, 0},
+      // then: does the token rows' pattern or their loader cost the 12 us?
+      {"ws3-mma, 144 of 256 rows per CTA, cp", kWs3Mma, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144, kTokensPerStage, kGathered},
+      {"  same, bulk row copies", kWs3Mma, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144, kTokensPerStage, kGathered,
+       kTokensBulk},
+      {"  same, no wgmmas", kWs3, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144, kTokensPerStage, kGathered, kTokensBulk},
+      {"ws3-mma, rows packed per expert, TMA", kWs3Mma, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144, kTokensPerStage, kPacked,
+       kTokensTma},
+      {"  same, no wgmmas", kWs3, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144, kTokensPerStage, kPacked, kTokensTma},
+      {"ws3-mma, first rows, bulk row copies", kWs3Mma, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144, kTokensPerStage,
+       kFirstRows, kTokensBulk},
+      {"  + 1000 cycles/stage", kWs3, 8, 192, 128, 1, sms, 1000},
       {"ws2 192-row tiles, 5 st, + 144 tokens", kWs2, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
       {"ws2 128-row tiles, 6 st", kWs2, 6, 128, 128, 1, sms, 0},
       {"  + 144 token rows, 5 st", kWs2, 5, 128, 128, 1, sms, 0, 0, 0, 1, 144},
       {"  + 144 token rows, 670 cycles/stage", kWs2, 5, 128, 128, 1, sms, 670, 0, 0, 1, 144},
   };
   int filled_random = 0;
-  std::printf("%-40s %-9s %2s %4s %4s %3s %5s %4s %4s | %7s %6s | %8s %8s %8s | %8s\n", "case", "loader", "S", "rows",
-              "tok", "shr", "KSB", "max/SM", "grid", "span us", "TB/s", "CTA us", "GB/s@1", "GB/s@2+", "burst us");
+  std::printf("%-40s %-9s %2s %4s %4s %3s %5s %4s %4s | %7s %6s | %8s %8s %8s | %8s %5s\n", "case", "loader", "S",
+              "rows", "tok", "shr", "KSB", "max/SM", "grid", "span us", "TB/s", "CTA us", "GB/s@1", "GB/s@2+",
+              "burst us", "MHz");
   int launch = 0;
   for (const Case& c : cases) {
     const int consumers = consumer_warpgroups(c.loader);
@@ -528,7 +594,8 @@ int main() {
                   c.token_rows, kTokenRows);
       continue;
     }
-    const int ring = c.stages * (c.rows + c.token_rows) * c.ksb;
+    const int ring = c.ws_mode == kTokensPerStage ? c.stages * (c.rows + c.token_rows) * c.ksb
+                                                  : (c.stages * c.rows + c.token_rows) * c.ksb;
     const int padded = std::max(ring + 1024, static_cast<int>(228 * 1024 / c.occupancy) - 1024 - 2048);
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, padded));
     int occ = 0;
@@ -544,7 +611,7 @@ int main() {
     auto launch_next = [&] {
       const uint8_t* region = w + REGION * (launch++ % REGIONS);
       Params p{c.experts ? w : region, c.rows, c.ksb, tiles, c.loader, c.experts, {}, c.delay, stamps, sink,
-               c.share, c.token_rows, tokens};
+               c.share, c.token_rows, tokens, c.ws_mode, c.token_pattern, c.token_loader};
       for (int i = 0; i < kChosen; ++i) {  // distinct random experts
         bool fresh = false;
         while (!fresh) {
@@ -553,10 +620,11 @@ int main() {
           fresh = std::find(p.chosen, p.chosen + i, p.chosen[i]) == p.chosen + i;
         }
       }
-      kernel<<<c.grid, threads, padded>>>(p, make_map(region, c.rows, c.ksb));
+      kernel<<<c.grid, threads, padded>>>(p, make_map(region, c.rows, c.ksb),
+                                          make_map(tokens, std::max(c.token_rows, 1), c.ksb, kTokenPool));
       CHECK(cudaGetLastError());
     };
-    std::vector<double> spans, cta_us, rate1, rate2;
+    std::vector<double> spans, cta_us, rate1, rate2, mhz;
     for (int r = 0; r < 12; ++r) {
       launch_next();
       CHECK(cudaDeviceSynchronize());
@@ -574,18 +642,20 @@ int main() {
         for (int b = a + 1; b < c.grid; ++b)
           if (s[a].sm == s[b].sm && s[a].start < s[b].end && s[b].start < s[a].end) shared[a] = shared[b] = true;
       spans.push_back((last - first) / 1e3);
-      double sum_us = 0, b1 = 0, t1 = 0, b2 = 0, t2 = 0;
+      double sum_us = 0, b1 = 0, t1 = 0, b2 = 0, t2 = 0, cycles = 0, ns = 0;
       for (int b = 0; b < c.grid; ++b) {
         const double us = (s[b].end - s[b].start) / 1e3;
         const int my_items = (tiles * c.share - b + c.grid - 1) / c.grid;
         const double bytes = static_cast<double>(my_items) * (c.rows + c.token_rows) * K_BYTES;
         sum_us += us;
+        cycles += s[b].cycles, ns += s[b].end - s[b].start;
         if (!shared[b]) b1 += bytes, t1 += us;
         else b2 += bytes, t2 += us;
       }
       cta_us.push_back(sum_us / c.grid);
       rate1.push_back(t1 > 0 ? b1 / t1 / 1e3 : 0);
       rate2.push_back(t2 > 0 ? b2 / t2 / 1e3 : 0);
+      mhz.push_back(cycles / ns * 1e3);
     }
     // the same launches back to back: us per launch over kBurst stream launches without a host sync between them,
     // including the host's tensor-map encoding and the launch gaps (a replayed graph would have smaller gaps)
@@ -601,9 +671,10 @@ int main() {
       return v[v.size() / 2];
     };
     const double span = median(spans);
-    std::printf("%-40s %-9s %2d %4d %4d %3d %5d %4d %4d | %7.1f %6.2f | %8.1f %8.1f %8.1f | %8.1f\n", c.note,
+    std::printf("%-40s %-9s %2d %4d %4d %3d %5d %4d %4d | %7.1f %6.2f | %8.1f %8.1f %8.1f | %8.1f %5.0f\n", c.note,
                 kLoaderNames[c.loader], c.stages, c.rows, c.token_rows, c.share, c.ksb, occ, c.grid, span,
-                REGION / span / 1e6, median(cta_us), median(rate1), median(rate2), burst_ms * 1e3 / kBurst);
+                REGION / span / 1e6, median(cta_us), median(rate1), median(rate2), burst_ms * 1e3 / kBurst,
+                median(mhz));
   }
   CHECK(cudaFree(w));
   CHECK(cudaFree(tokens));
