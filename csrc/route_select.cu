@@ -44,8 +44,10 @@ __host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int 
   int at = 0;
   s.dense = at;
   at += NW * E;
-  s.scratch = at;  // copy buffer of the D reduction, or group scores of the group limit (never both at once)
-  at += max(cluster * NW * experts_per_cta, NW * 2 * n_group);
+  // copy buffer of the D reduction, or per warp the group scores of the group limit and the fill's scratch words
+  // (never both at once)
+  s.scratch = at + (at & 1);  // 8-byte aligned: the fill's words hold 8-byte keys
+  at = s.scratch + max(cluster * NW * experts_per_cta, NW * (2 * n_group + kFillScratchWords));
   s.flags = at;  // per expert: bit 0 routed by some token of this CTA, bit 1 some token's top-1
   at += E;
   s.state = at;  // per expert: bit 0 routed in the group (candidate), bit 1 kept
@@ -102,6 +104,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   const int64_t first_token = static_cast<int64_t>(group) * B;
   float* my_row = dense + warp * E;
   float* my_group_scratch = scratch + warp * 2 * p.n_group;
+  float* my_fill_words = scratch + NW * 2 * p.n_group + warp * kFillScratchWords;  // 8-byte aligned
 
   cuda::pdl_launch_dependents();
   for (int u = tid; u < E; u += kThreads) {
@@ -259,7 +262,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     int slot;
     int32_t id;
     float w;
-    fill_token<EPL>(p, s, lane, kept, [&](int u) { return (state[u] & 2) != 0; }, slot, id, w);
+    const FillScratch scratch{my_row, reinterpret_cast<uint32_t*>(my_fill_words)};  // my_row: free after the cost
+    fill_token<EPL>(p, s, lane, kept, [&](int u) { return (state[u] & 2) != 0; }, scratch, slot, id, w);
     if (lane < k) {
       p.ids[t * k + slot] = id;
       p.weights[t * k + slot] = w;

@@ -53,7 +53,7 @@ constexpr int kMaxFusedTokens = 64;  // tokens per group up to which one launch 
 
 struct FusedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
-  int weights, bias, partial, logit, log_norm, own, flags, own_cost, rank_key, kept_flag, kept, scratch, total;
+  int weights, bias, partial, logit, log_norm, own, flags, own_cost, rank_key, kept_flag, kept, scratch, fill, total;
 };
 
 __host__ __device__ inline int round_up(int a, int b) { return (a + b - 1) / b * b; }
@@ -89,8 +89,10 @@ __host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) 
   at += E;
   s.kept = at;  // [W]
   at += f.sel.W;
-  s.scratch = at;  // per warp: E + 2 * n_group floats (group limit)
+  s.scratch = at;  // per warp: E + 2 * n_group floats (group limit; the E floats serve the fill too)
   at += kWarps * (E + 2 * f.sel.n_group);
+  s.fill = round_up(at, 2);  // per warp: the fill's kFillScratchWords (8-byte keys)
+  at = s.fill + kWarps * kFillScratchWords;
   s.total = at;
   return s;
 }
@@ -366,7 +368,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   float final_weight = 0.0f;
   int final_slot = lane;
   if (has_token) {
-    fill_token<EPL>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, final_slot, final_id,
+    const FillScratch scratch{my_scratch, reinterpret_cast<uint32_t*>(smem + L.fill) + warp * kFillScratchWords};
+    fill_token<EPL>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, scratch, final_slot, final_id,
                     final_weight);
     if (lane < k && final_id < E) atomicAdd(group_counts + final_id, 1);
   }

@@ -16,18 +16,12 @@
 //                 0e4657b with shared-memory slot writes (H200: 2070 -> 1999 -> 1080 cycles)
 //   topk_shfl   : a scan of every lane's keys per round, with a butterfly of shuffles instead of redux.sync
 //   topk_key64  : 64-bit keys (value, ~index): a butterfly max gives every lane the winner; no ballot, no branch
-// Then a candidate rewrite of backfill's slow path (session 15, not yet run), fill_smem: the token's choice scores
-// and group bits go to the warp's shared memory once, each kept expert's key is ranked against the others' with
-// broadcast shared-memory loads, and the ranks are scattered through shared memory, instead of EPL shuffles per
-// score, two shuffles per kept expert and k ballot + shuffle rounds (routing_device.cuh's top_k_of_kept). The weight
-// rule still takes the slot's logit by shuffles, so that the kernels' per-warp scratch grows by 128 words only (E
-// scores fit in score_token's scratch row of E + 2 n_group). It is checked bitwise (slot, id, weight) against the
-// library's fill_token on random tokens with tied scores, random kept lists (some shorter than W: sentinel E), W in
-// {4, 16, 32}, softmax and DeepSeek-style grouped sigmoid routing.
+// A candidate rewrite of backfill's slow path (fill_smem: scores, group masks and keys through the warp's shared
+// memory, ranks by broadcast loads) was checked bitwise against fill_token and timed here in session 16, then became
+// the library's top_k_of_kept (git history: 74d1b69 has the comparison).
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -129,6 +123,7 @@ __global__ void topk_kernel(const float* logits, int variant, long long* cycles,
 // cycles[(cta * REPS + rep) * 3 + phase]
 __global__ void route_kernel(const SelectParams p, const float* logits, const float* log_norms, long long* cycles) {
   __shared__ float scratch[E + 2];
+  __shared__ uint64_t fill_words[kFillScratchWords / 2];
   __shared__ int kept_flag[E];
   __shared__ int kept[KEPT];
   const int lane = threadIdx.x;
@@ -161,7 +156,8 @@ __global__ void route_kernel(const SelectParams p, const float* logits, const fl
     int slot;
     int32_t fid;
     float fw;
-    fill_token<EPL>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, slot, fid, fw);
+    fill_token<EPL>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; },
+                    FillScratch{scratch, reinterpret_cast<uint32_t*>(fill_words)}, slot, fid, fw);
     consume(fw);
     consume(fid);
     const long long t3 = clock64();
@@ -174,155 +170,6 @@ __global__ void route_kernel(const SelectParams p, const float* logits, const fl
   }
 }
 
-
-// ---- fill_smem: the candidate slow path (see the header) ----
-// Per-warp shared scratch of fill_smem: E choice scores, 32 group masks, 32 keys, 32 slots.
-struct FillScratch {
-  float choice[E];
-  uint32_t allowed[32];
-  uint64_t key[32];
-  int slot[32];
-};
-
-// Backfill (fill_token's) for a token whose routed experts are not all kept: lane r < k gets slot r's expert (E past
-// the kept ones) and weight; the same order as top_k_of_kept (group-allowed kept experts first, then by choice score,
-// ties to the lower expert) and the same weight rule.
-__device__ __forceinline__ void fill_smem(const SelectParams& p, const Token<EPL>& s, int lane, const int* kept,
-                                          FillScratch& f, int& slot, int32_t& id, float& weight) {
-  const int W = p.W;
-  slot = lane;
-  __syncwarp();  // earlier readers of the scratch are done
-#pragma unroll
-  for (int j = 0; j < EPL; ++j) {
-    const int u = lane * EPL + j;
-    if (u < p.E) f.choice[u] = s.choice[j];
-  }
-  f.allowed[lane] = s.allowed;
-  const int u = lane < W ? kept[lane] : p.E;
-  const bool valid = u < p.E;
-  __syncwarp();
-  const bool preferred = p.n_group <= 1 || (valid && ((f.allowed[holder_lane<EPL>(u)] >> (u % EPL)) & 1u) != 0);
-  const uint64_t key = valid ? (static_cast<uint64_t>(preferred) << 42) |
-                                   (static_cast<uint64_t>(base_moe::cuda::ordered_bits(f.choice[u])) << 10) |
-                                   static_cast<uint64_t>(1023 - u)
-                             : 0u;
-  if (lane < W) f.key[lane] = key;
-  if (lane < p.k) f.slot[lane] = p.E;  // ranks no kept expert takes stay empty (kept experts are distinct)
-  __syncwarp();
-  int above = 0;
-#pragma unroll 4
-  for (int m = 0; m < W; ++m) above += f.key[m] > key ? 1 : 0;
-  // the valid keys are distinct and above every invalid one: their ranks are 0 .. n_valid - 1
-  const int n_valid = __popc(__ballot_sync(0xffffffffu, valid));
-  if (valid && above < p.k) f.slot[above] = u;
-  __syncwarp();
-  id = lane < p.k && lane < n_valid ? f.slot[lane] : p.E;
-  weight = slot_weight<EPL>(p, s, id, expert_value<EPL>(s.logit, id));
-}
-
-// Each warp (one per CTA) fills REPS tokens with the library (variant 0) or fill_smem (1); per token: the cycles of
-// the fill alone and, per lane < k, (slot, id, weight bits).
-__global__ void fill_variant_kernel(const SelectParams p, const float* logits, const int* kept_lists, int variant,
-                                    long long* cycles, uint32_t* out) {
-  __shared__ float scratch[E + 2 * 8];
-  __shared__ int kept[32];
-  __shared__ int kept_flag[E];
-  __shared__ FillScratch fs;
-  const int lane = threadIdx.x;
-  for (int rep = 0; rep < REPS; ++rep) {
-    const int token = blockIdx.x * REPS + rep;
-    __syncwarp();  // the previous token's readers of kept / kept_flag are done
-    Token<EPL> s;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      s.logit[j] = logits[token * E + lane * EPL + j];
-      s.log_norm[j] = 0.0f;
-    }
-    score_token<EPL>(p, lane, scratch, scratch + E, s);
-    int32_t routed;
-    float w, ln;
-    route_token<EPL>(p, s, lane, routed, w, ln);
-    // the kept list: the host's random one, or every 8th token its routed experts (the fast path, where W >= k)
-    const bool routed_kept = token % 8 == 7 && p.W >= p.k;
-    for (int u = lane; u < E; u += 32) kept_flag[u] = 0;
-    __syncwarp();
-    kept[lane] = routed_kept ? (lane < p.k ? routed : E) : kept_lists[token * 32 + lane];
-    if (kept[lane] < E) kept_flag[kept[lane]] = 1;
-    __syncwarp();
-    int slot;
-    int32_t fid;
-    float fw;
-    const long long t0 = clock64();
-    if (variant == 0) {
-      fill_token<EPL>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, slot, fid, fw);
-    } else {
-      const bool all_kept = __all_sync(0xffffffffu, lane >= p.k || (s.slot_id < p.E && kept_flag[s.slot_id] != 0));
-      if (all_kept) {  // the library's fast path, unchanged
-        slot = lane;
-        fid = s.slot_id;
-        fw = s.slot_weight;
-      } else {
-        fill_smem(p, s, lane, kept, fs, slot, fid, fw);
-      }
-    }
-    consume(fw);
-    consume(fid);
-    const long long t1 = clock64();
-    if (lane == 0) cycles[token] = t1 - t0;
-    if (lane < p.k) {
-      uint32_t* o = out + (token * K + lane) * 3;
-      o[0] = slot;
-      o[1] = fid;
-      o[2] = __float_as_uint(fw);
-    }
-  }
-}
-
-// fill variants: both on the same tokens and kept lists; median cycles over the tokens (random kept lists: nearly all
-// take the slow path; every 8th token keeps its routed experts: the fast path), outputs compared bitwise
-void compare_fills(SelectParams p, const char* routing, const float* logits, int* kept_lists, long long* cycles) {
-  const int tokens = CTAS * REPS;
-  uint32_t* out;
-  CHECK(cudaMalloc(&out, tokens * K * 3 * sizeof(uint32_t)));
-  for (int W : {4, 16, 32}) {
-    p.W = W;
-    std::vector<int> lists(tokens * 32, E);
-    unsigned x = 777u + W;
-    for (int t = 0; t < tokens; ++t) {  // W distinct random experts, the last few of every 4th token missing (E)
-      x = x * 1664525u + 1013904223u;
-      const int valid = t % 4 == 3 ? static_cast<int>((x >> 8) % (W + 1)) : W;
-      for (int i = 0; i < valid; ++i) {
-        int u;
-        do {
-          x = x * 1664525u + 1013904223u;
-          u = static_cast<int>((x >> 8) % E);
-        } while (std::find(&lists[t * 32], &lists[t * 32] + i, u) != &lists[t * 32] + i);
-        lists[t * 32 + i] = u;
-      }
-    }
-    CHECK(cudaMemcpy(kept_lists, lists.data(), lists.size() * sizeof(int), cudaMemcpyHostToDevice));
-    std::vector<uint32_t> ref(tokens * K * 3), got(tokens * K * 3);
-    std::vector<long long> c(tokens);
-    long long med[2];
-    for (int v = 0; v < 2; ++v) {
-      CHECK(cudaMemset(out, 0xff, tokens * K * 3 * sizeof(uint32_t)));  // no output is inherited from the other variant
-      for (int launch = 0; launch < 2; ++launch)
-        fill_variant_kernel<<<CTAS, 32>>>(p, logits, kept_lists, v, cycles, out);
-      CHECK(cudaGetLastError());
-      CHECK(cudaDeviceSynchronize());
-      CHECK(cudaMemcpy(c.data(), cycles, c.size() * sizeof(long long), cudaMemcpyDeviceToHost));
-      CHECK(cudaMemcpy((v == 0 ? ref : got).data(), out, got.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost));
-      std::sort(c.begin(), c.end());
-      med[v] = c[c.size() / 2];
-    }
-    int differ = 0;
-    for (int t = 0; t < tokens; ++t)
-      differ += !std::equal(&ref[t * K * 3], &ref[t * K * 3] + K * 3, &got[t * K * 3]);
-    std::printf("fill %-16s W=%2d: library median %5lld cycles, fill_smem %5lld; outputs %s (%d of %d tokens differ)\n",
-                routing, W, med[0], med[1], differ ? "DIFFER" : "equal", differ, tokens);
-  }
-  CHECK(cudaFree(out));
-}
 
 int main() {
   SelectParams p{};
@@ -384,18 +231,5 @@ int main() {
     std::printf("%-12s k=%d of E=%d: warm median %5lld cycles (min %5lld)  ids %s\n", variants[v], K, E,
                 c[c.size() / 2], c.front(), v == 0 ? "(reference)" : (got == reference ? "equal" : "DIFFER"));
   }
-  // fill_smem against the library: softmax (Qwen3) and grouped sigmoid (DeepSeek-V3-like) routing, on logits
-  // rounded to 1/8 so that many scores tie
-  for (float& v : h) v = std::round(v * 8.0f) / 8.0f;
-  CHECK(cudaMemcpy(logits, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
-  int* kept_lists;
-  CHECK(cudaMalloc(&kept_lists, CTAS * REPS * 32 * sizeof(int)));
-  compare_fills(p, "softmax", logits, kept_lists, cycles);
-  p.scoring = static_cast<int>(Scoring::kSigmoid);
-  p.n_group = 8;
-  p.topk_group = 4;
-  p.group_size = E / 8;
-  p.scaling = 2.5f;
-  compare_fills(p, "sigmoid, groups", logits, kept_lists, cycles);
   return 0;
 }
