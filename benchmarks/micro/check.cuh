@@ -1,7 +1,8 @@
 // Shared code of the standalone microbenchmarks in this folder (they build without torch): an error check that prints
-// and exits, the %globaltimer clock and the mbarrier set-up they time their copies with.
+// and exits, the %globaltimer clock, and the mbarrier and TMA helpers of their asynchronous copies.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,4 +32,30 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 // One arrival at `bar` that also expects `bytes` more transaction bytes (async copies' complete_tx) in this phase.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Spins until the phase of parity `parity` of the mbarrier at `bar` has completed.
+__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+}
+
+// One plain arrival at the mbarrier at `bar`.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// A 2-D TMA box at coordinates (col, row) (elements, innermost first) of `map` to shared address `dst`, completing
+// its bytes on the mbarrier at `bar`.
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int col, int row, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
+          "r"(dst),
+      "l"(map), "r"(col), "r"(row), "r"(bar)
+      : "memory");
 }
