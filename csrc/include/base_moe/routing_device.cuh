@@ -300,8 +300,7 @@ __device__ __forceinline__ int32_t top_k_of_kept(const SelectParams& p, const To
 // The token's final slots once the kept set is known (is_kept(u) for u < E; kept: the W kept experts in rank order,
 // E past the last): lane r < k gets the expert id and weight of final slot `slot`. Backfill: the top k of the kept
 // experts (group-allowed ones first), slot = lane; scratch serves its slow path over up to 32 kept experts. The drop
-// fills: the routed slots whose expert is kept, in their
-// order, then the sentinel (E, 0).
+// fills: the routed slots whose expert is kept, in their order, then the sentinel (E, 0).
 template <int EPL, typename IsKept>
 __device__ __forceinline__ void fill_token(const SelectParams& p, const Token<EPL>& s, int lane, const int* kept,
                                            IsKept is_kept, FillScratch scratch, int& slot, int32_t& id,
