@@ -9,10 +9,10 @@
 # notes/select_phases_main.patch), the patches reverted. The JSON's git_commit names .trial_sha plus the patches.
 # Then, if any variant ran "var", main's "var" and one table of the default configuration's microseconds at every
 # batch x budget point of those variants, main first. Under $OUT the variants / pytest_experts / memcheck / racecheck /
-# bench_layer_q / bench_select / ncuicache files are renamed by variant; other steps' logs keep device_trial.sh's names (the last
-# variant's survive). An empty patch list (`main=`) runs the steps on main itself, e.g. session 16's call 1 (the
-# selection bisect; its patches are in git history at 9ef34e8): -s "bsel layerq" main= bias=notes/select_bisect_bias.patch
-# push=notes/select_bisect_push.patch all=notes/select_replicated_s15.patch
+# bench_layer_q / bench_select / ncuicache files are renamed by variant; other steps' logs keep device_trial.sh's
+# names (the last variant's survive). An empty patch list (`main=`) runs the steps on main itself, e.g. session 16's
+# call 1 (the selection bisect; its patches are in git history at 9ef34e8): -s "bsel layerq" main=
+# bias=notes/select_bisect_bias.patch push=notes/select_bisect_push.patch all=notes/select_replicated_s15.patch
 # Session 14 ran its calls 2, 3 and 5 as one-off scripts of this form (git history: 4dbf907).
 steps="texp var"
 names=()

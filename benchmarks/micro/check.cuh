@@ -1,5 +1,5 @@
 // Shared code of the standalone microbenchmarks in this folder (they build without torch): an error check that prints
-// and exits, the %globaltimer clock, and the mbarrier and TMA helpers of their asynchronous copies.
+// and exits, the %globaltimer clock, and the mbarrier, TMA and tensor-map helpers of their asynchronous copies.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -58,4 +58,27 @@ __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int
           "r"(dst),
       "l"(map), "r"(col), "r"(row), "r"(bar)
       : "memory");
+}
+
+// A bf16 tensor map over `rank` dimensions (dims innermost first, byte strides of dimensions 1..), boxes of `box`
+// elements in `swizzle`, through the driver's cuTensorMapEncodeTiled (looked up through the runtime, so no -lcuda);
+// exits on failure.
+inline CUtensorMap encode_bf16_map(const void* base, cuuint32_t rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                                   const cuuint32_t* box, CUtensorMapSwizzle swizzle) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+  const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = reinterpret_cast<Encode>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base),
+                                                  dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
+    std::exit(1);
+  }
+  return map;
 }

@@ -170,7 +170,6 @@ __global__ void route_kernel(const SelectParams p, const float* logits, const fl
   }
 }
 
-
 int main() {
   SelectParams p{};
   p.B = 1;

@@ -240,8 +240,6 @@ __device__ __forceinline__ void wgmma_m64n144k16_bf16(float* d, uint64_t desc_a,
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
-// Waits until at most one committed group of this warpgroup's wgmmas is in flight.
-__device__ __forceinline__ void wgmma_wait_1() { BASE_MOE_WGMMA("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 // Loaders ws2 / ws3: the warp-specialised stream that notes/research_b256_s14.md proposes for the b256 expert GEMMs.
 // One persistent CTA per SM (grid = SMs; tiles b, b + grid, ...): warpgroup 0 produces, CONSUMERS warpgroups consume,
@@ -305,7 +303,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
           wgmma_m64n144k16_bf16(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
         }
         wgmma_commit();
-        wgmma_wait_1();
+        wgmma_wait_one();
         fence_registers<72>(d);
       } else {
         acc ^= consume_stage(smem + s * stage_bytes, stage_bytes, tid - 128, p.delay);
@@ -415,26 +413,10 @@ Kernel pick(int stages, int chunks, bool tokens) {
 }
 
 CUtensorMap make_map(const void* base, int rows, int ksb, int64_t total_rows = ROWS_TOTAL) {
-  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
-  CUtensorMap map;
   const cuuint64_t dims[2] = {K_BYTES / 2, static_cast<cuuint64_t>(total_rows)};
   const cuuint64_t strides[1] = {K_BYTES};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(ksb / 2), static_cast<cuuint32_t>(rows)};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = reinterpret_cast<Encode>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base),
-                                                  dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                                  CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
-    std::exit(1);
-  }
-  return map;
+  return encode_bf16_map(base, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 int main() {

@@ -39,6 +39,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "base_moe/experts_mma.cuh"
 #include "base_moe/wgmma.cuh"
 #include "check.cuh"
 
@@ -78,9 +79,6 @@ struct Stamp {
   unsigned cycles, pad;
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
@@ -104,7 +102,6 @@ template <int REGS>
 __device__ __forceinline__ void setmaxnreg_inc() {
   BASE_MOE_WGMMA("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }
-__device__ __forceinline__ void wgmma_wait_1() { BASE_MOE_WGMMA("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 __device__ __forceinline__ void wgmma_m64n160k16_bf16(float* d, uint64_t desc_a, uint64_t desc_b) {
   BASE_MOE_WGMMA(
@@ -178,11 +175,11 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
   using G = Gemm<GATED>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[G::STAGES], empty[G::STAGES];
-  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const unsigned long long t0 = globaltimer();
   const long long c0 = clock64();
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
-  const uint32_t ring = smem_u32(smem), full0 = smem_u32(full), empty0 = smem_u32(empty);
+  const uint32_t ring = smem_addr(smem), full0 = smem_addr(full), empty0 = smem_addr(empty);
   if (tid == 0) {
     for (int s = 0; s < G::STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);
@@ -233,7 +230,7 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
         for (int kk = 0; kk < 4; ++kk)
           wgmma_m64n160k16_bf16(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
         wgmma_commit();
-        wgmma_wait_1();  // the previous stage's wgmmas are done: release its slot
+        wgmma_wait_one();  // the previous stage's wgmmas are done: release its slot
         fence_registers<N / 2>(d);
         if (pending >= 0 && lane == 0) mbar_arrive(empty0 + 8 * pending);
         pending = s;
@@ -299,30 +296,12 @@ __global__ void fill_kernel(__nv_bfloat16* v, int64_t n, uint32_t salt, float sc
   }
 }
 
-using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                            const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                            CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// A bf16 tensor map in the 128-byte swizzle; strides in bytes for dimensions 1.. (dimension 0 is contiguous).
-CUtensorMap encode(Encode fn, void* base, cuuint32_t rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                   const cuuint32_t* box) {
-  const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
-  CUtensorMap map;
-  const CUresult r = fn(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, base, dims, strides, box, elem,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
-    std::exit(1);
-  }
-  return map;
-}
 // Token rows [rows, cols] (bf16, row-major) as the GEMMs' B operand: boxes of 64 columns x N rows.
-CUtensorMap token_map(Encode fn, void* base, int rows, int cols) {
+CUtensorMap token_map(void* base, int rows, int cols) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
   const cuuint32_t box[2] = {KSTEP, N};
-  return encode(fn, base, 2, dims, strides, box);
+  return encode_bf16_map(base, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 struct Routing {
@@ -445,10 +424,6 @@ void span(Stamp* stamps, int sms, std::vector<double>& us, std::vector<double>& 
 int main() {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
-  const Encode encode_fn = reinterpret_cast<Encode>(fn);
   __nv_bfloat16 *w, *wd, *x;
   const int64_t w_elems = static_cast<int64_t>(E) * 2 * I * H, wd_elems = static_cast<int64_t>(E) * H * I;
   CHECK(cudaMalloc(&w, w_elems * 2));
@@ -463,12 +438,12 @@ int main() {
   const cuuint64_t gdims[5] = {H, 8, 2, I / 8, E};
   const cuuint64_t gstrides[4] = {H * 2ull, static_cast<cuuint64_t>(I) * H * 2, 8ull * H * 2, 2ull * I * H * 2};
   const cuuint32_t gbox[5] = {KSTEP, 8, 2, 4, 1};
-  const CUtensorMap gmap = encode(encode_fn, w, 5, gdims, gstrides, gbox);
+  const CUtensorMap gmap = encode_bf16_map(w, 5, gdims, gstrides, gbox, CU_TENSOR_MAP_SWIZZLE_128B);
   // down [E, H, I] as (i, h, expert): a box of 64 i x 64 rows
   const cuuint64_t ddims[3] = {I, H, E};
   const cuuint64_t dstrides[2] = {I * 2ull, static_cast<cuuint64_t>(H) * I * 2};
   const cuuint32_t dbox[3] = {KSTEP, 64, 1};
-  const CUtensorMap dmap = encode(encode_fn, wd, 3, ddims, dstrides, dbox);
+  const CUtensorMap dmap = encode_bf16_map(wd, 3, ddims, dstrides, dbox, CU_TENSOR_MAP_SWIZZLE_128B);
   uint32_t lcg = 2024u;
   std::vector<Routing> routings;
   for (int i = 0; i < ROUTINGS; ++i) {
@@ -487,8 +462,8 @@ int main() {
     // NaN everywhere: an output the kernels never write fails the check
     CHECK(cudaMemset(r.act, 0xff, static_cast<int64_t>(SLOTS) * I * 2));
     CHECK(cudaMemset(r.y_slot, 0xff, static_cast<int64_t>(SLOTS) * H * 4));
-    r.xmap = token_map(encode_fn, r.xp, SLOTS, H);
-    r.amap = token_map(encode_fn, r.act, SLOTS, I);
+    r.xmap = token_map(r.xp, SLOTS, H);
+    r.amap = token_map(r.act, SLOTS, I);
     routings.push_back(r);
   }
   CHECK(cudaFuncSetAttribute(ws_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,

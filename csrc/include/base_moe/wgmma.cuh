@@ -48,6 +48,9 @@ constexpr bool kWgmmaCompiled = true;
 __device__ __forceinline__ void wgmma_fence() { BASE_MOE_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { BASE_MOE_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { BASE_MOE_WGMMA("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Returns once at most one committed group of this warpgroup's wgmmas is still in flight (the warp-specialised
+// microbenchmarks keep one stage's wgmmas in flight).
+__device__ __forceinline__ void wgmma_wait_one() { BASE_MOE_WGMMA("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 // Generic-proxy writes to shared memory (cp.async) made visible to the async proxy that wgmma reads through.
 __device__ __forceinline__ void fence_proxy_async_shared() {
