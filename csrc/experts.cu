@@ -44,6 +44,7 @@
 
 #include "base_moe/checks.h"
 #include "base_moe/experts_mma.cuh"
+#include "base_moe/experts_ws.h"
 #include "base_moe/launch.cuh"
 #include "base_moe/routing.h"
 #include "base_moe/wgmma.cuh"
@@ -72,15 +73,6 @@ struct GemmParams {
   int out_stride;
   int pass_splits;         // CTAs per (row tile, expert), each taking every pass_splits-th pass; set by the launcher
 };
-
-// SiLU(gate) * up for the gate_up epilogue. __fdividef instead of IEEE division: the division's slow-path branch kept
-// ptxas from interleaving a thread's 16-64 epilogue values, and with one or two warps per scheduler each dependent
-// instruction costs its full latency (the W64 epilogue took ~2 us per CTA, stamped on the H200; session 13).
-// __fdividef returns 0 for denominators above 2^126, i.e. for gate values below 126 ln 2 = -87.3, where |SiLU| <
-// 1e-36 (the IEEE division gave that tiny value; for gate values below -88.7 both give -0).
-__device__ __forceinline__ float silu_mul(float gate, float up) {
-  return __fdividef(gate, 1.f + __expf(-gate)) * up;
-}
 
 // Byte offset of 16-byte chunk `ch` (0..7) of stage row `r`: odd rows swap halves so that the 8 lanes of a
 // quarter warp (two rows x 64 bytes) hit all 32 banks.
@@ -576,18 +568,19 @@ int forced_choice(const char* knob, std::initializer_list<const char*> choices) 
 }
 
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
-// mma.sync (m16n8k16, tokens as the narrow n side), W64 / W128 on wgmma (m64nNk16, tokens as N). Picked on the host
-// (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128 forces one (a process-wide setting, so the choice is
-// graph-safe).
-enum class Config { kT16, kT32, kW64, kW128 };
+// mma.sync (m16n8k16, tokens as the narrow n side), W64 / W128 on wgmma (m64nNk16, tokens as N); WS, the
+// warp-specialised persistent GEMMs of csrc/experts_ws.cu (160 tokens per pass, TMA; sm_90a code only). Picked on
+// the host (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128|WS forces one (a process-wide setting, so the
+// choice is graph-safe). WS is forced only, until a bench_layer sweep says where it wins (notes/ws_experts_plan.md).
+enum class Config { kT16, kT32, kW64, kW128, kWS };
 
 // T: tokens of the batch (no expert gets more unless a token lists it twice); tokens_per_expert: T * k over the most
 // experts that can be active (min(E, T * k, max_active_experts)), the average load per active expert when no slot is
 // empty and the bound is exact (empty slots or a loose bound make it an overestimate): the best the host knows
 // without a sync.
 Config pick_config(int64_t T, int64_t tokens_per_expert) {
-  static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128};
-  const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128"});  // for benchmarks
+  static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
+  const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"});  // benchmarks
   if (forced >= 0) return kConfigs[forced];
   // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
   // bench_layer_wgmma_sweep.json, session 5; notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
@@ -677,6 +670,7 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       break;
     case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM (at any stage count:
                          // its 255 registers per thread)
+    case Config::kWS:    // (where experts_ws_launch could not run)
       launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
   }
@@ -740,11 +734,18 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   // which costs time, not correctness).
   const int64_t busiest_expert = std::min(T, tokens_per_expert + tokens_per_expert / 3);
   const bool pdl = use_pdl(hidden.get_device());
+  // WS needs TMA and wgmma: a device with clusters and this build's sm_90a code (the default target)
+  bool ran_ws = false;
+  if (cfg == Config::kWS) {
+    ran_ws = cuda::device_has_clusters(hidden.get_device()) &&
+             experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot, stream, pdl);
+    if (!ran_ws) TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran W128");
+  }
   if (hidden.scalar_type() == at::kBFloat16) {
-    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
+    if (!ran_ws) run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
     launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
   } else {
-    run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
+    if (!ran_ws) run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
     launch_slot_sum<__half>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
   }
   return y;

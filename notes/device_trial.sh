@@ -21,9 +21,9 @@ for step in "$@"; do
     phases) timeout 60 python3 benchmarks/micro/select_phases.py > $OUT/phases.log 2>&1; tail -40 $OUT/phases.log;;
     texp) timeout 150 python3 -m pytest -m cuda tests/test_experts_cuda.py -q -x > $OUT/pytest_experts.log 2>&1; tail -15 $OUT/pytest_experts.log;;
     tall) timeout 300 python3 -m pytest -m cuda tests -q -x > $OUT/pytest_all.log 2>&1; tail -15 $OUT/pytest_all.log;;
-    var) timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,T16,T32,W64,W128} --out $OUT/variants.json > $OUT/variants.log 2>&1; tail -45 $OUT/variants.log;;
-    mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128} timeout 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_experts.py > $OUT/memcheck.log 2>&1; tail -6 $OUT/memcheck.log;;
-    race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128} timeout 240 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_experts.py > $OUT/racecheck.log 2>&1; tail -6 $OUT/racecheck.log;;
+    var) timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,T16,T32,W64,W128,WS} --out $OUT/variants.json > $OUT/variants.log 2>&1; tail -45 $OUT/variants.log;;
+    mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_experts.py > $OUT/memcheck.log 2>&1; tail -6 $OUT/memcheck.log;;
+    race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 240 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_experts.py > $OUT/racecheck.log 2>&1; tail -6 $OUT/racecheck.log;;
     ncu) for b in 1 16 64; do
            timeout 120 ncu --section SourceCounters --section WarpStateStats --section LaunchStats --import-source yes -k regex:select_experts --launch-skip 2 --launch-count 1 -f -o $OUT/sel$b python3 benchmarks/profile_layer.py --op select --batch $b --budget 16 --calls 3 > $OUT/ncu$b.log 2>&1
            ncu -i $OUT/sel$b.ncu-rep --page source --csv --print-source sass > $OUT/sel${b}_sass.csv 2> $OUT/sel${b}_err.txt || ncu -i $OUT/sel$b.ncu-rep --page source --csv > $OUT/sel${b}_src.csv 2>> $OUT/sel${b}_err.txt
@@ -50,7 +50,7 @@ for step in "$@"; do
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --hidden hot --out $OUT/bench_select_hot.json > $OUT/bench_select_hot.log 2>&1; tail -8 $OUT/bench_select_hot.log;;
     bselwhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --weights hot --out $OUT/bench_select_whot.json > $OUT/bench_select_whot.log 2>&1; tail -8 $OUT/bench_select_whot.log;;
-    sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128} timeout 200 compute-sanitizer --tool synccheck python3 benchmarks/sanitize_experts.py > $OUT/synccheck.log 2>&1; tail -6 $OUT/synccheck.log;;
+    sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 200 compute-sanitizer --tool synccheck python3 benchmarks/sanitize_experts.py > $OUT/synccheck.log 2>&1; tail -6 $OUT/synccheck.log;;
     timeline) for pt in ${POINTS:-1:0 16:16 64:16 256:16}; do b=${pt%:*}; m=${pt#*:}; [ "$m" = 0 ] && m=; for op in experts layer; do
            timeout 60 python3 benchmarks/profile_layer.py --timeline --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning; done; done;;
     stamps) # per-CTA phase stamps of the expert GEMMs (needs notes/diag_stamps_main.patch, or one like it, applied)

@@ -104,7 +104,7 @@ def test_fp16(T, shape):
     check_accuracy(T, shape, torch.float16, used=min(12, shape["E"] - 1))
 
 
-@pytest.mark.parametrize("config", ["W64", "W128"])
+@pytest.mark.parametrize("config", ["W64", "W128", "WS"])
 def test_fp16_wgmma(config, monkeypatch):
     """The fp16 instances of the wgmma configurations (test_configs runs bf16)."""
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
@@ -122,7 +122,7 @@ def test_all_dropped_and_one_expert():
     check_accuracy(300, shape, torch.bfloat16, used=1, drop=0.0)  # one expert, 300 tokens: several passes
 
 
-@pytest.mark.parametrize("config", ["T16", "T32", "W64", "W128"])
+@pytest.mark.parametrize("config", ["T16", "T32", "W64", "W128", "WS"])
 @pytest.mark.parametrize("T,shape,used", [(1, dict(H=320, I=192, E=10, k=3), 9), (70, dict(H=320, I=192, E=10, k=3), 2),
                                           (300, dict(H=128, I=64, E=4, k=2), 1), (40, QWEN3, 16)])
 def test_configs(config, T, shape, used, monkeypatch):
@@ -178,6 +178,18 @@ def test_gate_up_tile_heights_same_bits(T, shape, dtype, monkeypatch):
     check_accuracy(T, shape, dtype, drop=0.15, seed=T)  # under the half tiles (the last knob set)
 
 
+def test_ws_runs_its_kernels(monkeypatch):
+    """BASE_MOE_EXPERTS_CONFIG=WS runs the warp-specialised kernels (the profiler sees them), not the W128 fallback:
+    the WS cases of the other tests test what they name."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
+    hidden, ids, w, gate_up, down = make_problem(64, dtype=torch.bfloat16, **QWEN3, used=16, seed=3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert any("ws_gemm_kernel" in n for n in names) and not any("expert_gemm_kernel" in n for n in names), names
+
+
 @pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256"),
                                         ("BASE_MOE_EXPERTS_GATE_UP_TILES", "tall")])
 def test_malformed_knob_warns_and_is_ignored(name, value, monkeypatch, capfd):
@@ -193,7 +205,7 @@ def test_malformed_knob_warns_and_is_ignored(name, value, monkeypatch, capfd):
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("config", ["default", "T16", "T32", "W64", "W128"])
+@pytest.mark.parametrize("config", ["default", "T16", "T32", "W64", "W128", "WS"])
 @pytest.mark.parametrize("T,used,bound", [(16, 16, 16), (16, 16, 3), (16, 16, 1), (64, 40, 7), (5, 5, 100)])
 def test_max_active_experts(config, T, used, bound, monkeypatch):
     """Under a forced configuration the bound on active experts sizes the grid only: any value, even below the true
