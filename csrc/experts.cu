@@ -734,11 +734,10 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   // which costs time, not correctness).
   const int64_t busiest_expert = std::min(T, tokens_per_expert + tokens_per_expert / 3);
   const bool pdl = use_pdl(hidden.get_device());
-  // WS needs TMA and wgmma: a device with clusters and this build's sm_90a code (the default target)
+  // WS needs TMA and wgmma: this build's sm_90a code (the default target) on an sm_90 device
   bool ran_ws = false;
   if (cfg == Config::kWS) {
-    ran_ws = cuda::device_has_clusters(hidden.get_device()) &&
-             experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot, stream, pdl);
+    ran_ws = experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot, stream, pdl);
     if (!ran_ws) TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran W128");
   }
   if (hidden.scalar_type() == at::kBFloat16) {

@@ -161,18 +161,6 @@ struct WsGemmParams {
   const float* slot_weight;   // down: its routing weight
 };
 
-// Accumulator layout of m64nNk16 per thread (warp w of the warpgroup, lane l): per 8 token columns j, registers 4j and
-// 4j + 1 at row 16 w + l / 4, 4j + 2 and 4j + 3 at that row + 8, columns 8j + 2 (l % 4) + {0, 1}. Calls f(col, reg)
-// for each of the thread's columns: register reg holds row 16 w + l / 4, reg + 2 the row 8 below.
-template <typename F>
-__device__ __forceinline__ void for_each_column(int lane, F f) {
-#pragma unroll
-  for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-    for (int b = 0; b < 2; ++b) f(8 * j + 2 * (lane % 4) + b, 4 * j + b);
-  }
-}
-
 // gate_up: rows (l / 4, l / 4 + 8) of warp w are the gate and up of intermediate 8 w + l / 4 of consumer c's 32.
 template <typename T>
 __device__ __forceinline__ void gate_up_epilogue(const float (&d)[kN / 2], const WsGemmParams& p, const WsItem& item,
@@ -180,7 +168,7 @@ __device__ __forceinline__ void gate_up_epilogue(const float (&d)[kN / 2], const
   const int i = item.tile * WsShape<true>::TILE + 32 * c + 8 * warp + lane / 4;
   if (i >= p.rows_out) return;
   T* act = static_cast<T*>(p.act);
-  for_each_column(lane, [&](int col, int reg) {
+  wgmma_for_each_column<kN>(lane, [&](int col, int reg) {
     if (col < item.cols)
       act[static_cast<int64_t>(item.slot0 + col) * p.rows_out + i] = from_float<T>(silu_mul(d[reg], d[reg + 2]));
   });
@@ -189,7 +177,7 @@ __device__ __forceinline__ void gate_up_epilogue(const float (&d)[kN / 2], const
 __device__ __forceinline__ void down_epilogue(const float (&d)[kN / 2], const WsGemmParams& p, const WsItem& item,
                                               int c, int warp, int lane) {
   const int h = item.tile * WsShape<false>::TILE + 64 * c + 16 * warp + lane / 4;
-  for_each_column(lane, [&](int col, int reg) {
+  wgmma_for_each_column<kN>(lane, [&](int col, int reg) {
     if (col < item.cols) {
       const int slot = item.slot0 + col;
       float* row = p.yslot + static_cast<int64_t>(p.slot_origin[slot]) * p.rows_out;
@@ -230,13 +218,15 @@ __global__ void __launch_bounds__(WsShape<GATED>::THREADS, 1)
           const int s = g % S::STAGES;
           if (g >= S::STAGES) tma::mbar_wait(empty0 + 8 * s, (g / S::STAGES - 1) & 1);
           const uint32_t stage = ring + s * S::STAGE_BYTES, bar = full0 + 8 * s;
-          tma::mbar_arrive_expect_tx(bar, S::STAGE_BYTES);
-          for (int c = 0; c < S::CONSUMERS; ++c) {
+          // a partial last tile: consumers whose rows all lie past I (H) get no box (their results are not stored)
+          const int first_row = item.tile * S::TILE, rows_per_consumer = GATED ? 32 : 64;
+          const int live = min(S::CONSUMERS, (p.rows_out - first_row + rows_per_consumer - 1) / rows_per_consumer);
+          tma::mbar_arrive_expect_tx(bar, S::STAGE_BYTES - (S::CONSUMERS - live) * kBox);
+          for (int c = 0; c < live; ++c) {
             if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
-              tma::load_5d(stage + c * kBox, &weights, ks * kStep, 0, 0, (item.tile * S::TILE + 32 * c) / 8,
-                           item.expert, bar);
+              tma::load_5d(stage + c * kBox, &weights, ks * kStep, 0, 0, (first_row + 32 * c) / 8, item.expert, bar);
             else
-              tma::load_3d(stage + c * kBox, &weights, ks * kStep, item.tile * S::TILE + 64 * c, item.expert, bar);
+              tma::load_3d(stage + c * kBox, &weights, ks * kStep, first_row + 64 * c, item.expert, bar);
           }
           tma::load_2d(stage + S::A_BYTES, &tokens, ks * kStep, item.slot0, bar);
         }
@@ -321,35 +311,69 @@ bool encode_tokens(CUtensorMap& map, const at::Tensor& t) {
   return encode(map, t.scalar_type(), t.data_ptr(), 2, dims, strides, box);
 }
 
-// The dynamic shared-memory attribute of a kernel instance, set once per device (as csrc/experts.cu's prepare).
-template <typename Kernel>
-void allow_shared_memory(Kernel kernel, int bytes) {
+// 1 in the image a device runs if that image is sm_90a code (wgmma, TMA), 0 in the sm_90 / sm_80 fallbacks, where
+// the GEMMs would trap.
+__device__ int ws_code_loaded = kWgmmaCompiled ? 1 : 0;
+
+// Whether the device runs this build's sm_90a code: an sm_90 device, and the symbol above read once per device. The
+// read is a synchronous copy, not allowed while the stream is being captured: a first call under capture answers no
+// (the op then runs W128) and asks again next time.
+bool ws_available(cudaStream_t stream) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];  // 0 unknown, 1 no, 2 yes
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+  const int cached = known[device].load(std::memory_order_acquire);
+  if (cached != 0) return cached == 2;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  int loaded = 0;
+  if (major == 9 && cudaMemcpyFromSymbol(&loaded, ws_code_loaded, sizeof(int)) != cudaSuccess) {
+    (void)cudaGetLastError();  // no image for this device, or another thread's capture: ask again next time
+    return false;
+  }
+  known[device].store(loaded == 1 ? 2 : 1, std::memory_order_release);
+  return loaded == 1;
+}
+
+// Raises the dynamic shared-memory limit of ws_gemm_kernel<T, GATED>, once per device (as csrc/experts.cu's
+// prepare; one flag per instance); false if the device refuses it.
+template <typename T, bool GATED>
+bool allow_shared_memory() {
   constexpr int kMaxDevices = 64;
   static std::atomic<bool> done[kMaxDevices];
   int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return true;
+  if (cudaFuncSetAttribute(ws_gemm_kernel<T, GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           WsShape<GATED>::SMEM_BYTES) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
   if (device < kMaxDevices) done[device].store(true, std::memory_order_release);
+  return true;
 }
 
 template <typename T, bool GATED>
 void launch_ws_gemm(const WsGemmParams& p, const CUtensorMap& weights, const CUtensorMap& tokens, cudaStream_t stream,
                     bool pdl) {
   using S = WsShape<GATED>;
-  const auto kernel = ws_gemm_kernel<T, GATED>;
-  allow_shared_memory(kernel, S::SMEM_BYTES);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  cuda::launch({dim3(sms), dim3(S::THREADS), S::SMEM_BYTES, stream, 0, pdl}, kernel, p, weights, tokens);
+  cuda::launch({dim3(sms), dim3(S::THREADS), S::SMEM_BYTES, stream, 0, pdl}, ws_gemm_kernel<T, GATED>, p, weights,
+               tokens);
 }
 
+// false, having launched nothing, where a GEMM's shared memory cannot be had
 template <typename T>
-void launch_all(const PlanParams& plan, const WsGemmParams& gate_up, const WsGemmParams& down,
+bool launch_all(const PlanParams& plan, const WsGemmParams& gate_up, const WsGemmParams& down,
                 const CUtensorMap (&maps)[4], cudaStream_t stream, bool pdl) {
+  if (!allow_shared_memory<T, true>() || !allow_shared_memory<T, false>()) return false;
   const int plan_ctas = (plan.tk + kSlotsPerPlanCta - 1) / kSlotsPerPlanCta;
   cuda::launch({dim3(plan_ctas), dim3(kPlanThreads), 0, stream, 0, pdl}, ws_plan_kernel, plan);
   launch_ws_gemm<T, true>(gate_up, maps[0], maps[1], stream, pdl);
   launch_ws_gemm<T, false>(down, maps[2], maps[3], stream, pdl);
+  return true;
 }
 
 }  // namespace
@@ -357,6 +381,7 @@ void launch_all(const PlanParams& plan, const WsGemmParams& gate_up, const WsGem
 bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
                        const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& act, at::Tensor& yslot,
                        cudaStream_t stream, bool pdl) {
+  if (!ws_available(stream)) return false;
   const int64_t H = hidden.size(1), k = expert_ids.size(1), tk = expert_ids.numel();
   const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
   const int gate_up_tiles = static_cast<int>((I + WsShape<true>::TILE - 1) / WsShape<true>::TILE);
@@ -418,11 +443,8 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   down.yslot = yslot.data_ptr<float>();
   down.slot_origin = plan.slot_origin;
   down.slot_weight = plan.slot_weight;
-  if (hidden.scalar_type() == at::kBFloat16)
-    launch_all<__nv_bfloat16>(plan, gate_up, down, maps, stream, pdl);
-  else
-    launch_all<__half>(plan, gate_up, down, maps, stream, pdl);
-  return true;
+  return hidden.scalar_type() == at::kBFloat16 ? launch_all<__nv_bfloat16>(plan, gate_up, down, maps, stream, pdl)
+                                               : launch_all<__half>(plan, gate_up, down, maps, stream, pdl);
 }
 
 }  // namespace base_moe

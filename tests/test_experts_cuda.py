@@ -231,8 +231,11 @@ def test_deterministic():
         assert torch.equal(torch.ops.base_moe.experts(hidden, ids, w, gate_up, down), first)
 
 
+@pytest.mark.parametrize("config", ["default", "WS"])
 @pytest.mark.parametrize("T", [1, 16, 100])
-def test_cuda_graph_replay(T):
+def test_cuda_graph_replay(T, config, monkeypatch):
+    if config != "default":
+        monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
     shape = dict(H=512, I=256, E=16, k=4)
     static = make_problem(T, dtype=torch.bfloat16, **shape, used=10, seed=1)
     stream = torch.cuda.Stream()

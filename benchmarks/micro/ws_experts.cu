@@ -23,7 +23,7 @@
 //            Epilogue: weight * accumulator to the slot's token-major y_slot row (per store: 8 consecutive h of 4 rows).
 // Session 16: gate_up alone (then ws_gate_up.cu) in call 5 with 4 stages and the up halves exchanged through shared
 // memory: correct, 37.7 us; call 6 with the 5-D boxes and 5 stages: correct, 34.4 us (2.93 TB/s), pack 4.9 us.
-// Call 7 (this file) and call 9 (this form, epilogues on for_each_column): both GEMMs correct on 4 routings (act
+// Call 7 (this file) and call 9 (epilogues on one column walk, now wgmma.cuh's wgmma_for_each_column): both GEMMs correct on 4 routings (act
 // within 0.34% of max |ref|: bf16 rounding; y within 1.3e-6); gate_up 35.7 / 35.8 us (2.8 TB/s), down 28.4 / 27.8 us
 // (1.8 TB/s), pack 5.8 / 5.5, slot sum 5.7 / 5.5: 75.6 / 74.6 us in all, against the library's 87.6 us for its expert
 // op at this point. Down with 4 consumers over 256-row tiles (half the token-row
@@ -131,23 +131,11 @@ __global__ void slot_sum_kernel(const float* y_slot, float* y) {
   reinterpret_cast<float4*>(y)[idx] = acc;
 }
 
-// Accumulator layout of m64nNk16 per thread (warp w of the warpgroup, lane l): per 8 token columns j, registers 4j and
-// 4j + 1 at row 16 w + l / 4, 4j + 2 and 4j + 3 at that row + 8, columns 8j + 2 (l % 4) + {0, 1}. Calls f(col, reg)
-// for each of the thread's columns: register reg holds row 16 w + l / 4, reg + 2 the row 8 below.
-template <typename F>
-__device__ __forceinline__ void for_each_column(int lane, F f) {
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-    for (int b = 0; b < 2; ++b) f(8 * j + 2 * (lane % 4) + b, 4 * j + b);
-  }
-}
-
 // gate_up: rows (l / 4, l / 4 + 8) of warp w are the gate and up of intermediate 8 w + l / 4 of the consumer's 32.
 __device__ __forceinline__ void gate_up_epilogue(const float (&d)[N / 2], const Item& item, int c, int warp, int lane,
                                                  __nv_bfloat16* act) {
   const int i = item.tile * Gemm<true>::TILE + 32 * c + 8 * warp + lane / 4;
-  for_each_column(lane, [&](int col, int reg) {
+  wgmma_for_each_column<N>(lane, [&](int col, int reg) {
     const float g = d[reg], u = d[reg + 2];
     if (col < item.cols)
       act[static_cast<int64_t>(item.slot0 + col) * I + i] = __float2bfloat16(g / (1.0f + __expf(-g)) * u);
@@ -157,7 +145,7 @@ __device__ __forceinline__ void gate_up_epilogue(const float (&d)[N / 2], const 
 __device__ __forceinline__ void down_epilogue(const float (&d)[N / 2], const Item& item, int c, int warp, int lane,
                                               const Outputs& out) {
   const int h = item.tile * Gemm<false>::TILE + 64 * c + 16 * warp + lane / 4;
-  for_each_column(lane, [&](int col, int reg) {
+  wgmma_for_each_column<N>(lane, [&](int col, int reg) {
     if (col < item.cols) {
       const int slot = item.slot0 + col;
       float* row = out.y_slot + static_cast<int64_t>(out.slot_origin[slot]) * H;

@@ -57,6 +57,18 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
   BASE_MOE_WGMMA("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The accumulator layout of m64nNk16 per thread (warp w of the warpgroup, lane l): per 8 columns j, registers 4j and
+// 4j + 1 at row 16 w + l / 4, 4j + 2 and 4j + 3 at that row + 8, columns 8j + 2 (l % 4) + {0, 1}. Calls f(col, reg)
+// for each of the thread's N / 4 columns: register reg holds row 16 w + l / 4, reg + 2 the row 8 below.
+template <int N, typename F>
+__device__ __forceinline__ void wgmma_for_each_column(int lane, F f) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) f(8 * j + 2 * (lane % 4) + b, 4 * j + b);
+  }
+}
+
 // Keeps the compiler from moving accesses to the accumulator registers across the asynchronous wgmma (CUTLASS's
 // warpgroup_fence_operand): before wgmma_fence and after wgmma_wait_all.
 template <int N>
@@ -90,35 +102,24 @@ __device__ __forceinline__ void wgmma_m64k16(float* d, uint64_t desc_a, uint64_t
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]) \
       : "l"(desc_a), "l"(desc_b), "r"(1))
 
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__nv_bfloat16, 64>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N64("bf16");
-}
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__half, 64>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N64("f16");
-}
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__nv_bfloat16, 128>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N128("bf16");
-}
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__half, 128>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N128("f16");
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__nv_bfloat16, 160>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N160("bf16");
-}
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__half, 160>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N160("f16");
-}
+// Both operand types' instances of one N.
+#define BASE_MOE_WGMMA_INSTANCES(N)                                                                      \
+  template <>                                                                                            \
+  __device__ __forceinline__ void wgmma_m64k16<__nv_bfloat16, N>(float* d, uint64_t desc_a, uint64_t desc_b) { \
+    BASE_MOE_WGMMA_N##N("bf16");                                                                         \
+  }                                                                                                      \
+  template <>                                                                                            \
+  __device__ __forceinline__ void wgmma_m64k16<__half, N>(float* d, uint64_t desc_a, uint64_t desc_b) {  \
+    BASE_MOE_WGMMA_N##N("f16");                                                                          \
+  }
+BASE_MOE_WGMMA_INSTANCES(64)
+BASE_MOE_WGMMA_INSTANCES(128)
+BASE_MOE_WGMMA_INSTANCES(160)
 
 #undef BASE_MOE_WGMMA_N64
 #undef BASE_MOE_WGMMA_N128
 #undef BASE_MOE_WGMMA_N160
+#undef BASE_MOE_WGMMA_INSTANCES
 
 }  // namespace experts_detail
 }  // namespace base_moe
