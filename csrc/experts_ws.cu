@@ -128,7 +128,8 @@ __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams 
   uint4* dst = static_cast<uint4*>(p.xp);
   for (int v = tid; v < (p1 - p0) * chunks; v += kPlanThreads) {
     const int j = v / chunks, c = v % chunks, pos = s_pos[j];
-    if (pos >= 0) dst[static_cast<int64_t>(pos) * chunks + c] = src[static_cast<int64_t>((p0 + j) / p.top_k) * chunks + c];
+    if (pos >= 0)
+      dst[static_cast<int64_t>(pos) * chunks + c] = src[static_cast<int64_t>((p0 + j) / p.top_k) * chunks + c];
   }
   if (blockIdx.x != 0) return;
   // the work items (CTA 0, whose bases are the expert offsets): chunk-major in expert order, tiles inner, so that
@@ -140,7 +141,8 @@ __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams 
   for (int e = e0; e < e1; ++e) {
     for (int first = 0; first < s_count[e]; first += kN, ++chunk) {
       const int slot0 = s_base[e] + first, cols = min(kN, s_count[e] - first);
-      for (int t = 0; t < p.gate_up_tiles; ++t) p.gate_up_items[chunk * p.gate_up_tiles + t] = WsItem{e, t, slot0, cols};
+      for (int t = 0; t < p.gate_up_tiles; ++t)
+        p.gate_up_items[chunk * p.gate_up_tiles + t] = WsItem{e, t, slot0, cols};
       for (int t = 0; t < p.down_tiles; ++t) p.down_items[chunk * p.down_tiles + t] = WsItem{e, t, slot0, cols};
     }
   }

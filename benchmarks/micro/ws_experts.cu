@@ -20,13 +20,14 @@
 //            (lane / 4, lane / 4 + 8) are the gate and up of one intermediate, and SiLU(g) * u goes straight from the
 //            registers to act (per store: 8 consecutive intermediates of 4 tokens).
 //   down:    2 consumers, 128 output rows per tile (256 items on 132 SMs), K = I; B is act, already packed by expert.
-//            Epilogue: weight * accumulator to the slot's token-major y_slot row (per store: 8 consecutive h of 4 rows).
+//            Epilogue: weight * accumulator to the slot's token-major y_slot row (per store: 8 consecutive h of 4
+//            rows).
 // Session 16: gate_up alone (then ws_gate_up.cu) in call 5 with 4 stages and the up halves exchanged through shared
 // memory: correct, 37.7 us; call 6 with the 5-D boxes and 5 stages: correct, 34.4 us (2.93 TB/s), pack 4.9 us.
-// Call 7 (this file) and call 9 (epilogues on one column walk, now wgmma.cuh's wgmma_for_each_column): both GEMMs correct on 4 routings (act
-// within 0.34% of max |ref|: bf16 rounding; y within 1.3e-6); gate_up 35.7 / 35.8 us (2.8 TB/s), down 28.4 / 27.8 us
-// (1.8 TB/s), pack 5.8 / 5.5, slot sum 5.7 / 5.5: 75.6 / 74.6 us in all, against the library's 87.6 us for its expert
-// op at this point. Down with 4 consumers over 256-row tiles (half the token-row
+// Call 7 (this file) and call 9 (epilogues on one column walk, now wgmma.cuh's wgmma_for_each_column): both GEMMs
+// correct on 4 routings (act within 0.34% of max |ref|: bf16 rounding; y within 1.3e-6); gate_up 35.7 / 35.8 us
+// (2.8 TB/s), down 28.4 / 27.8 us (1.8 TB/s), pack 5.8 / 5.5, slot sum 5.7 / 5.5: 75.6 / 74.6 us in all, against the
+// library's 87.6 us for its expert op at this point. Down with 4 consumers over 256-row tiles (half the token-row
 // traffic per weight byte) does not compile at N = 160: 640 threads leave 96 registers, the wgmma needs 106.
 // Prints: the largest errors against the references, the kernels' microseconds (GEMMs: span from per-CTA globaltimer
 // stamps; pack and slot sum: events over 20 back-to-back launches), medians over launches on 4 routings / expert sets.
