@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -18,6 +18,7 @@ stall_lines() {
 for step in "$@"; do
   s=$SECONDS
   case $step in
+    wssmoke) for shape in qwen3 h320 i64 fp16; do { timeout 60 python3 notes/ws_smoke.py $shape 2>&1; echo "$shape: rc $?"; } | tail -4; done;;
     phases) timeout 60 python3 benchmarks/micro/select_phases.py > $OUT/phases.log 2>&1; tail -40 $OUT/phases.log;;
     texp) timeout 150 python3 -m pytest -m cuda tests/test_experts_cuda.py -q -x > $OUT/pytest_experts.log 2>&1; tail -15 $OUT/pytest_experts.log;;
     tall) timeout 300 python3 -m pytest -m cuda tests -q -x > $OUT/pytest_all.log 2>&1; tail -15 $OUT/pytest_all.log;;
