@@ -571,17 +571,15 @@ int forced_choice(const char* knob, std::initializer_list<const char*> choices) 
 // mma.sync (m16n8k16, tokens as the narrow n side), W64 / W128 on wgmma (m64nNk16, tokens as N); WS, the
 // warp-specialised persistent GEMMs of csrc/experts_ws.cu (160 tokens per pass, TMA; sm_90a code only). Picked on
 // the host (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128|WS forces one (a process-wide setting, so the
-// choice is graph-safe). WS is forced only, until a bench_layer sweep says where it wins (notes/ws_experts_plan.md).
+// choice is graph-safe).
 enum class Config { kT16, kT32, kW64, kW128, kWS };
 
 // T: tokens of the batch (no expert gets more unless a token lists it twice); tokens_per_expert: T * k over the most
 // experts that can be active (min(E, T * k, max_active_experts)), the average load per active expert when no slot is
 // empty and the bound is exact (empty slots or a loose bound make it an overestimate): the best the host knows
 // without a sync.
-Config pick_config(int64_t T, int64_t tokens_per_expert) {
-  static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
-  const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"});  // benchmarks
-  if (forced >= 0) return kConfigs[forced];
+// The cp.async configuration for this load; also where WS is picked or forced but cannot run (see pick_config).
+Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
   // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
   // bench_layer_wgmma_sweep.json, session 5; notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
   // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 whenever no expert can exceed 16
@@ -600,6 +598,19 @@ Config pick_config(int64_t T, int64_t tokens_per_expert) {
   if (tokens_per_expert <= 64) return Config::kW128;
   if (tokens_per_expert <= 128) return Config::kW64;
   return Config::kW128;
+}
+
+// BASE_MOE_EXPERTS_CONFIG's choice, if set (benchmarks and tests), or else the configuration measured best for this
+// load. WS where experts average 97-160 tokens, i.e. most experts' tokens fit one of its 160-token passes with little
+// padding: H200, Qwen3 shape, bench_layer variant sweep (device_runs/session17.txt, call 1): b256/M16 (128 per
+// expert) WS 77.6 us vs W64 88.9; slower at 64 per expert (b256/M32 122.7 vs W128 116.1: 160-token passes over
+// ~64 tokens) and at 256 (b256/M8 71.9 vs W128 67.6: two passes per expert).
+Config pick_config(int64_t T, int64_t tokens_per_expert) {
+  static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
+  const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"});
+  if (forced >= 0) return kConfigs[forced];
+  if (T > 64 && tokens_per_expert > 96 && tokens_per_expert <= 160) return Config::kWS;
+  return cp_async_config(T, tokens_per_expert);
 }
 
 // Programmatic dependent launch where the device code supports it (launch.cuh); BASE_MOE_EXPERTS_PDL=0 turns it off
@@ -670,8 +681,9 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
       break;
     case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM (at any stage count:
                          // its 255 registers per thread)
-    case Config::kWS:    // (where experts_ws_launch could not run)
       launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+      break;
+    case Config::kWS:  // not here: experts_cuda_launch runs it through experts_ws_launch
       break;
   }
 }
@@ -728,7 +740,7 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out_stride = static_cast<int>(H);
 
   const int64_t tokens_per_expert = tk / grid_experts;
-  const Config cfg = pick_config(T, tokens_per_expert);
+  Config cfg = pick_config(T, tokens_per_expert);
   // The busiest expert's tokens, estimated without a sync: the average plus a third (random routings of the benchmark
   // points spread about that far), never more than T (a token lists an expert once; if twice, the estimate is low,
   // which costs time, not correctness).
@@ -738,7 +750,11 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   bool ran_ws = false;
   if (cfg == Config::kWS) {
     ran_ws = experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot, stream, pdl);
-    if (!ran_ws) TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran W128");
+    if (!ran_ws) {
+      if (std::getenv("BASE_MOE_EXPERTS_CONFIG") != nullptr)  // forced (an automatic pick falls back silently)
+        TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran a cp.async configuration");
+      cfg = cp_async_config(T, tokens_per_expert);
+    }
   }
   if (hidden.scalar_type() == at::kBFloat16) {
     if (!ran_ws) run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);

@@ -66,11 +66,12 @@ def poison_allocator(nbytes=256 << 20, small_blocks=64):
     del junk
 
 
-def check_accuracy(T, shape, dtype, **kw):
+def check_accuracy(T, shape, dtype, bound=None, **kw):
+    """The op (with ``bound`` as its max_active_experts, if given) on a random problem against the reference."""
     hidden, ids, w, gate_up, down = make_problem(T, dtype=dtype, **shape, **kw)
     ref = reference.experts(hidden.float(), ids, w, gate_up.float(), down.float())
     poison_allocator()
-    out = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
+    out = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down, *([] if bound is None else [bound]))
     torch.cuda.synchronize()
     assert out.dtype == dtype and out.shape == hidden.shape
     assert torch.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
@@ -148,13 +149,17 @@ def test_pass_splits_same_bits(config, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
-def gate_up_tile_rows(fn):
-    """The tile heights (the ROWS template argument) of the gate_up kernels that ``fn`` launches, from the kernel
-    names the profiler records."""
+def launched_kernels(fn):
+    """The names of the CUDA kernels that ``fn`` launches, as the profiler records them."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if "expert_gemm_kernel" in e.name]
+    return {e.name for e in prof.events()}
+
+
+def gate_up_tile_rows(fn):
+    """The tile heights (the ROWS template argument) of the gate_up kernels that ``fn`` launches."""
+    names = [n for n in launched_kernels(fn) if "expert_gemm_kernel" in n]
     rows = {int(m.group(1)) for n in names if (m := re.search(r"expert_gemm_kernel<[^,]+, true, (\d+),", n))}
     assert rows, names
     return rows
@@ -183,11 +188,18 @@ def test_ws_runs_its_kernels(monkeypatch):
     the WS cases of the other tests test what they name."""
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
     hidden, ids, w, gate_up, down = make_problem(64, dtype=torch.bfloat16, **QWEN3, used=16, seed=3)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events()}
+    names = launched_kernels(lambda: torch.ops.base_moe.experts(hidden, ids, w, gate_up, down))
     assert any("ws_gemm_kernel" in n for n in names) and not any("expert_gemm_kernel" in n for n in names), names
+
+
+@pytest.mark.parametrize("T,bound,ws", [(256, 16, True), (256, 13, True), (256, 21, True), (256, 22, False),
+                                        (256, 12, False), (64, 4, False)])
+def test_default_picks_ws_by_tokens_per_expert(T, bound, ws):
+    """By default WS runs where the bound on active experts gives 97-160 tokens per expert in batches of more than 64
+    tokens (csrc/experts.cu pick_config), and its output is accurate there."""
+    shape = dict(H=256, I=128, E=32, k=8)
+    names = launched_kernels(lambda: check_accuracy(T, shape, torch.bfloat16, bound, used=bound, seed=bound))
+    assert any("ws_gemm_kernel" in n for n in names) == ws, names
 
 
 @pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256"),

@@ -52,17 +52,25 @@ constexpr int KSTEP = 64;        // elements per k step (128-byte rows)
 constexpr int BOX_A = 64 * 128;  // one consumer's 64 weight rows of a k step
 constexpr int ROUTINGS = 4;
 
+// Timing cases besides the real GEMM (kFull); all but kFull leave garbage outputs. kTokensOnce: the token box is loaded
+// once per CTA into its own region and every stage's wgmmas read it, so the ring streams the weights alone. kNoMma: the
+// consumers wait for each stage and release it without wgmmas (the kernel's stream alone). kNoLoad: the producer
+// arrives on each stage's full barrier without loading (the wgmmas and the pipeline's handshakes alone).
+enum Mode { kFull, kTokensOnce, kNoMma, kNoLoad };
+
 // The two GEMMs' shapes (see the header).
-template <bool GATED>
+template <bool GATED, int MODE = kFull>
 struct Gemm {
+  static constexpr bool B_ONCE = MODE == kTokensOnce;
   static constexpr int CONSUMERS = GATED ? 3 : 2;
   static constexpr int TILE = GATED ? 96 : 128;  // intermediates (gate_up) or output rows (down) per tile
   static constexpr int TILES = (GATED ? I : H) / TILE;
   static constexpr int NK = (GATED ? H : I) / KSTEP;
   static constexpr int STAGES = GATED ? 5 : 6;
   static constexpr int A_BYTES = CONSUMERS * BOX_A;
-  static constexpr int STAGE_BYTES = A_BYTES + N * 128;
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + the 1 KB alignment the swizzle wants
+  static constexpr int B_BYTES = N * 128;
+  static constexpr int STAGE_BYTES = A_BYTES + (B_ONCE ? 0 : B_BYTES);
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (B_ONCE ? B_BYTES : 0) + 1024;  // + 1 KB: swizzle alignment
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
 };
 
@@ -157,11 +165,12 @@ __device__ __forceinline__ void down_epilogue(const float (&d)[N / 2], const Ite
   });
 }
 
-template <bool GATED>
+template <bool GATED, int MODE>
 __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
     ws_gemm_kernel(const Item* items, int n_items, Outputs out, const __grid_constant__ CUtensorMap wmap,
                    const __grid_constant__ CUtensorMap bmap, Stamp* stamps) {
-  using G = Gemm<GATED>;
+  using G = Gemm<GATED, MODE>;
+  constexpr bool B_ONCE = G::B_ONCE;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[G::STAGES], empty[G::STAGES];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -187,14 +196,19 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
           const int s = g % G::STAGES;
           if (g >= G::STAGES) bar_wait(empty0 + 8 * s, (g / G::STAGES - 1) & 1);
           const uint32_t stage = ring + s * G::STAGE_BYTES, bar = full0 + 8 * s;
-          mbar_arrive_expect_tx(bar, G::STAGE_BYTES);
+          if (MODE == kNoLoad) {
+            mbar_arrive(bar);
+            continue;
+          }
+          mbar_arrive_expect_tx(bar, G::STAGE_BYTES + (B_ONCE && g == 0 ? G::B_BYTES : 0));
           for (int c = 0; c < G::CONSUMERS; ++c) {
             if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
               tma_5d(stage + c * BOX_A, &wmap, ks * KSTEP, 0, 0, (item.tile * G::TILE + 32 * c) / 8, item.expert, bar);
             else
               tma_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * G::TILE + 64 * c, item.expert, bar);
           }
-          tma_2d(stage + G::A_BYTES, &bmap, ks * KSTEP, item.slot0, bar);  // rows past the slots: zeros
+          if (!B_ONCE || g == 0)  // rows past the slots: zeros
+            tma_2d(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES, &bmap, ks * KSTEP, item.slot0, bar);
         }
       }
     }
@@ -212,14 +226,17 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
         const int s = g % G::STAGES;
         bar_wait(full0 + 8 * s, (g / G::STAGES) & 1);
         const uint32_t stage = ring + s * G::STAGE_BYTES;
-        const uint64_t da = wgmma_desc(stage + c * BOX_A), db = wgmma_desc(stage + G::A_BYTES);
+        const uint64_t da = wgmma_desc(stage + c * BOX_A);
+        const uint64_t db = wgmma_desc(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES);
         fence_registers<N / 2>(d);
-        wgmma_fence();
+        if constexpr (MODE != kNoMma) {
+          wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n160k16_bf16(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
-        wgmma_commit();
-        wgmma_wait_one();  // the previous stage's wgmmas are done: release its slot
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_m64n160k16_bf16(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
+          wgmma_commit();
+          wgmma_wait_one();
+        }  // the previous stage's wgmmas are done: release its slot
         fence_registers<N / 2>(d);
         if (pending >= 0 && lane == 0) mbar_arrive(empty0 + 8 * pending);
         pending = s;
@@ -384,11 +401,18 @@ void compare(const char* what, int routing, const V* got_dev, const float* want_
               max_err, max_ref, max_err / max_ref, bad, bad == 0 && max_err <= 1e-2 * max_ref ? "ok" : "FAIL");
 }
 
-template <bool GATED>
+template <bool GATED, int MODE = kFull>
 void launch_gemm(const Routing& r, const CUtensorMap& wmap, Stamp* stamps, int sms) {
   const Outputs out{r.act, r.y_slot, r.d_origin, r.d_weight};
   const std::vector<Item>& items = GATED ? r.gate_up_items : r.down_items;
-  ws_gemm_kernel<GATED><<<sms, Gemm<GATED>::THREADS, Gemm<GATED>::SMEM_BYTES>>>(
+  using G = Gemm<GATED, MODE>;
+  static bool ready = false;  // the shared-memory attribute, once per instance
+  if (!ready) {
+    CHECK(cudaFuncSetAttribute(ws_gemm_kernel<GATED, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               G::SMEM_BYTES));
+    ready = true;
+  }
+  ws_gemm_kernel<GATED, MODE><<<sms, G::THREADS, G::SMEM_BYTES>>>(
       GATED ? r.d_gate_up_items : r.d_down_items, static_cast<int>(items.size()), out, wmap, GATED ? r.xmap : r.amap,
       stamps);
   CHECK(cudaGetLastError());
@@ -455,10 +479,6 @@ int main() {
     r.amap = token_map(r.act, SLOTS, I);
     routings.push_back(r);
   }
-  CHECK(cudaFuncSetAttribute(ws_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Gemm<true>::SMEM_BYTES));
-  CHECK(cudaFuncSetAttribute(ws_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Gemm<false>::SMEM_BYTES));
   Stamp* stamps;
   CHECK(cudaMalloc(&stamps, sizeof(Stamp) * sms));
   float* ref;
@@ -489,7 +509,8 @@ int main() {
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   constexpr int kBurst = 20;  // back-to-back launches per event pair: the launch gaps mostly hidden
-  std::vector<double> pack_us, sum_us, gate_up_us, down_us, gate_up_mhz, down_mhz;
+  std::vector<double> pack_us, sum_us, gate_up_us, down_us, gate_up_mhz, down_mhz, case_mhz;
+  std::vector<double> case_us[3][2];  // [mode - 1][gate_up, down]
   for (int rep = 0; rep < 10; ++rep) {
     for (const Routing& r : routings) {
       float ms;
@@ -505,6 +526,21 @@ int main() {
       launch_gemm<false>(r, dmap, stamps, sms);
       CHECK(cudaDeviceSynchronize());
       span(stamps, sms, down_us, down_mhz);
+      // the timing cases (garbage outputs from here)
+      auto time_case = [&](auto launch_gate_up, auto launch_down, int mode) {
+        launch_gate_up();
+        CHECK(cudaDeviceSynchronize());
+        span(stamps, sms, case_us[mode - 1][0], case_mhz);
+        launch_down();
+        CHECK(cudaDeviceSynchronize());
+        span(stamps, sms, case_us[mode - 1][1], case_mhz);
+      };
+      time_case([&] { launch_gemm<true, kTokensOnce>(r, gmap, stamps, sms); },
+                [&] { launch_gemm<false, kTokensOnce>(r, dmap, stamps, sms); }, kTokensOnce);
+      time_case([&] { launch_gemm<true, kNoMma>(r, gmap, stamps, sms); },
+                [&] { launch_gemm<false, kNoMma>(r, dmap, stamps, sms); }, kNoMma);
+      time_case([&] { launch_gemm<true, kNoLoad>(r, gmap, stamps, sms); },
+                [&] { launch_gemm<false, kNoLoad>(r, dmap, stamps, sms); }, kNoLoad);
       CHECK(cudaEventRecord(e0));
       for (int b = 0; b < kBurst; ++b) slot_sum_kernel<<<(T * H / 4 + 255) / 256, 256>>>(r.y_slot, r.y);
       CHECK(cudaEventRecord(e1));
@@ -519,5 +555,8 @@ int main() {
               gate_up_bytes / median(gate_up_us) / 1e6, median(gate_up_mhz), median(down_us),
               down_bytes / median(down_us) / 1e6, median(down_mhz), median(pack_us), median(sum_us),
               median(gate_up_us) + median(down_us) + median(pack_us) + median(sum_us));
+  const char* cases[3] = {"token box loaded once per CTA", "no wgmmas (stream only)", "no loads (wgmmas only)"};
+  for (int m = 0; m < 3; ++m)
+    std::printf("%-30s gate_up %.1f us, down %.1f us\n", cases[m], median(case_us[m][0]), median(case_us[m][1]));
   return 0;
 }
