@@ -601,15 +601,20 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
 }
 
 // BASE_MOE_EXPERTS_CONFIG's choice, if set (benchmarks and tests), or else the configuration measured best for this
-// load. WS where experts average 97-160 tokens, i.e. most experts' tokens fit one of its 160-token passes with little
-// padding: H200, Qwen3 shape, bench_layer variant sweep (device_runs/session17.txt, call 1): b256/M16 (128 per
-// expert) WS 77.6 us vs W64 88.9; slower at 64 per expert (b256/M32 122.7 vs W128 116.1: 160-token passes over
-// ~64 tokens) and at 256 (b256/M8 71.9 vs W128 67.6: two passes per expert).
-Config pick_config(int64_t T, int64_t tokens_per_expert) {
+// load (active_experts: the bound tokens_per_expert divides by). WS where experts average 97-150 tokens, so that each
+// fits one of its 160-token passes with little padding, and where its items fill the SMs' last round to at least 75%
+// (experts_ws_round_fill). H200, Qwen3 shape (device_runs/session17.txt, calls 1-2; us, WS vs the best cp.async
+// configuration): b256/M14 (146 per expert) 75.7 vs 88.6, M16 (128) 76.8 vs 87.6, b512/M28 / M32 / M40 142.9 /
+// 144.4 / 178.0 vs 211.2 / 180.5 / 188.0; slower at 157 per expert (b256/M13: some experts take two passes, 101.2
+// vs 86.5), at 93 and below (M22 105.6 vs 86.7: padding), and where the items leave SMs idle (b256/M18 and M20,
+// 144 and 160 gate_up items on 132 SMs: 106.9 / 105.8 vs 77.2 / 81.2; b128/M8, 64 items: 51.1 vs 38.9).
+Config pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
   static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
   const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"});
   if (forced >= 0) return kConfigs[forced];
-  if (T > 64 && tokens_per_expert > 96 && tokens_per_expert <= 160) return Config::kWS;
+  if (T > 64 && tokens_per_expert > 96 && tokens_per_expert <= 150 &&
+      experts_ws_round_fill(active_experts, I, H, sms) >= 0.75)
+    return Config::kWS;
   return cp_async_config(T, tokens_per_expert);
 }
 
@@ -740,7 +745,8 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out_stride = static_cast<int>(H);
 
   const int64_t tokens_per_expert = tk / grid_experts;
-  Config cfg = pick_config(T, tokens_per_expert);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  Config cfg = pick_config(T, tokens_per_expert, grid_experts, I, H, sms);
   // The busiest expert's tokens, estimated without a sync: the average plus a third (random routings of the benchmark
   // points spread about that far), never more than T (a token lists an expert once; if twice, the estimate is low,
   // which costs time, not correctness).

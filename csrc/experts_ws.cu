@@ -380,6 +380,16 @@ bool launch_all(const PlanParams& plan, const WsGemmParams& gate_up, const WsGem
 
 }  // namespace
 
+double experts_ws_round_fill(int64_t experts, int64_t I, int64_t H, int sms) {
+  auto fill = [&](int64_t items) {
+    const int64_t rounds = (items + sms - 1) / sms;
+    return static_cast<double>(items) / static_cast<double>(rounds * sms);
+  };
+  const int64_t gate_up_tiles = (I + WsShape<true>::TILE - 1) / WsShape<true>::TILE;
+  const int64_t down_tiles = (H + WsShape<false>::TILE - 1) / WsShape<false>::TILE;
+  return std::min(fill(experts * gate_up_tiles), fill(experts * down_tiles));
+}
+
 bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
                        const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& act, at::Tensor& yslot,
                        cudaStream_t stream, bool pdl) {

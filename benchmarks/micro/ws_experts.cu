@@ -55,13 +55,17 @@ constexpr int ROUTINGS = 4;
 // Timing cases besides the real GEMM (kFull); all but kFull leave garbage outputs. kTokensOnce: the token box is loaded
 // once per CTA into its own region and every stage's wgmmas read it, so the ring streams the weights alone. kNoMma: the
 // consumers wait for each stage and release it without wgmmas (the kernel's stream alone). kNoLoad: the producer
-// arrives on each stage's full barrier without loading (the wgmmas and the pipeline's handshakes alone).
-enum Mode { kFull, kTokensOnce, kNoMma, kNoLoad };
+// arrives on each stage's full barrier without loading (the wgmmas and the pipeline's handshakes alone). kWeightsOnly:
+// no wgmmas, no token boxes (the weight stream alone). kFlat: kWeightsOnly with gate_up's weights as plain boxes of 64
+// consecutive rows (3-D map; down's boxes are that already).
+enum Mode { kFull, kTokensOnce, kNoMma, kNoLoad, kWeightsOnly, kFlat };
 
 // The two GEMMs' shapes (see the header).
 template <bool GATED, int MODE = kFull>
 struct Gemm {
   static constexpr bool B_ONCE = MODE == kTokensOnce;
+  static constexpr bool B_IN_RING = MODE != kTokensOnce && MODE != kWeightsOnly && MODE != kFlat;
+  static constexpr bool MMA = MODE == kFull || MODE == kTokensOnce || MODE == kNoLoad;
   static constexpr int CONSUMERS = GATED ? 3 : 2;
   static constexpr int TILE = GATED ? 96 : 128;  // intermediates (gate_up) or output rows (down) per tile
   static constexpr int TILES = (GATED ? I : H) / TILE;
@@ -69,7 +73,7 @@ struct Gemm {
   static constexpr int STAGES = GATED ? 5 : 6;
   static constexpr int A_BYTES = CONSUMERS * BOX_A;
   static constexpr int B_BYTES = N * 128;
-  static constexpr int STAGE_BYTES = A_BYTES + (B_ONCE ? 0 : B_BYTES);
+  static constexpr int STAGE_BYTES = A_BYTES + (B_IN_RING ? B_BYTES : 0);
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (B_ONCE ? B_BYTES : 0) + 1024;  // + 1 KB: swizzle alignment
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
 };
@@ -202,12 +206,14 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
           }
           mbar_arrive_expect_tx(bar, G::STAGE_BYTES + (B_ONCE && g == 0 ? G::B_BYTES : 0));
           for (int c = 0; c < G::CONSUMERS; ++c) {
-            if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
+            if constexpr (GATED && MODE == kFlat)
+              tma_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * 2 * G::TILE + 64 * c, item.expert, bar);
+            else if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
               tma_5d(stage + c * BOX_A, &wmap, ks * KSTEP, 0, 0, (item.tile * G::TILE + 32 * c) / 8, item.expert, bar);
             else
               tma_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * G::TILE + 64 * c, item.expert, bar);
           }
-          if (!B_ONCE || g == 0)  // rows past the slots: zeros
+          if (G::B_IN_RING || (B_ONCE && g == 0))  // rows past the slots: zeros
             tma_2d(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES, &bmap, ks * KSTEP, item.slot0, bar);
         }
       }
@@ -229,7 +235,7 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
         const uint64_t da = wgmma_desc(stage + c * BOX_A);
         const uint64_t db = wgmma_desc(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES);
         fence_registers<N / 2>(d);
-        if constexpr (MODE != kNoMma) {
+        if constexpr (G::MMA) {
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
@@ -457,6 +463,10 @@ int main() {
   const cuuint64_t dstrides[2] = {I * 2ull, static_cast<cuuint64_t>(H) * I * 2};
   const cuuint32_t dbox[3] = {KSTEP, 64, 1};
   const CUtensorMap dmap = encode_bf16_map(wd, 3, ddims, dstrides, dbox, CU_TENSOR_MAP_SWIZZLE_128B);
+  // gate_up as (h, row, expert), boxes of 64 h x 64 consecutive rows: timing case kFlat only
+  const cuuint64_t fdims[3] = {H, 2 * I, E};
+  const cuuint64_t fstrides[2] = {H * 2ull, static_cast<cuuint64_t>(2) * I * H * 2};
+  const CUtensorMap flat_gmap = encode_bf16_map(w, 3, fdims, fstrides, dbox, CU_TENSOR_MAP_SWIZZLE_128B);
   uint32_t lcg = 2024u;
   std::vector<Routing> routings;
   for (int i = 0; i < ROUTINGS; ++i) {
@@ -510,7 +520,7 @@ int main() {
   CHECK(cudaEventCreate(&e1));
   constexpr int kBurst = 20;  // back-to-back launches per event pair: the launch gaps mostly hidden
   std::vector<double> pack_us, sum_us, gate_up_us, down_us, gate_up_mhz, down_mhz, case_mhz;
-  std::vector<double> case_us[3][2];  // [mode - 1][gate_up, down]
+  std::vector<double> case_us[5][2];  // [mode - 1][gate_up, down]
   for (int rep = 0; rep < 10; ++rep) {
     for (const Routing& r : routings) {
       float ms;
@@ -541,6 +551,10 @@ int main() {
                 [&] { launch_gemm<false, kNoMma>(r, dmap, stamps, sms); }, kNoMma);
       time_case([&] { launch_gemm<true, kNoLoad>(r, gmap, stamps, sms); },
                 [&] { launch_gemm<false, kNoLoad>(r, dmap, stamps, sms); }, kNoLoad);
+      time_case([&] { launch_gemm<true, kWeightsOnly>(r, gmap, stamps, sms); },
+                [&] { launch_gemm<false, kWeightsOnly>(r, dmap, stamps, sms); }, kWeightsOnly);
+      time_case([&] { launch_gemm<true, kFlat>(r, flat_gmap, stamps, sms); },
+                [&] { launch_gemm<false, kFlat>(r, dmap, stamps, sms); }, kFlat);
       CHECK(cudaEventRecord(e0));
       for (int b = 0; b < kBurst; ++b) slot_sum_kernel<<<(T * H / 4 + 255) / 256, 256>>>(r.y_slot, r.y);
       CHECK(cudaEventRecord(e1));
@@ -555,8 +569,9 @@ int main() {
               gate_up_bytes / median(gate_up_us) / 1e6, median(gate_up_mhz), median(down_us),
               down_bytes / median(down_us) / 1e6, median(down_mhz), median(pack_us), median(sum_us),
               median(gate_up_us) + median(down_us) + median(pack_us) + median(sum_us));
-  const char* cases[3] = {"token box loaded once per CTA", "no wgmmas (stream only)", "no loads (wgmmas only)"};
-  for (int m = 0; m < 3; ++m)
+  const char* cases[5] = {"token box loaded once per CTA", "no wgmmas (stream only)", "no loads (wgmmas only)",
+                          "weights only (no wgmmas, tokens)", "weights only, gate_up flat boxes"};
+  for (int m = 0; m < 5; ++m)
     std::printf("%-30s gate_up %.1f us, down %.1f us\n", cases[m], median(case_us[m][0]), median(case_us[m][1]));
   return 0;
 }

@@ -14,4 +14,9 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
                        const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& act, at::Tensor& yslot,
                        cudaStream_t stream, bool pdl);
 
+// How evenly WS's persistent CTAs, one per SM, share its work items when `experts` experts are active and each takes
+// one item per weight tile (at most 160 tokens): items / (rounds x SMs) for gate_up's and for down's items, the
+// smaller. Items past a multiple of the SM count leave SMs idle in the last round (csrc/experts.cu pick_config).
+double experts_ws_round_fill(int64_t experts, int64_t I, int64_t H, int sms);
+
 }  // namespace base_moe
