@@ -6,7 +6,7 @@ import torch
 import base_moe.ops  # noqa: F401
 
 torch.manual_seed(0)
-for config in os.environ.get("SANITIZE_CONFIGS", "default,T16,T32,W64,W128").split(","):
+for config in os.environ.get("SANITIZE_CONFIGS", "default,T16,T32,W64,W128,WS").split(","):
     if config == "default":
         os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
     else:

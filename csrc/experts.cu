@@ -44,6 +44,7 @@
 
 #include "base_moe/checks.h"
 #include "base_moe/experts_mma.cuh"
+#include "base_moe/experts_ws.h"
 #include "base_moe/launch.cuh"
 #include "base_moe/routing.h"
 #include "base_moe/wgmma.cuh"
@@ -72,15 +73,6 @@ struct GemmParams {
   int out_stride;
   int pass_splits;         // CTAs per (row tile, expert), each taking every pass_splits-th pass; set by the launcher
 };
-
-// SiLU(gate) * up for the gate_up epilogue. __fdividef instead of IEEE division: the division's slow-path branch kept
-// ptxas from interleaving a thread's 16-64 epilogue values, and with one or two warps per scheduler each dependent
-// instruction costs its full latency (the W64 epilogue took ~2 us per CTA, stamped on the H200; session 13).
-// __fdividef returns 0 for denominators above 2^126, i.e. for gate values below 126 ln 2 = -87.3, where |SiLU| <
-// 1e-36 (the IEEE division gave that tiny value; for gate values below -88.7 both give -0).
-__device__ __forceinline__ float silu_mul(float gate, float up) {
-  return __fdividef(gate, 1.f + __expf(-gate)) * up;
-}
 
 // Byte offset of 16-byte chunk `ch` (0..7) of stage row `r`: odd rows swap halves so that the 8 lanes of a
 // quarter warp (two rows x 64 bytes) hit all 32 banks.
@@ -576,19 +568,18 @@ int forced_choice(const char* knob, std::initializer_list<const char*> choices) 
 }
 
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
-// mma.sync (m16n8k16, tokens as the narrow n side), W64 / W128 on wgmma (m64nNk16, tokens as N). Picked on the host
-// (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128 forces one (a process-wide setting, so the choice is
-// graph-safe).
-enum class Config { kT16, kT32, kW64, kW128 };
+// mma.sync (m16n8k16, tokens as the narrow n side), W64 / W128 on wgmma (m64nNk16, tokens as N); WS, the
+// warp-specialised persistent GEMMs of csrc/experts_ws.cu (160 tokens per pass, TMA; sm_90a code only). Picked on
+// the host (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128|WS forces one (a process-wide setting, so the
+// choice is graph-safe).
+enum class Config { kT16, kT32, kW64, kW128, kWS };
 
 // T: tokens of the batch (no expert gets more unless a token lists it twice); tokens_per_expert: T * k over the most
 // experts that can be active (min(E, T * k, max_active_experts)), the average load per active expert when no slot is
 // empty and the bound is exact (empty slots or a loose bound make it an overestimate): the best the host knows
 // without a sync.
-Config pick_config(int64_t T, int64_t tokens_per_expert) {
-  static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128};
-  const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128"});  // for benchmarks
-  if (forced >= 0) return kConfigs[forced];
+// The cp.async configuration for this load; also where WS is picked or forced but cannot run (see pick_config).
+Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
   // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
   // bench_layer_wgmma_sweep.json, session 5; notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
   // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 whenever no expert can exceed 16
@@ -607,6 +598,24 @@ Config pick_config(int64_t T, int64_t tokens_per_expert) {
   if (tokens_per_expert <= 64) return Config::kW128;
   if (tokens_per_expert <= 128) return Config::kW64;
   return Config::kW128;
+}
+
+// BASE_MOE_EXPERTS_CONFIG's choice, if set (benchmarks and tests), or else the configuration measured best for this
+// load (active_experts: the bound tokens_per_expert divides by). WS where experts average 97-150 tokens, so that each
+// fits one of its 160-token passes with little padding, and where its items fill the SMs' last round to at least 75%
+// (experts_ws_round_fill). H200, Qwen3 shape (device_runs/session17.txt, calls 1-2; us, WS vs the best cp.async
+// configuration): b256/M14 (146 per expert) 75.7 vs 88.6, M16 (128) 76.8 vs 87.6, b512/M28 / M32 / M40 142.9 /
+// 144.4 / 178.0 vs 211.2 / 180.5 / 188.0; slower at 157 per expert (b256/M13: some experts take two passes, 101.2
+// vs 86.5), at 93 and below (M22 105.6 vs 86.7: padding), and where the items leave SMs idle (b256/M18 and M20,
+// 144 and 160 gate_up items on 132 SMs: 106.9 / 105.8 vs 77.2 / 81.2; b128/M8, 64 items: 51.1 vs 38.9).
+Config pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
+  static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
+  const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"});
+  if (forced >= 0) return kConfigs[forced];
+  if (T > 64 && tokens_per_expert > 96 && tokens_per_expert <= 150 &&
+      experts_ws_round_fill(active_experts, I, H, sms) >= 0.75)
+    return Config::kWS;
+  return cp_async_config(T, tokens_per_expert);
 }
 
 // Programmatic dependent launch where the device code supports it (launch.cuh); BASE_MOE_EXPERTS_PDL=0 turns it off
@@ -679,6 +688,8 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
                          // its 255 registers per thread)
       launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
+    case Config::kWS:  // not here: experts_cuda_launch runs it through experts_ws_launch
+      break;
   }
 }
 
@@ -734,17 +745,28 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   p2.out_stride = static_cast<int>(H);
 
   const int64_t tokens_per_expert = tk / grid_experts;
-  const Config cfg = pick_config(T, tokens_per_expert);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  Config cfg = pick_config(T, tokens_per_expert, grid_experts, I, H, sms);
   // The busiest expert's tokens, estimated without a sync: the average plus a third (random routings of the benchmark
   // points spread about that far), never more than T (a token lists an expert once; if twice, the estimate is low,
   // which costs time, not correctness).
   const int64_t busiest_expert = std::min(T, tokens_per_expert + tokens_per_expert / 3);
   const bool pdl = use_pdl(hidden.get_device());
+  // WS needs TMA and wgmma: this build's sm_90a code (the default target) on an sm_90 device
+  bool ran_ws = false;
+  if (cfg == Config::kWS) {
+    ran_ws = experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot, stream, pdl);
+    if (!ran_ws) {
+      if (std::getenv("BASE_MOE_EXPERTS_CONFIG") != nullptr)  // forced (an automatic pick falls back silently)
+        TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran a cp.async configuration");
+      cfg = cp_async_config(T, tokens_per_expert);
+    }
+  }
   if (hidden.scalar_type() == at::kBFloat16) {
-    run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
+    if (!ran_ws) run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
     launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
   } else {
-    run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
+    if (!ran_ws) run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
     launch_slot_sum<__half>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
   }
   return y;

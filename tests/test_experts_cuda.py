@@ -66,11 +66,12 @@ def poison_allocator(nbytes=256 << 20, small_blocks=64):
     del junk
 
 
-def check_accuracy(T, shape, dtype, **kw):
+def check_accuracy(T, shape, dtype, bound=None, **kw):
+    """The op (with ``bound`` as its max_active_experts, if given) on a random problem against the reference."""
     hidden, ids, w, gate_up, down = make_problem(T, dtype=dtype, **shape, **kw)
     ref = reference.experts(hidden.float(), ids, w, gate_up.float(), down.float())
     poison_allocator()
-    out = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
+    out = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down, *([] if bound is None else [bound]))
     torch.cuda.synchronize()
     assert out.dtype == dtype and out.shape == hidden.shape
     assert torch.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
@@ -104,7 +105,7 @@ def test_fp16(T, shape):
     check_accuracy(T, shape, torch.float16, used=min(12, shape["E"] - 1))
 
 
-@pytest.mark.parametrize("config", ["W64", "W128"])
+@pytest.mark.parametrize("config", ["W64", "W128", "WS"])
 def test_fp16_wgmma(config, monkeypatch):
     """The fp16 instances of the wgmma configurations (test_configs runs bf16)."""
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
@@ -122,7 +123,7 @@ def test_all_dropped_and_one_expert():
     check_accuracy(300, shape, torch.bfloat16, used=1, drop=0.0)  # one expert, 300 tokens: several passes
 
 
-@pytest.mark.parametrize("config", ["T16", "T32", "W64", "W128"])
+@pytest.mark.parametrize("config", ["T16", "T32", "W64", "W128", "WS"])
 @pytest.mark.parametrize("T,shape,used", [(1, dict(H=320, I=192, E=10, k=3), 9), (70, dict(H=320, I=192, E=10, k=3), 2),
                                           (300, dict(H=128, I=64, E=4, k=2), 1), (40, QWEN3, 16)])
 def test_configs(config, T, shape, used, monkeypatch):
@@ -148,13 +149,17 @@ def test_pass_splits_same_bits(config, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
-def gate_up_tile_rows(fn):
-    """The tile heights (the ROWS template argument) of the gate_up kernels that ``fn`` launches, from the kernel
-    names the profiler records."""
+def launched_kernels(fn):
+    """The names of the CUDA kernels that ``fn`` launches, as the profiler records them."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if "expert_gemm_kernel" in e.name]
+    return {e.name for e in prof.events()}
+
+
+def gate_up_tile_rows(fn):
+    """The tile heights (the ROWS template argument) of the gate_up kernels that ``fn`` launches."""
+    names = [n for n in launched_kernels(fn) if "expert_gemm_kernel" in n]
     rows = {int(m.group(1)) for n in names if (m := re.search(r"expert_gemm_kernel<[^,]+, true, (\d+),", n))}
     assert rows, names
     return rows
@@ -178,6 +183,39 @@ def test_gate_up_tile_heights_same_bits(T, shape, dtype, monkeypatch):
     check_accuracy(T, shape, dtype, drop=0.15, seed=T)  # under the half tiles (the last knob set)
 
 
+def test_ws_runs_its_kernels(monkeypatch):
+    """BASE_MOE_EXPERTS_CONFIG=WS runs the warp-specialised kernels (the profiler sees them), not the W128 fallback:
+    the WS cases of the other tests test what they name."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
+    hidden, ids, w, gate_up, down = make_problem(64, dtype=torch.bfloat16, **QWEN3, used=16, seed=3)
+    names = launched_kernels(lambda: torch.ops.base_moe.experts(hidden, ids, w, gate_up, down))
+    assert any("ws_gemm_kernel" in n for n in names) and not any("expert_gemm_kernel" in n for n in names), names
+
+
+def picks_ws(T, bound, shape):
+    """csrc/experts.cu pick_config's rule for WS, restated: batches of more than 64 tokens, 97-150 tokens per active
+    expert, and work items (active experts x weight tiles of 96 intermediates for gate_up, 128 rows for down) that
+    fill the last of the rounds of one persistent CTA per SM to at least 75%; only on sm_90 (its sm_90a code)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def fill(items):
+        return items / (-(-items // sms) * sms)
+
+    per_expert = T * shape["k"] // min(bound, shape["E"], T * shape["k"])
+    round_fill = min(fill(bound * -(-shape["I"] // 96)), fill(bound * -(-shape["H"] // 128)))
+    return (torch.cuda.get_device_capability() == (9, 0) and T > 64 and 96 < per_expert <= 150
+            and round_fill >= 0.75)
+
+
+@pytest.mark.parametrize("T,bound", [(256, 16), (256, 14), (256, 13), (256, 18), (256, 22), (64, 4)])
+def test_default_picks_ws_by_load(T, bound):
+    """By default WS runs exactly where pick_config's rule says (on an H200: b256 with 14 or 16 active experts of the
+    Qwen3 shape, not 13, 18 or 22, not b64), and its output is accurate there."""
+    shape = dict(QWEN3, E=24)
+    names = launched_kernels(lambda: check_accuracy(T, shape, torch.bfloat16, bound, used=bound, seed=bound))
+    assert any("ws_gemm_kernel" in n for n in names) == picks_ws(T, bound, shape), names
+
+
 @pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256"),
                                         ("BASE_MOE_EXPERTS_GATE_UP_TILES", "tall")])
 def test_malformed_knob_warns_and_is_ignored(name, value, monkeypatch, capfd):
@@ -193,7 +231,7 @@ def test_malformed_knob_warns_and_is_ignored(name, value, monkeypatch, capfd):
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("config", ["default", "T16", "T32", "W64", "W128"])
+@pytest.mark.parametrize("config", ["default", "T16", "T32", "W64", "W128", "WS"])
 @pytest.mark.parametrize("T,used,bound", [(16, 16, 16), (16, 16, 3), (16, 16, 1), (64, 40, 7), (5, 5, 100)])
 def test_max_active_experts(config, T, used, bound, monkeypatch):
     """Under a forced configuration the bound on active experts sizes the grid only: any value, even below the true
@@ -219,8 +257,11 @@ def test_deterministic():
         assert torch.equal(torch.ops.base_moe.experts(hidden, ids, w, gate_up, down), first)
 
 
+@pytest.mark.parametrize("config", ["default", "WS"])
 @pytest.mark.parametrize("T", [1, 16, 100])
-def test_cuda_graph_replay(T):
+def test_cuda_graph_replay(T, config, monkeypatch):
+    if config != "default":
+        monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
     shape = dict(H=512, I=256, E=16, k=4)
     static = make_problem(T, dtype=torch.bfloat16, **shape, used=10, seed=1)
     stream = torch.cuda.Stream()

@@ -20,13 +20,14 @@
 //            (lane / 4, lane / 4 + 8) are the gate and up of one intermediate, and SiLU(g) * u goes straight from the
 //            registers to act (per store: 8 consecutive intermediates of 4 tokens).
 //   down:    2 consumers, 128 output rows per tile (256 items on 132 SMs), K = I; B is act, already packed by expert.
-//            Epilogue: weight * accumulator to the slot's token-major y_slot row (per store: 8 consecutive h of 4 rows).
+//            Epilogue: weight * accumulator to the slot's token-major y_slot row (per store: 8 consecutive h of 4
+//            rows).
 // Session 16: gate_up alone (then ws_gate_up.cu) in call 5 with 4 stages and the up halves exchanged through shared
 // memory: correct, 37.7 us; call 6 with the 5-D boxes and 5 stages: correct, 34.4 us (2.93 TB/s), pack 4.9 us.
-// Call 7 (this file) and call 9 (this form, epilogues on for_each_column): both GEMMs correct on 4 routings (act
-// within 0.34% of max |ref|: bf16 rounding; y within 1.3e-6); gate_up 35.7 / 35.8 us (2.8 TB/s), down 28.4 / 27.8 us
-// (1.8 TB/s), pack 5.8 / 5.5, slot sum 5.7 / 5.5: 75.6 / 74.6 us in all, against the library's 87.6 us for its expert
-// op at this point. Down with 4 consumers over 256-row tiles (half the token-row
+// Call 7 (this file) and call 9 (epilogues on one column walk, now wgmma.cuh's wgmma_for_each_column): both GEMMs
+// correct on 4 routings (act within 0.34% of max |ref|: bf16 rounding; y within 1.3e-6); gate_up 35.7 / 35.8 us
+// (2.8 TB/s), down 28.4 / 27.8 us (1.8 TB/s), pack 5.8 / 5.5, slot sum 5.7 / 5.5: 75.6 / 74.6 us in all, against the
+// library's 87.6 us for its expert op at this point. Down with 4 consumers over 256-row tiles (half the token-row
 // traffic per weight byte) does not compile at N = 160: 640 threads leave 96 registers, the wgmma needs 106.
 // Prints: the largest errors against the references, the kernels' microseconds (GEMMs: span from per-CTA globaltimer
 // stamps; pack and slot sum: events over 20 back-to-back launches), medians over launches on 4 routings / expert sets.
@@ -51,17 +52,29 @@ constexpr int KSTEP = 64;        // elements per k step (128-byte rows)
 constexpr int BOX_A = 64 * 128;  // one consumer's 64 weight rows of a k step
 constexpr int ROUTINGS = 4;
 
+// Timing cases besides the real GEMM (kFull); all but kFull leave garbage outputs. kTokensOnce: the token box is loaded
+// once per CTA into its own region and every stage's wgmmas read it, so the ring streams the weights alone. kNoMma: the
+// consumers wait for each stage and release it without wgmmas (the kernel's stream alone). kNoLoad: the producer
+// arrives on each stage's full barrier without loading (the wgmmas and the pipeline's handshakes alone). kWeightsOnly:
+// no wgmmas, no token boxes (the weight stream alone). kFlat: kWeightsOnly with gate_up's weights as plain boxes of 64
+// consecutive rows (3-D map; down's boxes are that already).
+enum Mode { kFull, kTokensOnce, kNoMma, kNoLoad, kWeightsOnly, kFlat };
+
 // The two GEMMs' shapes (see the header).
-template <bool GATED>
+template <bool GATED, int MODE = kFull>
 struct Gemm {
+  static constexpr bool B_ONCE = MODE == kTokensOnce;
+  static constexpr bool B_IN_RING = MODE != kTokensOnce && MODE != kWeightsOnly && MODE != kFlat;
+  static constexpr bool MMA = MODE == kFull || MODE == kTokensOnce || MODE == kNoLoad;
   static constexpr int CONSUMERS = GATED ? 3 : 2;
   static constexpr int TILE = GATED ? 96 : 128;  // intermediates (gate_up) or output rows (down) per tile
   static constexpr int TILES = (GATED ? I : H) / TILE;
   static constexpr int NK = (GATED ? H : I) / KSTEP;
   static constexpr int STAGES = GATED ? 5 : 6;
   static constexpr int A_BYTES = CONSUMERS * BOX_A;
-  static constexpr int STAGE_BYTES = A_BYTES + N * 128;
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + the 1 KB alignment the swizzle wants
+  static constexpr int B_BYTES = N * 128;
+  static constexpr int STAGE_BYTES = A_BYTES + (B_IN_RING ? B_BYTES : 0);
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (B_ONCE ? B_BYTES : 0) + 1024;  // + 1 KB: swizzle alignment
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
 };
 
@@ -131,23 +144,11 @@ __global__ void slot_sum_kernel(const float* y_slot, float* y) {
   reinterpret_cast<float4*>(y)[idx] = acc;
 }
 
-// Accumulator layout of m64nNk16 per thread (warp w of the warpgroup, lane l): per 8 token columns j, registers 4j and
-// 4j + 1 at row 16 w + l / 4, 4j + 2 and 4j + 3 at that row + 8, columns 8j + 2 (l % 4) + {0, 1}. Calls f(col, reg)
-// for each of the thread's columns: register reg holds row 16 w + l / 4, reg + 2 the row 8 below.
-template <typename F>
-__device__ __forceinline__ void for_each_column(int lane, F f) {
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-    for (int b = 0; b < 2; ++b) f(8 * j + 2 * (lane % 4) + b, 4 * j + b);
-  }
-}
-
 // gate_up: rows (l / 4, l / 4 + 8) of warp w are the gate and up of intermediate 8 w + l / 4 of the consumer's 32.
 __device__ __forceinline__ void gate_up_epilogue(const float (&d)[N / 2], const Item& item, int c, int warp, int lane,
                                                  __nv_bfloat16* act) {
   const int i = item.tile * Gemm<true>::TILE + 32 * c + 8 * warp + lane / 4;
-  for_each_column(lane, [&](int col, int reg) {
+  wgmma_for_each_column<N>(lane, [&](int col, int reg) {
     const float g = d[reg], u = d[reg + 2];
     if (col < item.cols)
       act[static_cast<int64_t>(item.slot0 + col) * I + i] = __float2bfloat16(g / (1.0f + __expf(-g)) * u);
@@ -157,7 +158,7 @@ __device__ __forceinline__ void gate_up_epilogue(const float (&d)[N / 2], const 
 __device__ __forceinline__ void down_epilogue(const float (&d)[N / 2], const Item& item, int c, int warp, int lane,
                                               const Outputs& out) {
   const int h = item.tile * Gemm<false>::TILE + 64 * c + 16 * warp + lane / 4;
-  for_each_column(lane, [&](int col, int reg) {
+  wgmma_for_each_column<N>(lane, [&](int col, int reg) {
     if (col < item.cols) {
       const int slot = item.slot0 + col;
       float* row = out.y_slot + static_cast<int64_t>(out.slot_origin[slot]) * H;
@@ -168,11 +169,12 @@ __device__ __forceinline__ void down_epilogue(const float (&d)[N / 2], const Ite
   });
 }
 
-template <bool GATED>
+template <bool GATED, int MODE>
 __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
     ws_gemm_kernel(const Item* items, int n_items, Outputs out, const __grid_constant__ CUtensorMap wmap,
                    const __grid_constant__ CUtensorMap bmap, Stamp* stamps) {
-  using G = Gemm<GATED>;
+  using G = Gemm<GATED, MODE>;
+  constexpr bool B_ONCE = G::B_ONCE;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[G::STAGES], empty[G::STAGES];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -198,14 +200,21 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
           const int s = g % G::STAGES;
           if (g >= G::STAGES) bar_wait(empty0 + 8 * s, (g / G::STAGES - 1) & 1);
           const uint32_t stage = ring + s * G::STAGE_BYTES, bar = full0 + 8 * s;
-          mbar_arrive_expect_tx(bar, G::STAGE_BYTES);
+          if (MODE == kNoLoad) {
+            mbar_arrive(bar);
+            continue;
+          }
+          mbar_arrive_expect_tx(bar, G::STAGE_BYTES + (B_ONCE && g == 0 ? G::B_BYTES : 0));
           for (int c = 0; c < G::CONSUMERS; ++c) {
-            if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
+            if constexpr (GATED && MODE == kFlat)
+              tma_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * 2 * G::TILE + 64 * c, item.expert, bar);
+            else if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
               tma_5d(stage + c * BOX_A, &wmap, ks * KSTEP, 0, 0, (item.tile * G::TILE + 32 * c) / 8, item.expert, bar);
             else
               tma_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * G::TILE + 64 * c, item.expert, bar);
           }
-          tma_2d(stage + G::A_BYTES, &bmap, ks * KSTEP, item.slot0, bar);  // rows past the slots: zeros
+          if (G::B_IN_RING || (B_ONCE && g == 0))  // rows past the slots: zeros
+            tma_2d(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES, &bmap, ks * KSTEP, item.slot0, bar);
         }
       }
     }
@@ -223,14 +232,17 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
         const int s = g % G::STAGES;
         bar_wait(full0 + 8 * s, (g / G::STAGES) & 1);
         const uint32_t stage = ring + s * G::STAGE_BYTES;
-        const uint64_t da = wgmma_desc(stage + c * BOX_A), db = wgmma_desc(stage + G::A_BYTES);
+        const uint64_t da = wgmma_desc(stage + c * BOX_A);
+        const uint64_t db = wgmma_desc(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES);
         fence_registers<N / 2>(d);
-        wgmma_fence();
+        if constexpr (G::MMA) {
+          wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n160k16_bf16(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
-        wgmma_commit();
-        wgmma_wait_one();  // the previous stage's wgmmas are done: release its slot
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_m64n160k16_bf16(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
+          wgmma_commit();
+          wgmma_wait_one();
+        }  // the previous stage's wgmmas are done: release its slot
         fence_registers<N / 2>(d);
         if (pending >= 0 && lane == 0) mbar_arrive(empty0 + 8 * pending);
         pending = s;
@@ -395,11 +407,18 @@ void compare(const char* what, int routing, const V* got_dev, const float* want_
               max_err, max_ref, max_err / max_ref, bad, bad == 0 && max_err <= 1e-2 * max_ref ? "ok" : "FAIL");
 }
 
-template <bool GATED>
+template <bool GATED, int MODE = kFull>
 void launch_gemm(const Routing& r, const CUtensorMap& wmap, Stamp* stamps, int sms) {
   const Outputs out{r.act, r.y_slot, r.d_origin, r.d_weight};
   const std::vector<Item>& items = GATED ? r.gate_up_items : r.down_items;
-  ws_gemm_kernel<GATED><<<sms, Gemm<GATED>::THREADS, Gemm<GATED>::SMEM_BYTES>>>(
+  using G = Gemm<GATED, MODE>;
+  static bool ready = false;  // the shared-memory attribute, once per instance
+  if (!ready) {
+    CHECK(cudaFuncSetAttribute(ws_gemm_kernel<GATED, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               G::SMEM_BYTES));
+    ready = true;
+  }
+  ws_gemm_kernel<GATED, MODE><<<sms, G::THREADS, G::SMEM_BYTES>>>(
       GATED ? r.d_gate_up_items : r.d_down_items, static_cast<int>(items.size()), out, wmap, GATED ? r.xmap : r.amap,
       stamps);
   CHECK(cudaGetLastError());
@@ -444,6 +463,10 @@ int main() {
   const cuuint64_t dstrides[2] = {I * 2ull, static_cast<cuuint64_t>(H) * I * 2};
   const cuuint32_t dbox[3] = {KSTEP, 64, 1};
   const CUtensorMap dmap = encode_bf16_map(wd, 3, ddims, dstrides, dbox, CU_TENSOR_MAP_SWIZZLE_128B);
+  // gate_up as (h, row, expert), boxes of 64 h x 64 consecutive rows: timing case kFlat only
+  const cuuint64_t fdims[3] = {H, 2 * I, E};
+  const cuuint64_t fstrides[2] = {H * 2ull, static_cast<cuuint64_t>(2) * I * H * 2};
+  const CUtensorMap flat_gmap = encode_bf16_map(w, 3, fdims, fstrides, dbox, CU_TENSOR_MAP_SWIZZLE_128B);
   uint32_t lcg = 2024u;
   std::vector<Routing> routings;
   for (int i = 0; i < ROUTINGS; ++i) {
@@ -466,10 +489,6 @@ int main() {
     r.amap = token_map(r.act, SLOTS, I);
     routings.push_back(r);
   }
-  CHECK(cudaFuncSetAttribute(ws_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Gemm<true>::SMEM_BYTES));
-  CHECK(cudaFuncSetAttribute(ws_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Gemm<false>::SMEM_BYTES));
   Stamp* stamps;
   CHECK(cudaMalloc(&stamps, sizeof(Stamp) * sms));
   float* ref;
@@ -500,7 +519,8 @@ int main() {
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   constexpr int kBurst = 20;  // back-to-back launches per event pair: the launch gaps mostly hidden
-  std::vector<double> pack_us, sum_us, gate_up_us, down_us, gate_up_mhz, down_mhz;
+  std::vector<double> pack_us, sum_us, gate_up_us, down_us, gate_up_mhz, down_mhz, case_mhz;
+  std::vector<double> case_us[5][2];  // [mode - 1][gate_up, down]
   for (int rep = 0; rep < 10; ++rep) {
     for (const Routing& r : routings) {
       float ms;
@@ -516,6 +536,25 @@ int main() {
       launch_gemm<false>(r, dmap, stamps, sms);
       CHECK(cudaDeviceSynchronize());
       span(stamps, sms, down_us, down_mhz);
+      // the timing cases (garbage outputs from here)
+      auto time_case = [&](auto launch_gate_up, auto launch_down, int mode) {
+        launch_gate_up();
+        CHECK(cudaDeviceSynchronize());
+        span(stamps, sms, case_us[mode - 1][0], case_mhz);
+        launch_down();
+        CHECK(cudaDeviceSynchronize());
+        span(stamps, sms, case_us[mode - 1][1], case_mhz);
+      };
+      time_case([&] { launch_gemm<true, kTokensOnce>(r, gmap, stamps, sms); },
+                [&] { launch_gemm<false, kTokensOnce>(r, dmap, stamps, sms); }, kTokensOnce);
+      time_case([&] { launch_gemm<true, kNoMma>(r, gmap, stamps, sms); },
+                [&] { launch_gemm<false, kNoMma>(r, dmap, stamps, sms); }, kNoMma);
+      time_case([&] { launch_gemm<true, kNoLoad>(r, gmap, stamps, sms); },
+                [&] { launch_gemm<false, kNoLoad>(r, dmap, stamps, sms); }, kNoLoad);
+      time_case([&] { launch_gemm<true, kWeightsOnly>(r, gmap, stamps, sms); },
+                [&] { launch_gemm<false, kWeightsOnly>(r, dmap, stamps, sms); }, kWeightsOnly);
+      time_case([&] { launch_gemm<true, kFlat>(r, flat_gmap, stamps, sms); },
+                [&] { launch_gemm<false, kFlat>(r, dmap, stamps, sms); }, kFlat);
       CHECK(cudaEventRecord(e0));
       for (int b = 0; b < kBurst; ++b) slot_sum_kernel<<<(T * H / 4 + 255) / 256, 256>>>(r.y_slot, r.y);
       CHECK(cudaEventRecord(e1));
@@ -530,5 +569,9 @@ int main() {
               gate_up_bytes / median(gate_up_us) / 1e6, median(gate_up_mhz), median(down_us),
               down_bytes / median(down_us) / 1e6, median(down_mhz), median(pack_us), median(sum_us),
               median(gate_up_us) + median(down_us) + median(pack_us) + median(sum_us));
+  const char* cases[5] = {"token box loaded once per CTA", "no wgmmas (stream only)", "no loads (wgmmas only)",
+                          "weights only (no wgmmas, tokens)", "weights only, gate_up flat boxes"};
+  for (int m = 0; m < 5; ++m)
+    std::printf("%-30s gate_up %.1f us, down %.1f us\n", cases[m], median(case_us[m][0]), median(case_us[m][1]));
   return 0;
 }

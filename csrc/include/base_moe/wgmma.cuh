@@ -48,13 +48,25 @@ constexpr bool kWgmmaCompiled = true;
 __device__ __forceinline__ void wgmma_fence() { BASE_MOE_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { BASE_MOE_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { BASE_MOE_WGMMA("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Returns once at most one committed group of this warpgroup's wgmmas is still in flight (the warp-specialised
-// microbenchmarks keep one stage's wgmmas in flight).
+// Returns once at most one committed group of this warpgroup's wgmmas is still in flight (csrc/experts_ws.cu and the
+// warp-specialised microbenchmarks keep one stage's wgmmas in flight).
 __device__ __forceinline__ void wgmma_wait_one() { BASE_MOE_WGMMA("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 // Generic-proxy writes to shared memory (cp.async) made visible to the async proxy that wgmma reads through.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   BASE_MOE_WGMMA("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// The accumulator layout of m64nNk16 per thread (warp w of the warpgroup, lane l): per 8 columns j, registers 4j and
+// 4j + 1 at row 16 w + l / 4, 4j + 2 and 4j + 3 at that row + 8, columns 8j + 2 (l % 4) + {0, 1}. Calls f(col, reg)
+// for each of the thread's N / 4 columns: register reg holds row 16 w + l / 4, reg + 2 the row 8 below.
+template <int N, typename F>
+__device__ __forceinline__ void wgmma_for_each_column(int lane, F f) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) f(8 * j + 2 * (lane % 4) + b, 4 * j + b);
+  }
 }
 
 // Keeps the compiler from moving accesses to the accumulator registers across the asynchronous wgmma (CUTLASS's
@@ -68,7 +80,8 @@ __device__ __forceinline__ void fence_registers(float* d) {
 // d (N / 2 floats per thread, the m16n8 accumulator layout per warp and per 8 columns) += A * B.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, uint64_t desc_a, uint64_t desc_b);
-// The instruction for one operand type (AB: "bf16" or "f16"); N = 64 takes 32 accumulator registers, N = 128 takes 64.
+// The instruction for one operand type (AB: "bf16" or "f16"); N = 64 takes 32 accumulator registers, N = 128 takes 64,
+// N = 160 (csrc/experts_ws.cu) 80.
 #define BASE_MOE_WGMMA_N64(AB)                                                                              \
   BASE_MOE_WGMMA(                                                                                           \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                          \
@@ -82,25 +95,31 @@ __device__ __forceinline__ void wgmma_m64k16(float* d, uint64_t desc_a, uint64_t
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
       : "l"(desc_a), "l"(desc_b), "r"(1))
 
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__nv_bfloat16, 64>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N64("bf16");
-}
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__half, 64>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N64("f16");
-}
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__nv_bfloat16, 128>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N128("bf16");
-}
-template <>
-__device__ __forceinline__ void wgmma_m64k16<__half, 128>(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA_N128("f16");
-}
+#define BASE_MOE_WGMMA_N160(AB)                                                                             \
+  BASE_MOE_WGMMA(                                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"                                                         \
+      "wgmma.mma_async.sync.aligned.m64n160k16.f32." AB "." AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, %80, %81, p, 1, 1, 0, 0;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]) \
+      : "l"(desc_a), "l"(desc_b), "r"(1))
+
+// Both operand types' instances of one N.
+#define BASE_MOE_WGMMA_INSTANCES(N)                                                                      \
+  template <>                                                                                            \
+  __device__ __forceinline__ void wgmma_m64k16<__nv_bfloat16, N>(float* d, uint64_t desc_a, uint64_t desc_b) { \
+    BASE_MOE_WGMMA_N##N("bf16");                                                                         \
+  }                                                                                                      \
+  template <>                                                                                            \
+  __device__ __forceinline__ void wgmma_m64k16<__half, N>(float* d, uint64_t desc_a, uint64_t desc_b) {  \
+    BASE_MOE_WGMMA_N##N("f16");                                                                          \
+  }
+BASE_MOE_WGMMA_INSTANCES(64)
+BASE_MOE_WGMMA_INSTANCES(128)
+BASE_MOE_WGMMA_INSTANCES(160)
 
 #undef BASE_MOE_WGMMA_N64
 #undef BASE_MOE_WGMMA_N128
+#undef BASE_MOE_WGMMA_N160
+#undef BASE_MOE_WGMMA_INSTANCES
 
 }  // namespace experts_detail
 }  // namespace base_moe

@@ -1,0 +1,462 @@
+// The expert op's warp-specialised tile configuration "WS", for large decode batches (tens to hundreds of tokens per
+// expert), where csrc/experts.cu's cp.async kernels are latency-bound. Benchmarked first as a standalone prototype
+// (benchmarks/micro/ws_experts.cu; notes/ws_experts_plan.md). Three launches before the op's slot sum, chained with
+// programmatic dependent launch:
+//   1. plan: the slots in expert-sorted order (each CTA recomputes the expert counts and offsets from the ids, so no
+//      grid-wide sync is needed, then ranks its 16 slots stably), each slot's hidden row copied to that order (xp),
+//      its yslot row (t * k + j) and routing weight; CTA 0 writes the GEMMs' work items: per active expert, chunks of
+//      at most N = 160 of its slots x weight tiles.
+//   2. gate_up: act[slot, i] = SiLU(gate_i . x) * (up_i . x) for the items' 96-intermediate tiles.
+//   3. down:    yslot[t * k + j, h] = w * (down_h . act[slot]) for 128-row tiles.
+// Both GEMMs: one persistent CTA per SM; thread 0 of warpgroup 0 loads, per 64-wide k step, one TMA box of 64 weight
+// rows per consumer warpgroup and one box of the item's N token rows into a ring of stages (full / empty mbarriers);
+// each consumer warpgroup runs four m64n160k16 wgmmas per stage on its 64 rows, keeps one stage in flight and releases
+// the one before. gate_up's weight box is 5-D (h, row in a group of 8, gate | up, group, expert): consumer c's 64 rows
+// are 4 groups of [8 gate rows, the same 8 up rows], so each thread's two accumulator rows (lane / 4 and + 8) are the
+// gate and up of one intermediate and SiLU * up goes from registers to act. Rows past I or H (partial last tiles) and
+// token rows past the slots arrive as zeros and are not stored. Every output element is computed by one thread in a
+// fixed order: deterministic.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "base_moe/experts_mma.cuh"
+#include "base_moe/experts_ws.h"
+#include "base_moe/launch.cuh"
+#include "base_moe/tma.cuh"
+#include "base_moe/wgmma.cuh"
+
+namespace base_moe {
+namespace {
+
+using namespace experts_detail;
+
+constexpr int kMaxE = 512;
+constexpr int kN = 160;               // token columns per work item (the wgmma's N)
+constexpr int kStep = 64;             // k elements per stage (128-byte rows)
+constexpr int kBox = 64 * 128;        // one consumer's 64 weight rows of a stage
+constexpr int kPlanThreads = 512;
+constexpr int kSlotsPerPlanCta = 16;  // <= 32: one warp ranks them in one round
+
+struct WsItem {
+  int expert, tile, slot0, cols;  // cols: the chunk's slots (<= kN), expert-sorted slots slot0..
+};
+
+// The two GEMMs' shapes: gate_up 3 consumers x 32 intermediates per tile, K = H; down 2 consumers x 64 output rows,
+// K = I. Registers: 4 warpgroups leave ptxas 128 per thread, enough for the consumers' 80 accumulators (setmaxnreg
+// does not raise ptxas's per-kernel limit: a 5-warpgroup form failed to compile at 96, session 16).
+template <bool GATED>
+struct WsShape {
+  static constexpr int CONSUMERS = GATED ? 3 : 2;
+  static constexpr int TILE = GATED ? 96 : 128;
+  static constexpr int STAGES = GATED ? 5 : 6;
+  static constexpr int A_BYTES = CONSUMERS * kBox;
+  static constexpr int STAGE_BYTES = A_BYTES + kN * 128;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1 KB to align the ring for the swizzle
+  static constexpr int THREADS = 128 * (CONSUMERS + 1);
+};
+
+struct PlanParams {
+  const int32_t* ids;
+  const float* weights;
+  int tk, top_k, E, H;
+  const void* hidden;  // [T, H]
+  void* xp;            // [tk, H]: the slots' hidden rows, expert-sorted
+  int* slot_origin;    // [tk]: each expert-sorted slot's pair t * k + j
+  float* slot_weight;  // [tk]
+  WsItem* gate_up_items;
+  WsItem* down_items;
+  int* item_counts;    // [2]: gate_up's, down's
+  int gate_up_tiles, down_tiles;
+};
+
+__global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams p) {
+  constexpr int kWarps = kPlanThreads / 32;
+  __shared__ int s_count[kMaxE];
+  __shared__ int s_base[kMaxE];  // first sorted position of expert e's slots among this CTA's (after the scan)
+  __shared__ int s_pos[kSlotsPerPlanCta];
+  __shared__ int s_scan[kWarps];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, E = p.E;
+  const int p0 = blockIdx.x * kSlotsPerPlanCta, p1 = min(p.tk, p0 + kSlotsPerPlanCta);
+  cuda::pdl_wait();  // ids and weights come from the selection
+  cuda::pdl_launch_dependents();
+  for (int e = tid; e < E; e += kPlanThreads) s_count[e] = s_base[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < p.tk; i += kPlanThreads) {
+    const int u = p.ids[i];
+    if (static_cast<unsigned>(u) < static_cast<unsigned>(E)) {
+      atomicAdd(&s_count[u], 1);
+      if (i < p0) atomicAdd(&s_base[u], 1);
+    }
+  }
+  __syncthreads();
+  // expert offsets: an exclusive scan of the counts, each thread a contiguous range of experts
+  const int per = (E + kPlanThreads - 1) / kPlanThreads;
+  const int e0 = min(tid * per, E), e1 = min(e0 + per, E);
+  int mine = 0;
+  for (int e = e0; e < e1; ++e) mine += s_count[e];
+  int total = 0;
+  int offset = block_exclusive_scan<kWarps>(mine, s_scan, total);
+  for (int e = e0; e < e1; ++e) {
+    s_base[e] += offset;  // + the expert's slots in pairs before this CTA's
+    offset += s_count[e];
+  }
+  __syncthreads();
+  // this CTA's pairs in order: a pair's position is its expert's base + the earlier pairs of the same expert here
+  if (warp == 0) {
+    const int pair = p0 + lane;
+    const bool in = pair < p1;
+    const int u = in ? p.ids[pair] : -1;
+    const bool valid = in && static_cast<unsigned>(u) < static_cast<unsigned>(E);
+    const unsigned peers = __match_any_sync(cuda::kFullMask, valid ? u : -1);
+    if (in) s_pos[lane] = valid ? s_base[u] + __popc(peers & ((1u << lane) - 1u)) : -1;
+  }
+  __syncthreads();
+  for (int j = tid; j < p1 - p0; j += kPlanThreads) {
+    const int pos = s_pos[j];
+    if (pos >= 0) {
+      p.slot_origin[pos] = p0 + j;
+      p.slot_weight[pos] = p.weights[p0 + j];
+    }
+  }
+  const int chunks = p.H / 8;  // 16-byte chunks of a row
+  const uint4* src = static_cast<const uint4*>(p.hidden);
+  uint4* dst = static_cast<uint4*>(p.xp);
+  for (int v = tid; v < (p1 - p0) * chunks; v += kPlanThreads) {
+    const int j = v / chunks, c = v % chunks, pos = s_pos[j];
+    if (pos >= 0)
+      dst[static_cast<int64_t>(pos) * chunks + c] = src[static_cast<int64_t>((p0 + j) / p.top_k) * chunks + c];
+  }
+  if (blockIdx.x != 0) return;
+  // the work items (CTA 0, whose bases are the expert offsets): chunk-major in expert order, tiles inner, so that
+  // neighbouring CTAs stream tiles of the same expert and share its token rows in L2
+  int my_chunks = 0;
+  for (int e = e0; e < e1; ++e) my_chunks += (s_count[e] + kN - 1) / kN;
+  int all_chunks = 0;
+  int chunk = block_exclusive_scan<kWarps>(my_chunks, s_scan, all_chunks);
+  for (int e = e0; e < e1; ++e) {
+    for (int first = 0; first < s_count[e]; first += kN, ++chunk) {
+      const int slot0 = s_base[e] + first, cols = min(kN, s_count[e] - first);
+      for (int t = 0; t < p.gate_up_tiles; ++t)
+        p.gate_up_items[chunk * p.gate_up_tiles + t] = WsItem{e, t, slot0, cols};
+      for (int t = 0; t < p.down_tiles; ++t) p.down_items[chunk * p.down_tiles + t] = WsItem{e, t, slot0, cols};
+    }
+  }
+  if (tid == 0) {
+    p.item_counts[0] = all_chunks * p.gate_up_tiles;
+    p.item_counts[1] = all_chunks * p.down_tiles;
+  }
+}
+
+struct WsGemmParams {
+  const WsItem* items;
+  const int* n_items;
+  int K;                      // reduction length: H (gate_up) or I (down)
+  int rows_out;               // I (gate_up) or H (down): rows past it belong to a partial last tile
+  void* act;                  // gate_up: [tk, I], expert-sorted slot rows
+  float* yslot;               // down: [tk, H], row t * k + j
+  const int* slot_origin;     // down: each expert-sorted slot's yslot row
+  const float* slot_weight;   // down: its routing weight
+};
+
+// gate_up: rows (l / 4, l / 4 + 8) of warp w are the gate and up of intermediate 8 w + l / 4 of consumer c's 32.
+template <typename T>
+__device__ __forceinline__ void gate_up_epilogue(const float (&d)[kN / 2], const WsGemmParams& p, const WsItem& item,
+                                                 int c, int warp, int lane) {
+  const int i = item.tile * WsShape<true>::TILE + 32 * c + 8 * warp + lane / 4;
+  if (i >= p.rows_out) return;
+  T* act = static_cast<T*>(p.act);
+  wgmma_for_each_column<kN>(lane, [&](int col, int reg) {
+    if (col < item.cols)
+      act[static_cast<int64_t>(item.slot0 + col) * p.rows_out + i] = from_float<T>(silu_mul(d[reg], d[reg + 2]));
+  });
+}
+// down: rows (l / 4, l / 4 + 8) of warp w are output rows h and h + 8 of consumer c's 64.
+__device__ __forceinline__ void down_epilogue(const float (&d)[kN / 2], const WsGemmParams& p, const WsItem& item,
+                                              int c, int warp, int lane) {
+  const int h = item.tile * WsShape<false>::TILE + 64 * c + 16 * warp + lane / 4;
+  wgmma_for_each_column<kN>(lane, [&](int col, int reg) {
+    if (col < item.cols) {
+      const int slot = item.slot0 + col;
+      float* row = p.yslot + static_cast<int64_t>(p.slot_origin[slot]) * p.rows_out;
+      const float w = p.slot_weight[slot];
+      if (h < p.rows_out) row[h] = w * d[reg];
+      if (h + 8 < p.rows_out) row[h + 8] = w * d[reg + 2];
+    }
+  });
+}
+
+template <typename T, bool GATED>
+__global__ void __launch_bounds__(WsShape<GATED>::THREADS, 1)
+    ws_gemm_kernel(const WsGemmParams p, const __grid_constant__ CUtensorMap weights,
+                   const __grid_constant__ CUtensorMap tokens) {
+  using S = WsShape<GATED>;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full[S::STAGES], empty[S::STAGES];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
+  const uint32_t ring = smem_addr(smem), full0 = smem_addr(full), empty0 = smem_addr(empty);
+  if (tid == 0) {
+    for (int s = 0; s < S::STAGES; ++s) {
+      tma::mbar_init(full0 + 8 * s, 1);
+      tma::mbar_init(empty0 + 8 * s, S::CONSUMERS * 4);  // every consumer warp releases
+    }
+    tma::fence_mbarrier_init();
+  }
+  __syncthreads();
+  cuda::pdl_wait();  // the items, token rows and (down) act come from the kernels before
+  cuda::pdl_launch_dependents();
+  const int n_items = *p.n_items, nk = p.K / kStep;
+  if (wg == 0) {
+    if (tid == 0) {
+      int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
+      for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+        const WsItem item = p.items[it];
+        for (int ks = 0; ks < nk; ++ks, ++g) {
+          const int s = g % S::STAGES;
+          if (g >= S::STAGES) tma::mbar_wait(empty0 + 8 * s, (g / S::STAGES - 1) & 1);
+          const uint32_t stage = ring + s * S::STAGE_BYTES, bar = full0 + 8 * s;
+          // a partial last tile: consumers whose rows all lie past I (H) get no box (their results are not stored)
+          const int first_row = item.tile * S::TILE, rows_per_consumer = GATED ? 32 : 64;
+          const int live = min(S::CONSUMERS, (p.rows_out - first_row + rows_per_consumer - 1) / rows_per_consumer);
+          tma::mbar_arrive_expect_tx(bar, S::STAGE_BYTES - (S::CONSUMERS - live) * kBox);
+          for (int c = 0; c < live; ++c) {
+            if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
+              tma::load_5d(stage + c * kBox, &weights, ks * kStep, 0, 0, (first_row + 32 * c) / 8, item.expert, bar);
+            else
+              tma::load_3d(stage + c * kBox, &weights, ks * kStep, first_row + 64 * c, item.expert, bar);
+          }
+          tma::load_2d(stage + S::A_BYTES, &tokens, ks * kStep, item.slot0, bar);
+        }
+      }
+    }
+    return;
+  }
+  const int c = wg - 1;
+  float d[kN / 2];
+  int g = 0;
+  for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+    const WsItem item = p.items[it];
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) d[i] = 0.0f;
+    int pending = -1;  // the ring slot whose wgmmas may still be reading it
+    for (int ks = 0; ks < nk; ++ks, ++g) {
+      const int s = g % S::STAGES;
+      tma::mbar_wait(full0 + 8 * s, (g / S::STAGES) & 1);
+      const uint32_t stage = ring + s * S::STAGE_BYTES;
+      const uint64_t da = wgmma_desc(stage + c * kBox), db = wgmma_desc(stage + S::A_BYTES);
+      fence_registers<kN / 2>(d);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kStep / 16; ++kk)
+        wgmma_m64k16<T, kN>(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
+      wgmma_commit();
+      wgmma_wait_one();  // the previous stage's wgmmas are done: release its slot
+      fence_registers<kN / 2>(d);
+      if (pending >= 0 && lane == 0) tma::mbar_arrive(empty0 + 8 * pending);
+      pending = s;
+    }
+    wgmma_wait_all();
+    fence_registers<kN / 2>(d);
+    if (lane == 0 && pending >= 0) tma::mbar_arrive(empty0 + 8 * pending);
+    if constexpr (GATED)
+      gate_up_epilogue<T>(d, p, item, c, warp, lane);
+    else
+      down_epilogue(d, p, item, c, warp, lane);
+  }
+}
+
+// ---- host side ------------------------------------------------------------------------------------------
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled (through the runtime, so the library needs no -lcuda); null if unavailable.
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult result{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                                           &result);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &result);
+#endif
+    return e == cudaSuccess && result == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiled>(f) : nullptr;
+  }();
+  return fn;
+}
+
+// A tensor map over `rank` dimensions (dims innermost first, strides in bytes for dimensions 1..), boxes of `box`
+// elements in the 128-byte swizzle wgmma reads; false if the driver refuses it.
+bool encode(CUtensorMap& map, at::ScalarType dtype, const void* base, int rank, const cuuint64_t* dims,
+            const cuuint64_t* strides, const cuuint32_t* box) {
+  const EncodeTiled fn = encode_tiled();
+  if (fn == nullptr) return false;
+  const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
+  const CUtensorMapDataType type =
+      dtype == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return fn(&map, type, rank, const_cast<void*>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Token rows [rows, cols] (row-major) as the GEMMs' B operand: boxes of 64 columns x kN rows.
+bool encode_tokens(CUtensorMap& map, const at::Tensor& t) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(t.size(0))};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(t.size(1)) * 2};
+  const cuuint32_t box[2] = {kStep, kN};
+  return encode(map, t.scalar_type(), t.data_ptr(), 2, dims, strides, box);
+}
+
+// 1 in the image a device runs if that image is sm_90a code (wgmma, TMA), 0 in the sm_90 / sm_80 fallbacks, where
+// the GEMMs would trap.
+__device__ int ws_code_loaded = kWgmmaCompiled ? 1 : 0;
+
+// Whether the device runs this build's sm_90a code: an sm_90 device, and the symbol above read once per device. The
+// read is a synchronous copy, not allowed while the stream is being captured: a first call under capture answers no
+// (the op then runs W128) and asks again next time.
+bool ws_available(cudaStream_t stream) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];  // 0 unknown, 1 no, 2 yes
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+  const int cached = known[device].load(std::memory_order_acquire);
+  if (cached != 0) return cached == 2;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  int loaded = 0;
+  if (major == 9 && cudaMemcpyFromSymbol(&loaded, ws_code_loaded, sizeof(int)) != cudaSuccess) {
+    (void)cudaGetLastError();  // no image for this device, or another thread's capture: ask again next time
+    return false;
+  }
+  known[device].store(loaded == 1 ? 2 : 1, std::memory_order_release);
+  return loaded == 1;
+}
+
+// Raises the dynamic shared-memory limit of ws_gemm_kernel<T, GATED>, once per device (as csrc/experts.cu's
+// prepare; one flag per instance); false if the device refuses it.
+template <typename T, bool GATED>
+bool allow_shared_memory() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> done[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return true;
+  if (cudaFuncSetAttribute(ws_gemm_kernel<T, GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           WsShape<GATED>::SMEM_BYTES) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (device < kMaxDevices) done[device].store(true, std::memory_order_release);
+  return true;
+}
+
+template <typename T, bool GATED>
+void launch_ws_gemm(const WsGemmParams& p, const CUtensorMap& weights, const CUtensorMap& tokens, cudaStream_t stream,
+                    bool pdl) {
+  using S = WsShape<GATED>;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  cuda::launch({dim3(sms), dim3(S::THREADS), S::SMEM_BYTES, stream, 0, pdl}, ws_gemm_kernel<T, GATED>, p, weights,
+               tokens);
+}
+
+// false, having launched nothing, where a GEMM's shared memory cannot be had
+template <typename T>
+bool launch_all(const PlanParams& plan, const WsGemmParams& gate_up, const WsGemmParams& down,
+                const CUtensorMap (&maps)[4], cudaStream_t stream, bool pdl) {
+  if (!allow_shared_memory<T, true>() || !allow_shared_memory<T, false>()) return false;
+  const int plan_ctas = (plan.tk + kSlotsPerPlanCta - 1) / kSlotsPerPlanCta;
+  cuda::launch({dim3(plan_ctas), dim3(kPlanThreads), 0, stream, 0, pdl}, ws_plan_kernel, plan);
+  launch_ws_gemm<T, true>(gate_up, maps[0], maps[1], stream, pdl);
+  launch_ws_gemm<T, false>(down, maps[2], maps[3], stream, pdl);
+  return true;
+}
+
+}  // namespace
+
+double experts_ws_round_fill(int64_t experts, int64_t I, int64_t H, int sms) {
+  auto fill = [&](int64_t items) {
+    const int64_t rounds = (items + sms - 1) / sms;
+    return static_cast<double>(items) / static_cast<double>(rounds * sms);
+  };
+  const int64_t gate_up_tiles = (I + WsShape<true>::TILE - 1) / WsShape<true>::TILE;
+  const int64_t down_tiles = (H + WsShape<false>::TILE - 1) / WsShape<false>::TILE;
+  return std::min(fill(experts * gate_up_tiles), fill(experts * down_tiles));
+}
+
+bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
+                       const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& act, at::Tensor& yslot,
+                       cudaStream_t stream, bool pdl) {
+  if (!ws_available(stream)) return false;
+  const int64_t H = hidden.size(1), k = expert_ids.size(1), tk = expert_ids.numel();
+  const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
+  const int gate_up_tiles = static_cast<int>((I + WsShape<true>::TILE - 1) / WsShape<true>::TILE);
+  const int down_tiles = static_cast<int>((H + WsShape<false>::TILE - 1) / WsShape<false>::TILE);
+  const int64_t chunks_bound = (tk + kN - 1) / kN + std::min(E, tk);  // sum over experts of ceil(count / kN)
+  const auto ints = hidden.options().dtype(at::kInt);
+  at::Tensor xp = at::empty({tk, H}, hidden.options());
+  at::Tensor slot_origin = at::empty({tk}, ints);
+  at::Tensor slot_weight = at::empty({tk}, hidden.options().dtype(at::kFloat));
+  at::Tensor items = at::empty({chunks_bound * (gate_up_tiles + down_tiles), 4}, ints);
+  at::Tensor counts = at::empty({2}, ints);
+
+  CUtensorMap maps[4];  // gate_up weights, xp, down weights, act
+  // gate_up [E, 2I, H] as (h, intermediate in its group of 8, gate | up, group of 8, expert): a box of 64 h x 8 rows
+  // x both halves x 4 groups lands as [group][gate | up][8 rows][64 h]
+  const cuuint64_t g_dims[5] = {static_cast<cuuint64_t>(H), 8, 2, static_cast<cuuint64_t>(I / 8),
+                                static_cast<cuuint64_t>(E)};
+  const cuuint64_t g_strides[4] = {static_cast<cuuint64_t>(H) * 2, static_cast<cuuint64_t>(I * H) * 2,
+                                   static_cast<cuuint64_t>(8 * H) * 2, static_cast<cuuint64_t>(2 * I * H) * 2};
+  const cuuint32_t g_box[5] = {kStep, 8, 2, 4, 1};
+  // down [E, H, I] as (i, h, expert): boxes of 64 i x 64 rows
+  const cuuint64_t d_dims[3] = {static_cast<cuuint64_t>(I), static_cast<cuuint64_t>(H), static_cast<cuuint64_t>(E)};
+  const cuuint64_t d_strides[2] = {static_cast<cuuint64_t>(I) * 2, static_cast<cuuint64_t>(H * I) * 2};
+  const cuuint32_t d_box[3] = {kStep, 64, 1};
+  if (!encode(maps[0], hidden.scalar_type(), gate_up_proj.data_ptr(), 5, g_dims, g_strides, g_box) ||
+      !encode_tokens(maps[1], xp) ||
+      !encode(maps[2], hidden.scalar_type(), down_proj.data_ptr(), 3, d_dims, d_strides, d_box) ||
+      !encode_tokens(maps[3], act))
+    return false;
+
+  WsItem* item_ptr = reinterpret_cast<WsItem*>(items.data_ptr<int>());
+  PlanParams plan{};
+  plan.ids = expert_ids.data_ptr<int32_t>();
+  plan.weights = expert_weights.data_ptr<float>();
+  plan.tk = static_cast<int>(tk);
+  plan.top_k = static_cast<int>(k);
+  plan.E = static_cast<int>(E);
+  plan.H = static_cast<int>(H);
+  plan.hidden = hidden.data_ptr();
+  plan.xp = xp.data_ptr();
+  plan.slot_origin = slot_origin.data_ptr<int>();
+  plan.slot_weight = slot_weight.data_ptr<float>();
+  plan.gate_up_items = item_ptr;
+  plan.down_items = item_ptr + chunks_bound * gate_up_tiles;
+  plan.item_counts = counts.data_ptr<int>();
+  plan.gate_up_tiles = gate_up_tiles;
+  plan.down_tiles = down_tiles;
+  WsGemmParams gate_up{};
+  gate_up.items = plan.gate_up_items;
+  gate_up.n_items = plan.item_counts;
+  gate_up.K = static_cast<int>(H);
+  gate_up.rows_out = static_cast<int>(I);
+  gate_up.act = act.data_ptr();
+  WsGemmParams down{};
+  down.items = plan.down_items;
+  down.n_items = plan.item_counts + 1;
+  down.K = static_cast<int>(I);
+  down.rows_out = static_cast<int>(H);
+  down.yslot = yslot.data_ptr<float>();
+  down.slot_origin = plan.slot_origin;
+  down.slot_weight = plan.slot_weight;
+  return hidden.scalar_type() == at::kBFloat16 ? launch_all<__nv_bfloat16>(plan, gate_up, down, maps, stream, pdl)
+                                               : launch_all<__half>(plan, gate_up, down, maps, stream, pdl);
+}
+
+}  // namespace base_moe
