@@ -2,6 +2,7 @@
 // shared-memory ring pull them from HBM, with the expert kernel's access pattern and none of its arithmetic.
 //
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/stream_rate.cu -o /tmp/stream_rate && /tmp/stream_rate
+//   /tmp/stream_rate "ws3 192"    # only the cases whose note contains the text
 //
 // Why: the expert GEMMs' CTAs each complete about one k step per memory round trip whatever their ring depth
 // (notes/experts_kernel.md, sessions 2-12: ~15 GB/s per CTA at one or two CTAs per SM), so b64/M16's 192 gate_up CTAs
@@ -419,7 +420,7 @@ CUtensorMap make_map(const void* base, int rows, int ksb, int64_t total_rows = R
   return encode_bf16_map(base, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
-int main() {
+int main(int argc, char** argv) {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
@@ -494,6 +495,8 @@ int main() {
       // The delay stands in for the wgmmas of N = 144: 3.5 MFLOP per 192-row stage = 864 cycles at one SM's tensor
       // peak (4096 FLOP/clock), so 1000 cycles ~ 86% of peak; ~670 for 128-row stages.
       {"ws3 192-row tiles, 5 st", kWs3, 5, 192, 128, 1, sms, 0},
+      // session 17: ws_experts.cu's weights-only case streams the same bytes in 34.9 us, from random bf16 weights
+      {"ws3 192-row tiles, 5 st, random bytes", kWs3, 5, 192, 128, 1, sms, 0, 0, 1},
       {"  + 144 token rows", kWs3, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
       {"  + 144 token rows, 1000 cycles/stage", kWs3, 5, 192, 128, 1, sms, 1000, 0, 0, 1, 144},
       {"  + 144 token rows, real wgmmas (N 144)", kWs3Mma, 5, 192, 128, 1, sms, 0, 0, 0, 1, 144},
@@ -526,6 +529,7 @@ int main() {
               "burst us", "MHz");
   int launch = 0;
   for (const Case& c : cases) {
+    if (argc > 1 && std::strstr(c.note, argv[1]) == nullptr) continue;
     const int consumers = consumer_warpgroups(c.loader);
     const int threads = consumers ? (consumers + 1) * 128 : NT;
     const int chunks = (c.rows + c.token_rows) * c.ksb / 16 / NT;

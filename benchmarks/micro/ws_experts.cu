@@ -573,5 +573,21 @@ int main() {
                           "weights only (no wgmmas, tokens)", "weights only, gate_up flat boxes"};
   for (int m = 0; m < 5; ++m)
     std::printf("%-30s gate_up %.1f us, down %.1f us\n", cases[m], median(case_us[m][0]), median(case_us[m][1]));
+  // stream_rate.cu's loaders read 0x01 bytes: the weights-only case again on such weights (session 17)
+  CHECK(cudaMemset(w, 1, w_elems * 2));
+  CHECK(cudaMemset(wd, 1, wd_elems * 2));
+  std::vector<double> ones_us[2], ones_mhz;
+  for (int rep = 0; rep < 10; ++rep) {
+    for (const Routing& r : routings) {
+      launch_gemm<true, kWeightsOnly>(r, gmap, stamps, sms);
+      CHECK(cudaDeviceSynchronize());
+      span(stamps, sms, ones_us[0], ones_mhz);
+      launch_gemm<false, kWeightsOnly>(r, dmap, stamps, sms);
+      CHECK(cudaDeviceSynchronize());
+      span(stamps, sms, ones_us[1], ones_mhz);
+    }
+  }
+  std::printf("%-30s gate_up %.1f us, down %.1f us\n", "weights only, 0x01 bytes", median(ones_us[0]),
+              median(ones_us[1]));
   return 0;
 }
