@@ -57,14 +57,15 @@ constexpr int ROUTINGS = 4;
 // consumers wait for each stage and release it without wgmmas (the kernel's stream alone). kNoLoad: the producer
 // arrives on each stage's full barrier without loading (the wgmmas and the pipeline's handshakes alone). kWeightsOnly:
 // no wgmmas, no token boxes (the weight stream alone). kFlat: kWeightsOnly with gate_up's weights as plain boxes of 64
-// consecutive rows (3-D map; down's boxes are that already).
-enum Mode { kFull, kTokensOnce, kNoMma, kNoLoad, kWeightsOnly, kFlat };
+// consecutive rows (3-D map; down's boxes are that already). kFlatOneBox (gate_up): kFlat with one box of the tile's 192
+// rows per stage, as stream_rate.cu's ws3 loader reads.
+enum Mode { kFull, kTokensOnce, kNoMma, kNoLoad, kWeightsOnly, kFlat, kFlatOneBox };
 
 // The two GEMMs' shapes (see the header).
 template <bool GATED, int MODE = kFull>
 struct Gemm {
   static constexpr bool B_ONCE = MODE == kTokensOnce;
-  static constexpr bool B_IN_RING = MODE != kTokensOnce && MODE != kWeightsOnly && MODE != kFlat;
+  static constexpr bool B_IN_RING = MODE == kFull || MODE == kNoMma || MODE == kNoLoad;
   static constexpr bool MMA = MODE == kFull || MODE == kTokensOnce || MODE == kNoLoad;
   static constexpr int CONSUMERS = GATED ? 3 : 2;
   static constexpr int TILE = GATED ? 96 : 128;  // intermediates (gate_up) or output rows (down) per tile
@@ -206,7 +207,9 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
           }
           mbar_arrive_expect_tx(bar, G::STAGE_BYTES + (B_ONCE && g == 0 ? G::B_BYTES : 0));
           for (int c = 0; c < G::CONSUMERS; ++c) {
-            if constexpr (GATED && MODE == kFlat)
+            if constexpr (GATED && MODE == kFlatOneBox) {
+              if (c == 0) tma_3d(stage, &wmap, ks * KSTEP, item.tile * 2 * G::TILE, item.expert, bar);
+            } else if constexpr (GATED && MODE == kFlat)
               tma_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * 2 * G::TILE + 64 * c, item.expert, bar);
             else if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
               tma_5d(stage + c * BOX_A, &wmap, ks * KSTEP, 0, 0, (item.tile * G::TILE + 32 * c) / 8, item.expert, bar);
@@ -589,5 +592,41 @@ int main() {
   }
   std::printf("%-30s gate_up %.1f us, down %.1f us\n", "weights only, 0x01 bytes", median(ones_us[0]),
               median(ones_us[1]));
+  // what else differs from ws3 (gate_up's weights alone): the swizzle, one 192-row box per stage, and the experts'
+  // place (16 random of 128, or experts 0..15: one contiguous 100 MB region, ws3's flat buffer)
+  auto flat_map = [&](uint32_t rows, CUtensorMapSwizzle swizzle) {
+    const cuuint32_t box[3] = {KSTEP, rows, 1};
+    return encode_bf16_map(w, 3, fdims, fstrides, box, swizzle);
+  };
+  const CUtensorMap flat_plain = flat_map(64, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const CUtensorMap one_box = flat_map(192, CU_TENSOR_MAP_SWIZZLE_NONE);
+  std::vector<Routing> adjacent = routings;  // the same items on experts 0..15
+  for (Routing& r : adjacent) {
+    std::vector<Item> items = r.gate_up_items;
+    std::vector<int> order;  // the routing's experts in item order
+    for (Item& it : items) {
+      auto at = std::find(order.begin(), order.end(), it.expert);
+      if (at == order.end()) at = order.insert(order.end(), it.expert);
+      it.expert = static_cast<int>(at - order.begin());
+    }
+    r.d_gate_up_items = to_device(items);
+  }
+  std::vector<double> bisect_us[4], bisect_mhz;
+  for (int rep = 0; rep < 10; ++rep) {
+    for (int i = 0; i < ROUTINGS; ++i) {
+      auto time_gate_up = [&](auto launch, int slot) {
+        launch();
+        CHECK(cudaDeviceSynchronize());
+        span(stamps, sms, bisect_us[slot], bisect_mhz);
+      };
+      time_gate_up([&] { launch_gemm<true, kFlat>(routings[i], flat_plain, stamps, sms); }, 0);
+      time_gate_up([&] { launch_gemm<true, kFlatOneBox>(routings[i], one_box, stamps, sms); }, 1);
+      time_gate_up([&] { launch_gemm<true, kFlat>(adjacent[i], flat_plain, stamps, sms); }, 2);
+      time_gate_up([&] { launch_gemm<true, kFlatOneBox>(adjacent[i], one_box, stamps, sms); }, 3);
+    }
+  }
+  const char* bisect[4] = {"flat 64-row boxes, no swizzle", "one 192-row box, no swizzle",
+                           "flat 64-row, experts 0..15", "one 192-row box, experts 0..15"};
+  for (int m = 0; m < 4; ++m) std::printf("weights only, %-32s gate_up %.1f us\n", bisect[m], median(bisect_us[m]));
   return 0;
 }
