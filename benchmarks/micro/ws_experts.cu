@@ -90,6 +90,7 @@ struct Outputs {
 };
 struct Stamp {
   unsigned long long start, end;
+  unsigned long long first, loop_end;  // consumer thread 128: its first stage landed; its last item's k loop ended
   unsigned cycles, pad;
 };
 
@@ -234,6 +235,7 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
       for (int ks = 0; ks < G::NK; ++ks, ++g) {
         const int s = g % G::STAGES;
         bar_wait(full0 + 8 * s, (g / G::STAGES) & 1);
+        if (g == 0 && tid == 128) stamps[blockIdx.x].first = globaltimer();
         const uint32_t stage = ring + s * G::STAGE_BYTES;
         const uint64_t da = wgmma_desc(stage + c * BOX_A);
         const uint64_t db = wgmma_desc(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES);
@@ -251,6 +253,7 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
         pending = s;
       }
       wgmma_wait_all();
+      if (tid == 128) stamps[blockIdx.x].loop_end = globaltimer();
       fence_registers<N / 2>(d);
       if (lane == 0) mbar_arrive(empty0 + 8 * pending);
       if constexpr (GATED)
@@ -260,7 +263,11 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
     }
   }
   __syncthreads();
-  if (tid == 0) stamps[blockIdx.x] = Stamp{t0, globaltimer(), static_cast<unsigned>(clock64() - c0), 0};
+  if (tid == 0) {
+    stamps[blockIdx.x].start = t0;
+    stamps[blockIdx.x].end = globaltimer();
+    stamps[blockIdx.x].cycles = static_cast<unsigned>(clock64() - c0);
+  }
 }
 
 // act_ref[r, i] in fp32 from the same bf16 inputs; thread (i, r) with r fastest, so a warp reads one weight row
@@ -421,6 +428,7 @@ void launch_gemm(const Routing& r, const CUtensorMap& wmap, Stamp* stamps, int s
                                G::SMEM_BYTES));
     ready = true;
   }
+  CHECK(cudaMemset(stamps, 0, sizeof(Stamp) * sms));  // CTAs without items leave first / loop_end at 0
   ws_gemm_kernel<GATED, MODE><<<sms, G::THREADS, G::SMEM_BYTES>>>(
       GATED ? r.d_gate_up_items : r.d_down_items, static_cast<int>(items.size()), out, wmap, GATED ? r.xmap : r.amap,
       stamps);
@@ -441,6 +449,32 @@ void span(Stamp* stamps, int sms, std::vector<double>& us, std::vector<double>& 
   }
   us.push_back((last - first) / 1e3);
   mhz.push_back(cycles / ns * 1e3);
+}
+
+// Where one launch's time goes, medians over the CTAs that had items (us): start - first CTA's start, first - start
+// (the first stage's latency), loop_end - first (the k loops), end - loop_end (the last epilogue and the exit).
+struct Phases {
+  std::vector<double> skew, first, loop, tail;
+};
+void phases(Stamp* stamps, int sms, Phases& ph) {
+  std::vector<Stamp> s(sms);
+  CHECK(cudaMemcpy(s.data(), stamps, sizeof(Stamp) * sms, cudaMemcpyDeviceToHost));
+  unsigned long long first = ~0ull;
+  for (const Stamp& st : s) first = std::min(first, st.start);
+  std::vector<double> skew, lat, loop, tail;
+  for (const Stamp& st : s) {
+    if (st.first == 0) continue;
+    skew.push_back((st.start - first) / 1e3);
+    lat.push_back((st.first - st.start) / 1e3);
+    loop.push_back((st.loop_end - st.first) / 1e3);
+    tail.push_back((st.end - st.loop_end) / 1e3);
+  }
+  ph.skew.push_back(median(skew)), ph.first.push_back(median(lat)), ph.loop.push_back(median(loop));
+  ph.tail.push_back(median(tail));
+}
+void print_phases(const char* what, const Phases& ph) {
+  std::printf("  %-44s start skew %.2f, first stage %.2f, k loops %.2f, epilogue + exit %.2f us (CTA medians)\n", what,
+              median(ph.skew), median(ph.first), median(ph.loop), median(ph.tail));
 }
 
 int main() {
@@ -524,6 +558,7 @@ int main() {
   constexpr int kBurst = 20;  // back-to-back launches per event pair: the launch gaps mostly hidden
   std::vector<double> pack_us, sum_us, gate_up_us, down_us, gate_up_mhz, down_mhz, case_mhz;
   std::vector<double> case_us[5][2];  // [mode - 1][gate_up, down]
+  Phases full_phases, weights_phases;
   for (int rep = 0; rep < 10; ++rep) {
     for (const Routing& r : routings) {
       float ms;
@@ -536,6 +571,7 @@ int main() {
       launch_gemm<true>(r, gmap, stamps, sms);
       CHECK(cudaDeviceSynchronize());
       span(stamps, sms, gate_up_us, gate_up_mhz);
+      phases(stamps, sms, full_phases);
       launch_gemm<false>(r, dmap, stamps, sms);
       CHECK(cudaDeviceSynchronize());
       span(stamps, sms, down_us, down_mhz);
@@ -554,6 +590,9 @@ int main() {
                 [&] { launch_gemm<false, kNoMma>(r, dmap, stamps, sms); }, kNoMma);
       time_case([&] { launch_gemm<true, kNoLoad>(r, gmap, stamps, sms); },
                 [&] { launch_gemm<false, kNoLoad>(r, dmap, stamps, sms); }, kNoLoad);
+      launch_gemm<true, kWeightsOnly>(r, gmap, stamps, sms);
+      CHECK(cudaDeviceSynchronize());
+      phases(stamps, sms, weights_phases);
       time_case([&] { launch_gemm<true, kWeightsOnly>(r, gmap, stamps, sms); },
                 [&] { launch_gemm<false, kWeightsOnly>(r, dmap, stamps, sms); }, kWeightsOnly);
       time_case([&] { launch_gemm<true, kFlat>(r, flat_gmap, stamps, sms); },
@@ -612,12 +651,14 @@ int main() {
     r.d_gate_up_items = to_device(items);
   }
   std::vector<double> bisect_us[4], bisect_mhz;
+  Phases bisect_phases[4];
   for (int rep = 0; rep < 10; ++rep) {
     for (int i = 0; i < ROUTINGS; ++i) {
       auto time_gate_up = [&](auto launch, int slot) {
         launch();
         CHECK(cudaDeviceSynchronize());
         span(stamps, sms, bisect_us[slot], bisect_mhz);
+        phases(stamps, sms, bisect_phases[slot]);
       };
       time_gate_up([&] { launch_gemm<true, kFlat>(routings[i], flat_plain, stamps, sms); }, 0);
       time_gate_up([&] { launch_gemm<true, kFlatOneBox>(routings[i], one_box, stamps, sms); }, 1);
@@ -628,5 +669,9 @@ int main() {
   const char* bisect[4] = {"flat 64-row boxes, no swizzle", "one 192-row box, no swizzle",
                            "flat 64-row, experts 0..15", "one 192-row box, experts 0..15"};
   for (int m = 0; m < 4; ++m) std::printf("weights only, %-32s gate_up %.1f us\n", bisect[m], median(bisect_us[m]));
+  std::printf("gate_up phases:\n");
+  print_phases("real GEMM", full_phases);
+  print_phases("weights only (5-D boxes, swizzled)", weights_phases);
+  for (int m = 0; m < 4; ++m) print_phases(bisect[m], bisect_phases[m]);
   return 0;
 }
