@@ -195,7 +195,7 @@ def test_ws_runs_its_kernels(monkeypatch):
 def picks_ws(T, bound, shape):
     """csrc/experts.cu pick_config's rule for WS, restated: batches of more than 64 tokens, 97-150 tokens per active
     expert, and work items (active experts x weight tiles of 96 intermediates for gate_up, 128 rows for down) that
-    fill the last of the rounds of one persistent CTA per SM to at least 75%; only on sm_90 (its sm_90a code)."""
+    fill the last of the rounds of one persistent CTA per SM to at least 65%; only on sm_90 (its sm_90a code)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def fill(items):
@@ -204,14 +204,15 @@ def picks_ws(T, bound, shape):
     per_expert = T * shape["k"] // min(bound, shape["E"], T * shape["k"])
     round_fill = min(fill(bound * -(-shape["I"] // 96)), fill(bound * -(-shape["H"] // 128)))
     return (torch.cuda.get_device_capability() == (9, 0) and T > 64 and 96 < per_expert <= 150
-            and round_fill >= 0.75)
+            and round_fill >= 0.65)
 
 
-@pytest.mark.parametrize("T,bound", [(256, 16), (256, 14), (256, 13), (256, 18), (256, 22), (64, 4)])
-def test_default_picks_ws_by_load(T, bound):
+@pytest.mark.parametrize("T,bound,I", [(256, 16, 768), (256, 14, 768), (256, 13, 768), (256, 18, 768),
+                                       (256, 22, 768), (64, 4, 768), (256, 16, 1024), (256, 14, 1024)])
+def test_default_picks_ws_by_load(T, bound, I):
     """By default WS runs exactly where pick_config's rule says (on an H200: b256 with 14 or 16 active experts of the
-    Qwen3 shape, not 13, 18 or 22, not b64), and its output is accurate there."""
-    shape = dict(QWEN3, E=24)
+    Qwen3 shape, not 13, 18 or 22, not b64; with OLMoE's I = 1024 at 16, not 14), and its output is accurate there."""
+    shape = dict(QWEN3, E=24, I=I)
     names = launched_kernels(lambda: check_accuracy(T, shape, torch.bfloat16, bound, used=bound, seed=bound))
     assert any("ws_gemm_kernel" in n for n in names) == picks_ws(T, bound, shape), names
 
