@@ -591,7 +591,7 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
   // benchmarks/results/device_runs/session7.txt): W128 at up to 64 per expert (b256/M32 130 vs W64 in two splits
   // 140), W64 at 121-128 (b256/M16: three 64-token splits 105.6 vs W128 113-118 with or without splits; 87.8 vs 96.3
   // in session 17), W128 beyond (b256/M8: two 128-token splits 67 vs W64 in four 88, W128 unsplit 111). W128 also at
-  // 65-120 (notes/ws_window.py, device_runs/session17.txt call 8; us, W128 vs W64): Qwen3 b256/M18 (113 per expert)
+  // 65-120 (notes/ws_window.py, device_runs/session17.txt calls 7-8; us, W128 vs W64): Qwen3 b256/M18 (113 per expert)
   // 77.6 vs 87.4, M20 (102) 81.8 vs 93.8, M22 (93) 87.0 vs 97.9, M24 (85) 109.6 vs 122.6; OLMoE b256/M18 113.9 vs
   // 127.9, M20 116.0 vs 135.5, M24 121.1 vs 141.1.
   if (T <= 16 || tokens_per_expert <= 8) return Config::kT16;
@@ -606,7 +606,7 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
 // BASE_MOE_EXPERTS_CONFIG's choice, if set (benchmarks and tests), or else the configuration measured best for this
 // load (active_experts: the bound tokens_per_expert divides by). WS where experts average 97-150 tokens, so that each
 // fits one of its 160-token passes with little padding, and where its items fill the SMs' last round to at least 65%
-// (experts_ws_round_fill). H200 (device_runs/session17.txt, calls 1-3 and 8; us, WS vs the best cp.async
+// (experts_ws_round_fill). H200 (device_runs/session17.txt, calls 1-3 and 7-8; us, WS vs the best cp.async
 // configuration): Qwen3 b256/M14 (146 per expert) 75.7 vs 88.6, M16 (128) 76.8 vs 87.6, b512/M28 / M32 / M40 142.9 /
 // 144.4 / 178.0 vs 211.2 / 180.5 / 188.0; OLMoE (I 1024: 11 gate_up tiles) b256/M16 (176 items, 67% of the last
 // round) 103.6 vs 107.4, M18 112.6 vs 113.9, b512/M32 183.1 vs 230.6. Slower at 157 per expert (Qwen3 b256/M13: some
@@ -763,7 +763,8 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
     ran_ws = experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot, stream, pdl);
     if (!ran_ws) {
       if (std::getenv("BASE_MOE_EXPERTS_CONFIG") != nullptr)  // forced (an automatic pick falls back silently)
-        TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran a cp.async configuration");
+        TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran a cp.async "
+                        "configuration");
       cfg = cp_async_config(T, tokens_per_expert);
     }
   }

@@ -31,6 +31,10 @@
 // traffic per weight byte) does not compile at N = 160: 640 threads leave 96 registers, the wgmma needs 106.
 // Prints: the largest errors against the references, the kernels' microseconds (GEMMs: span from per-CTA globaltimer
 // stamps; pack and slot sum: events over 20 back-to-back launches), medians over launches on 4 routings / expert sets.
+// Then the timing cases (Mode: what limits the GEMMs) and gate_up's per-CTA phases. Session 17 (device_runs/
+// session17.txt, calls 1-6): the token rows are not the limit (loaded once per CTA: -1.7 us), the GEMMs take as long
+// without wgmmas; the weights alone stream at 36.6 GB/s per SM in the k loops, whatever the box shape, swizzle or
+// expert placement; ~3 us pass before the first stage lands and ~3 more in the epilogue and exit.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -41,10 +45,13 @@
 #include <vector>
 
 #include "base_moe/experts_mma.cuh"
+#include "base_moe/tma.cuh"
 #include "base_moe/wgmma.cuh"
 #include "check.cuh"
 
 using namespace base_moe::experts_detail;
+using base_moe::tma::load_3d;
+using base_moe::tma::load_5d;
 
 constexpr int H = 2048, I = 768, E = 128, TOP_K = 8, T = 256, KEPT = 16, SLOTS = T * TOP_K;
 constexpr int N = 160;           // token columns per item (wgmma n)
@@ -57,8 +64,8 @@ constexpr int ROUTINGS = 4;
 // consumers wait for each stage and release it without wgmmas (the kernel's stream alone). kNoLoad: the producer
 // arrives on each stage's full barrier without loading (the wgmmas and the pipeline's handshakes alone). kWeightsOnly:
 // no wgmmas, no token boxes (the weight stream alone). kFlat: kWeightsOnly with gate_up's weights as plain boxes of 64
-// consecutive rows (3-D map; down's boxes are that already). kFlatOneBox (gate_up): kFlat with one box of the tile's 192
-// rows per stage, as stream_rate.cu's ws3 loader reads.
+// consecutive rows (3-D map; down's boxes are that already). kFlatOneBox (gate_up): kFlat with one box of the tile's
+// 192 rows per stage, as stream_rate.cu's ws3 loader reads.
 enum Mode { kFull, kTokensOnce, kNoMma, kNoLoad, kWeightsOnly, kFlat, kFlatOneBox };
 
 // The two GEMMs' shapes (see the header).
@@ -94,21 +101,6 @@ struct Stamp {
   unsigned cycles, pad;
 };
 
-__device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-      "[%5];" ::"r"(dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void tma_5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4,
-                                       uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
-      "%6}], [%7];" ::"r"(dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
-      : "memory");
-}
 template <int REGS>
 __device__ __forceinline__ void setmaxnreg_dec() {
   BASE_MOE_WGMMA("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
@@ -116,14 +108,6 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 template <int REGS>
 __device__ __forceinline__ void setmaxnreg_inc() {
   BASE_MOE_WGMMA("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
-}
-
-__device__ __forceinline__ void wgmma_m64n160k16_bf16(float* d, uint64_t desc_a, uint64_t desc_b) {
-  BASE_MOE_WGMMA(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, %80, %81, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
 // xp[r] = x[slot_token[r]]: each slot's hidden-state row, in expert-sorted slot order (one CTA per row).
@@ -209,13 +193,13 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
           mbar_arrive_expect_tx(bar, G::STAGE_BYTES + (B_ONCE && g == 0 ? G::B_BYTES : 0));
           for (int c = 0; c < G::CONSUMERS; ++c) {
             if constexpr (GATED && MODE == kFlatOneBox) {
-              if (c == 0) tma_3d(stage, &wmap, ks * KSTEP, item.tile * 2 * G::TILE, item.expert, bar);
+              if (c == 0) load_3d(stage, &wmap, ks * KSTEP, item.tile * 2 * G::TILE, item.expert, bar);
             } else if constexpr (GATED && MODE == kFlat)
-              tma_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * 2 * G::TILE + 64 * c, item.expert, bar);
+              load_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * 2 * G::TILE + 64 * c, item.expert, bar);
             else if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
-              tma_5d(stage + c * BOX_A, &wmap, ks * KSTEP, 0, 0, (item.tile * G::TILE + 32 * c) / 8, item.expert, bar);
+              load_5d(stage + c * BOX_A, &wmap, ks * KSTEP, 0, 0, (item.tile * G::TILE + 32 * c) / 8, item.expert, bar);
             else
-              tma_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * G::TILE + 64 * c, item.expert, bar);
+              load_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * G::TILE + 64 * c, item.expert, bar);
           }
           if (G::B_IN_RING || (B_ONCE && g == 0))  // rows past the slots: zeros
             tma_2d(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES, &bmap, ks * KSTEP, item.slot0, bar);
@@ -244,7 +228,7 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
-            wgmma_m64n160k16_bf16(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
+            wgmma_m64k16<__nv_bfloat16, N>(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
           wgmma_commit();
           wgmma_wait_one();
         }  // the previous stage's wgmmas are done: release its slot
