@@ -590,7 +590,7 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
   // past 32 per expert, with an expert's passes split over CTAs (pass_splits; session 7, BASE_MOE_EXPERTS_SPLITS sweeps in
   // benchmarks/results/device_runs/session7.txt): W128 at up to 64 per expert (b256/M32 130 vs W64 in two splits
   // 140), W64 at 121-128 (b256/M16: three 64-token splits 105.6 vs W128 113-118 with or without splits; 87.8 vs 96.3
-  // in session 17), W128 beyond (b256/M8: two 128-token splits 67 vs W64 in four 88, W128 unsplit 111). W128 also at
+  // in session 17, call 7), W128 beyond (b256/M8: two 128-token splits 67 vs W64 in four 88, W128 unsplit 111). W128 also at
   // 65-120 (notes/ws_window.py, device_runs/session17.txt calls 7-8; us, W128 vs W64): Qwen3 b256/M18 (113 per expert)
   // 77.6 vs 87.4, M20 (102) 81.8 vs 93.8, M22 (93) 87.0 vs 97.9, M24 (85) 109.6 vs 122.6; OLMoE b256/M18 113.9 vs
   // 127.9, M20 116.0 vs 135.5, M24 121.1 vs 141.1.
@@ -610,7 +610,8 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
 // configuration): Qwen3 b256/M14 (146 per expert) 75.7 vs 88.6, M16 (128) 76.8 vs 87.6, b512/M28 / M32 / M40 142.9 /
 // 144.4 / 178.0 vs 211.2 / 180.5 / 188.0; OLMoE (I 1024: 11 gate_up tiles) b256/M16 (176 items, 67% of the last
 // round) 103.6 vs 107.4, M18 112.6 vs 113.9, b512/M32 183.1 vs 230.6. Slower at 157 per expert (Qwen3 b256/M13: some
-// experts take two passes, 101.2 vs 86.5), at 93 and below (M22 105.6 vs 86.7: padding), and where the items leave
+// experts take two passes, 101.2 vs 86.5), at 93 (M22 105.6 vs 86.7: padding; at 85, M24, WS won narrowly, 106.6
+// vs 109.3, and is not taken), and where the items leave
 // more SMs idle (Qwen3 b256/M18 and M20, 144 and 160 gate_up items on 132 SMs, 55% and 61% of the last round: 106.9
 // / 105.8 vs 77.2 / 81.2; b128/M8, 64 items: 51.1 vs 38.9; OLMoE b256/M14, 58%: 104.7 vs 103.5).
 Config pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
@@ -693,7 +694,7 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
                          // its 255 registers per thread)
       launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
       break;
-    case Config::kWS:  // not here: experts_cuda_launch runs it through experts_ws_launch
+    case Config::kWS:  // unreachable: experts_cuda_launch runs WS itself, or a cp.async configuration instead
       break;
   }
 }
@@ -762,7 +763,8 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   if (cfg == Config::kWS) {
     ran_ws = experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot, stream, pdl);
     if (!ran_ws) {
-      if (std::getenv("BASE_MOE_EXPERTS_CONFIG") != nullptr)  // forced (an automatic pick falls back silently)
+      const char* forced = std::getenv("BASE_MOE_EXPERTS_CONFIG");
+      if (forced != nullptr && std::strcmp(forced, "WS") == 0)  // forced (an automatic pick falls back silently)
         TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran a cp.async "
                         "configuration");
       cfg = cp_async_config(T, tokens_per_expert);

@@ -319,7 +319,7 @@ __device__ int ws_code_loaded = kWgmmaCompiled ? 1 : 0;
 
 // Whether the device runs this build's sm_90a code: an sm_90 device, and the symbol above read once per device. The
 // read is a synchronous copy, not allowed while the stream is being captured: a first call under capture answers no
-// (the op then runs W128) and asks again next time.
+// (the op then runs a cp.async configuration) and asks again next time.
 bool ws_available(cudaStream_t stream) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];  // 0 unknown, 1 no, 2 yes
@@ -381,6 +381,7 @@ bool launch_all(const PlanParams& plan, const WsGemmParams& gate_up, const WsGem
 }  // namespace
 
 double experts_ws_round_fill(int64_t experts, int64_t I, int64_t H, int sms) {
+  if (experts <= 0 || sms <= 0) return 0.0;
   auto fill = [&](int64_t items) {
     const int64_t rounds = (items + sms - 1) / sms;
     return static_cast<double>(items) / static_cast<double>(rounds * sms);

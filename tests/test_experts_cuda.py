@@ -184,7 +184,7 @@ def test_gate_up_tile_heights_same_bits(T, shape, dtype, monkeypatch):
 
 
 def test_ws_runs_its_kernels(monkeypatch):
-    """BASE_MOE_EXPERTS_CONFIG=WS runs the warp-specialised kernels (the profiler sees them), not the W128 fallback:
+    """BASE_MOE_EXPERTS_CONFIG=WS runs the warp-specialised kernels (the profiler sees them), not a cp.async fallback:
     the WS cases of the other tests test what they name."""
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
     hidden, ids, w, gate_up, down = make_problem(64, dtype=torch.bfloat16, **QWEN3, used=16, seed=3)
@@ -196,25 +196,29 @@ def picks_ws(T, bound, shape):
     """csrc/experts.cu pick_config's rule for WS, restated: batches of more than 64 tokens, 97-150 tokens per active
     expert, and work items (active experts x weight tiles of 96 intermediates for gate_up, 128 rows for down) that
     fill the last of the rounds of one persistent CTA per SM to at least 65%; only on sm_90 (its sm_90a code)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def fill(items):
         return items / (-(-items // sms) * sms)
 
-    per_expert = T * shape["k"] // min(bound, shape["E"], T * shape["k"])
-    round_fill = min(fill(bound * -(-shape["I"] // 96)), fill(bound * -(-shape["H"] // 128)))
+    active = min(bound, shape["E"], T * shape["k"])
+    per_expert = T * shape["k"] // active
+    round_fill = min(fill(active * -(-shape["I"] // 96)), fill(active * -(-shape["H"] // 128)))
     return (torch.cuda.get_device_capability() == (9, 0) and T > 64 and 96 < per_expert <= 150
             and round_fill >= 0.65)
 
 
 @pytest.mark.parametrize("T,bound,I", [(256, 16, 768), (256, 14, 768), (256, 13, 768), (256, 18, 768),
                                        (256, 22, 768), (64, 4, 768), (256, 16, 1024), (256, 14, 1024)])
-def test_default_picks_ws_by_load(T, bound, I):
+def test_default_picks_ws_by_load(T, bound, I, monkeypatch):
     """By default WS runs exactly where pick_config's rule says (on an H200: b256 with 14 or 16 active experts of the
     Qwen3 shape, not 13, 18 or 22, not b64; with OLMoE's I = 1024 at 16, not 14), and its output is accurate there."""
+    monkeypatch.delenv("BASE_MOE_EXPERTS_CONFIG", raising=False)
     shape = dict(QWEN3, E=24, I=I)
     names = launched_kernels(lambda: check_accuracy(T, shape, torch.bfloat16, bound, used=bound, seed=bound))
-    assert any("ws_gemm_kernel" in n for n in names) == picks_ws(T, bound, shape), names
+    ws = picks_ws(T, bound, shape)
+    assert any("ws_gemm_kernel" in n for n in names) == ws, names
+    assert any("expert_gemm_kernel" in n for n in names) == (not ws), names  # one path ran, not none
 
 
 @pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256"),
