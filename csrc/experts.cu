@@ -587,13 +587,13 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
   // expert in batches of more than 64 tokens, where experts exceed 16 tokens by chance (b256 dense 344 vs W64 352);
   // W64 in batches of 17-64 tokens (b64/M16 50.5 vs T32 79, b64/M8 38.3 vs W128 45.7; b64/M32 94.3 vs T32 101.7,
   // session 7) and up to 32 per expert beyond (b256/M64 193 vs W128 213);
-  // past 32 per expert, with an expert's passes split over CTAs (pass_splits; session 7, BASE_MOE_EXPERTS_SPLITS sweeps in
-  // benchmarks/results/device_runs/session7.txt): W128 at up to 64 per expert (b256/M32 130 vs W64 in two splits
-  // 140), W64 at 121-128 (b256/M16: three 64-token splits 105.6 vs W128 113-118 with or without splits; 87.8 vs 96.3
-  // in session 17, call 7), W128 beyond (b256/M8: two 128-token splits 67 vs W64 in four 88, W128 unsplit 111). W128 also at
-  // 65-120 (notes/ws_window.py, device_runs/session17.txt calls 7-8; us, W128 vs W64): Qwen3 b256/M18 (113 per expert)
-  // 77.6 vs 87.4, M20 (102) 81.8 vs 93.8, M22 (93) 87.0 vs 97.9, M24 (85) 109.6 vs 122.6; OLMoE b256/M18 113.9 vs
-  // 127.9, M20 116.0 vs 135.5, M24 121.1 vs 141.1.
+  // past 32 per expert, with an expert's passes split over CTAs (pass_splits; session 7, BASE_MOE_EXPERTS_SPLITS sweeps
+  // in benchmarks/results/device_runs/session7.txt): W128 at up to 64 per expert (b256/M32 130 vs W64 in two splits
+  // 140), W64 at 121-128 (b256/M16: three 64-token splits 105.6 vs W128 113-118 with or without splits; 87.8 vs 96.3 in
+  // session 17, call 7), W128 beyond (b256/M8: two 128-token splits 67 vs W64 in four 88, W128 unsplit 111). W128 also
+  // at 65-120 (notes/ws_window.py, device_runs/session17.txt calls 7-8; us, W128 vs W64): Qwen3 b256/M18 (113 per
+  // expert) 77.6 vs 87.4, M20 (102) 81.8 vs 93.8, M22 (93) 87.0 vs 97.9, M24 (85) 109.6 vs 122.6; OLMoE b256/M18 113.9
+  // vs 127.9, M20 116.0 vs 135.5, M24 121.1 vs 141.1.
   if (T <= 16 || tokens_per_expert <= 8) return Config::kT16;
   if (T <= 64) return Config::kW64;
   if (tokens_per_expert <= 16) return Config::kT32;
@@ -608,12 +608,12 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
 // fits one of its 160-token passes with little padding, and where its items fill the SMs' last round to at least 65%
 // (experts_ws_round_fill). H200 (device_runs/session17.txt, calls 1-3 and 7-8; us, WS vs the best cp.async
 // configuration): Qwen3 b256/M14 (146 per expert) 75.7 vs 88.6, M16 (128) 76.8 vs 87.6, b512/M28 / M32 / M40 142.9 /
-// 144.4 / 178.0 vs 211.2 / 180.5 / 188.0; OLMoE (I 1024: 11 gate_up tiles) b256/M16 (176 items, 67% of the last
-// round) 103.6 vs 107.4, M18 112.6 vs 113.9, b512/M32 183.1 vs 230.6. Slower at 157 per expert (Qwen3 b256/M13: some
-// experts take two passes, 101.2 vs 86.5), at 93 (M22 105.6 vs 86.7: padding; at 85, M24, WS won narrowly, 106.6
-// vs 109.3, and is not taken), and where the items leave
-// more SMs idle (Qwen3 b256/M18 and M20, 144 and 160 gate_up items on 132 SMs, 55% and 61% of the last round: 106.9
-// / 105.8 vs 77.2 / 81.2; b128/M8, 64 items: 51.1 vs 38.9; OLMoE b256/M14, 58%: 104.7 vs 103.5).
+// 144.4 / 178.0 vs 211.2 / 180.5 / 188.0; OLMoE (I 1024: 11 gate_up tiles) b256/M16 (176 items, 67% of the last round)
+// 103.6 vs 107.4, M18 112.6 vs 113.9, b512/M32 183.1 vs 230.6. Slower at 157 per expert (Qwen3 b256/M13: some experts
+// take two passes, 101.2 vs 86.5), at 93 (M22 105.6 vs 86.7: padding; at 85, M24, WS won narrowly, 106.6 vs 109.3, and
+// is not taken), and where the items leave more SMs idle (Qwen3 b256/M18 and M20, 144 and 160 gate_up items on 132 SMs,
+// 55% and 61% of the last round: 106.9 / 105.8 vs 77.2 / 81.2; b128/M8, 64 items: 51.1 vs 38.9; OLMoE b256/M14, 58%:
+// 104.7 vs 103.5).
 Config pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
   static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
   const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"});
