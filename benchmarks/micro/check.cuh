@@ -1,5 +1,6 @@
 // Shared code of the standalone microbenchmarks in this folder (they build without torch): an error check that prints
-// and exits, the %globaltimer clock, and the mbarrier, TMA and tensor-map helpers of their asynchronous copies.
+// and exits, the %globaltimer clock, the library's mbarrier and TMA helpers, and a tensor-map encoder that exits on
+// failure.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -8,6 +9,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+
+#include "base_moe/tma.cuh"
 
 #define CHECK(x)                                                                                    \
   do {                                                                                              \
@@ -24,41 +27,15 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
-// The mbarrier at shared-memory address `bar` (shared::cta), completing a phase after `count` arrivals.
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-// One arrival at `bar` that also expects `bytes` more transaction bytes (async copies' complete_tx) in this phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// Spins until the phase of parity `parity` of the mbarrier at `bar` has completed.
-__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-}
-
-// One plain arrival at the mbarrier at `bar`.
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-// A 2-D TMA box at coordinates (col, row) (elements, innermost first) of `map` to shared address `dst`, completing
-// its bytes on the mbarrier at `bar`.
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int col, int row, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
-          "r"(dst),
-      "l"(map), "r"(col), "r"(row), "r"(bar)
-      : "memory");
-}
+// The mbarrier and TMA helpers are the library's (csrc/include/base_moe/tma.cuh).
+using base_moe::tma::fence_mbarrier_init;
+using base_moe::tma::load_2d;
+using base_moe::tma::load_3d;
+using base_moe::tma::load_5d;
+using base_moe::tma::mbar_arrive;
+using base_moe::tma::mbar_arrive_expect_tx;
+using base_moe::tma::mbar_init;
+using base_moe::tma::mbar_wait;
 
 // A bf16 tensor map over `rank` dimensions (dims innermost first, byte strides of dimensions 1..), boxes of `box`
 // elements in `swizzle`, through the driver's cuTensorMapEncodeTiled (looked up through the runtime, so no -lcuda);

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange_kernel(int mode, int byt
   const int chunks = bytes / 16;                  // 16-byte pieces each sender writes
   if (tid == 0) {
     mbar_init(smem_addr(&bar), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
   cluster_barrier();

@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
   const uint32_t bar0 = smem_addr(bars);
   if (async_proxy && tid == 0) {
     for (int s = 0; s < STAGES; ++s) mbar_init(bar0 + 8 * s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
   // this thread's chunks of a k step: byte offsets from the tile's first row (or the pass's first token row) at k
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
           if (p.loader == kBulk)
             bulk_copy(dst, tile_base + static_cast<int64_t>(ks) * stage_bytes, stage_bytes, bar);
           else
-            tma_2d(dst, &map, ks * p.ksb / 2, tile * p.rows, bar);
+            load_2d(dst, &map, ks * p.ksb / 2, tile * p.rows, bar);
         }
         return;
       }
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(NT) stream_kernel(const Params p, const __grid
     }
     for (int ks = 0; ks < nk; ++ks) {
       const uint32_t slot = (phase_base + ks) % STAGES;
-      if (async_proxy) bar_wait(bar0 + 8 * slot, ((phase_base + ks) / STAGES) & 1);
+      if (async_proxy) mbar_wait(bar0 + 8 * slot, ((phase_base + ks) / STAGES) & 1);
       else cp_async_wait<STAGES - 2>();
       __syncthreads();
       if (ks + STAGES - 1 < nk) issue(ks + STAGES - 1);
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
       mbar_init(full0 + 8 * s, tokens_cp ? 1 + 96 : 1);
       mbar_init(empty0 + 8 * s, CONSUMERS * 4);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
   const int steps = (p.tiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
     float d[MMA ? 72 : 1] = {};
     for (int g = 0; g < steps; ++g) {
       const int s = g % STAGES;
-      if (p.ws_mode != kComputeOnly) bar_wait(full0 + 8 * s, (g / STAGES) & 1);
+      if (p.ws_mode != kComputeOnly) mbar_wait(full0 + 8 * s, (g / STAGES) & 1);
       if constexpr (MMA) {
         fence_proxy_async_shared();  // the token rows came by cp.async (generic proxy); wgmma reads the async one
         const uint32_t stage = s0 + s * stage_bytes;
@@ -325,14 +325,14 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128) ws_stream_kernel(const 
     for (int g = 0; g < steps; ++g) {
       const int s = g % STAGES, ks = g % nk;
       const int tile = static_cast<int>(blockIdx.x) + g / nk * static_cast<int>(gridDim.x);
-      if (g >= STAGES) bar_wait(empty0 + 8 * s, (g / STAGES - 1) & 1);
+      if (g >= STAGES) mbar_wait(empty0 + 8 * s, (g / STAGES - 1) & 1);
       const uint32_t dst = s0 + s * stage_bytes, full = full0 + 8 * s;
       if (warp == 0) {
         if (lane == 0) {
           mbar_arrive_expect_tx(full, weight_bytes + (tokens_cp ? 0 : token_bytes));
-          tma_2d(dst, &map, ks * p.ksb / 2, tile * p.rows, full);
+          load_2d(dst, &map, ks * p.ksb / 2, tile * p.rows, full);
           if (tokens && p.token_loader == kTokensTma)
-            tma_2d(dst + weight_bytes, &token_map, ks * p.ksb / 2, token_row(p, 0), full);
+            load_2d(dst + weight_bytes, &token_map, ks * p.ksb / 2, token_row(p, 0), full);
         }
         __syncwarp();  // the expect_tx before any token row's complete_tx
         if (tokens && p.token_loader == kTokensBulk)

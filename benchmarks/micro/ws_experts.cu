@@ -45,13 +45,10 @@
 #include <vector>
 
 #include "base_moe/experts_mma.cuh"
-#include "base_moe/tma.cuh"
 #include "base_moe/wgmma.cuh"
 #include "check.cuh"
 
 using namespace base_moe::experts_detail;
-using base_moe::tma::load_3d;
-using base_moe::tma::load_5d;
 
 constexpr int H = 2048, I = 768, E = 128, TOP_K = 8, T = 256, KEPT = 16, SLOTS = T * TOP_K;
 constexpr int N = 160;           // token columns per item (wgmma n)
@@ -173,7 +170,7 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, G::CONSUMERS * 4);  // every consumer warp releases
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
   if (wg == 0) {
@@ -184,7 +181,7 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
         const Item item = items[it];
         for (int ks = 0; ks < G::NK; ++ks, ++g) {
           const int s = g % G::STAGES;
-          if (g >= G::STAGES) bar_wait(empty0 + 8 * s, (g / G::STAGES - 1) & 1);
+          if (g >= G::STAGES) mbar_wait(empty0 + 8 * s, (g / G::STAGES - 1) & 1);
           const uint32_t stage = ring + s * G::STAGE_BYTES, bar = full0 + 8 * s;
           if (MODE == kNoLoad) {
             mbar_arrive(bar);
@@ -202,7 +199,7 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
               load_3d(stage + c * BOX_A, &wmap, ks * KSTEP, item.tile * G::TILE + 64 * c, item.expert, bar);
           }
           if (G::B_IN_RING || (B_ONCE && g == 0))  // rows past the slots: zeros
-            tma_2d(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES, &bmap, ks * KSTEP, item.slot0, bar);
+            load_2d(B_ONCE ? ring + G::STAGES * G::STAGE_BYTES : stage + G::A_BYTES, &bmap, ks * KSTEP, item.slot0, bar);
         }
       }
     }
@@ -218,7 +215,7 @@ __global__ void __launch_bounds__(Gemm<GATED>::THREADS, 1)
       int pending = -1;  // the ring slot whose wgmmas may still be reading it
       for (int ks = 0; ks < G::NK; ++ks, ++g) {
         const int s = g % G::STAGES;
-        bar_wait(full0 + 8 * s, (g / G::STAGES) & 1);
+        mbar_wait(full0 + 8 * s, (g / G::STAGES) & 1);
         if (g == 0 && tid == 128) stamps[blockIdx.x].first = globaltimer();
         const uint32_t stage = ring + s * G::STAGE_BYTES;
         const uint64_t da = wgmma_desc(stage + c * BOX_A);
