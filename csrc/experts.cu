@@ -603,6 +603,9 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
   return Config::kW128;
 }
 
+// BASE_MOE_EXPERTS_CONFIG's choice (benchmarks and tests): an index into pick_config's kConfigs, or -1 where unset.
+int forced_config() { return forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"}); }
+
 // BASE_MOE_EXPERTS_CONFIG's choice, if set (benchmarks and tests), or else the configuration measured best for this
 // load (active_experts: the bound tokens_per_expert divides by). WS where experts average 97-150 tokens, so that each
 // fits one of its 160-token passes with little padding, and where its items fill the SMs' last round to at least 65%
@@ -616,7 +619,7 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
 // 104.7 vs 103.5).
 Config pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
   static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
-  const int forced = forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"});
+  const int forced = forced_config();
   if (forced >= 0) return kConfigs[forced];
   if (T > 64 && tokens_per_expert > 96 && tokens_per_expert <= 150 &&
       experts_ws_round_fill(active_experts, I, H, sms) >= 0.65)
@@ -763,8 +766,7 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   if (cfg == Config::kWS) {
     ran_ws = experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot, stream, pdl);
     if (!ran_ws) {
-      const char* forced = std::getenv("BASE_MOE_EXPERTS_CONFIG");
-      if (forced != nullptr && std::strcmp(forced, "WS") == 0)  // forced (an automatic pick falls back silently)
+      if (forced_config() >= 0)  // WS was forced (an automatic pick falls back silently)
         TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran a cp.async "
                         "configuration");
       cfg = cp_async_config(T, tokens_per_expert);

@@ -60,6 +60,12 @@ struct WsShape {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
 };
 
+// Weight tiles of a GEMM whose output has `rows` rows (I for gate_up, H for down); the last one may be partial.
+template <bool GATED>
+int64_t weight_tiles(int64_t rows) {
+  return (rows + WsShape<GATED>::TILE - 1) / WsShape<GATED>::TILE;
+}
+
 struct PlanParams {
   const int32_t* ids;
   const float* weights;
@@ -386,9 +392,7 @@ double experts_ws_round_fill(int64_t experts, int64_t I, int64_t H, int sms) {
     const int64_t rounds = (items + sms - 1) / sms;
     return static_cast<double>(items) / static_cast<double>(rounds * sms);
   };
-  const int64_t gate_up_tiles = (I + WsShape<true>::TILE - 1) / WsShape<true>::TILE;
-  const int64_t down_tiles = (H + WsShape<false>::TILE - 1) / WsShape<false>::TILE;
-  return std::min(fill(experts * gate_up_tiles), fill(experts * down_tiles));
+  return std::min(fill(experts * weight_tiles<true>(I)), fill(experts * weight_tiles<false>(H)));
 }
 
 bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
@@ -397,8 +401,8 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   if (!ws_available(stream)) return false;
   const int64_t H = hidden.size(1), k = expert_ids.size(1), tk = expert_ids.numel();
   const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
-  const int gate_up_tiles = static_cast<int>((I + WsShape<true>::TILE - 1) / WsShape<true>::TILE);
-  const int down_tiles = static_cast<int>((H + WsShape<false>::TILE - 1) / WsShape<false>::TILE);
+  const int gate_up_tiles = static_cast<int>(weight_tiles<true>(I));
+  const int down_tiles = static_cast<int>(weight_tiles<false>(H));
   const int64_t chunks_bound = (tk + kN - 1) / kN + std::min(E, tk);  // sum over experts of ceil(count / kN)
   const auto ints = hidden.options().dtype(at::kInt);
   at::Tensor xp = at::empty({tk, H}, hidden.options());

@@ -64,9 +64,10 @@ __device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half_rn(v);
 }
 
-// SiLU(gate) * up for the gate_up epilogues (csrc/experts.cu, csrc/experts_ws.cu). __fdividef instead of IEEE division: the division's slow-path branch kept
-// ptxas from interleaving a thread's 16-64 epilogue values, and with one or two warps per scheduler each dependent
-// instruction costs its full latency (the W64 epilogue took ~2 us per CTA, stamped on the H200; session 13).
+// SiLU(gate) * up for the gate_up epilogues (csrc/experts.cu, csrc/experts_ws.cu). __fdividef instead of IEEE
+// division: the division's slow-path branch kept ptxas from interleaving a thread's 16-64 epilogue values, and with
+// one or two warps per scheduler each dependent instruction costs its full latency (the W64 epilogue took ~2 us per
+// CTA, stamped on the H200; session 13).
 // __fdividef returns 0 for denominators above 2^126, i.e. for gate values below 126 ln 2 = -87.3, where |SiLU| <
 // 1e-36 (the IEEE division gave that tiny value; for gate values below -88.7 both give -0).
 __device__ __forceinline__ float silu_mul(float gate, float up) {

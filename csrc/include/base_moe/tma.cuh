@@ -1,5 +1,5 @@
-// Hopper asynchronous-copy helpers of the warp-specialised expert GEMMs (csrc/experts_ws.cu): mbarriers with
-// transaction counts, TMA tensor loads into shared memory, and warpgroup register reallocation. Device code for
+// Hopper asynchronous-copy helpers of the warp-specialised expert GEMMs (csrc/experts_ws.cu) and of the
+// microbenchmarks: mbarriers with transaction counts and TMA tensor loads into shared memory. Device code for
 // sm_90 and later; other targets compile them to a trap (the host never launches those kernels there).
 #pragma once
 
