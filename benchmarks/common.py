@@ -77,7 +77,7 @@ def git_commit() -> str:
 
 
 def run_metadata(**extra) -> dict:
-    """Machine, versions, commit, command line and date of this run, plus ``extra``."""
+    """Machine, versions, commit, command line, date and BASE_MOE_* knobs of this run, plus ``extra``."""
     try:
         import transformers
 
@@ -96,6 +96,7 @@ def run_metadata(**extra) -> dict:
         git_commit=git_commit(),
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        knobs={name: value for name, value in sorted(os.environ.items()) if name.startswith("BASE_MOE_")},
         **extra,
     )
 
