@@ -42,9 +42,10 @@ constexpr int kBox = 64 * 128;        // one consumer's 64 weight rows of a stag
 constexpr int kPlanThreads = 512;
 constexpr int kSlotsPerPlanCta = 16;  // <= 32: one warp ranks them in one round
 
-struct WsItem {
+struct alignas(16) WsItem {
   int expert, tile, slot0, cols;  // cols: the chunk's slots (<= kN), expert-sorted slots slot0..
 };
+static_assert(sizeof(WsItem) == 16, "down's producer reads an item as one int4 (load_item_l2)");
 
 // The two GEMMs' shapes: gate_up 3 consumers x 32 intermediates per tile, K = H; down 2 consumers x 64 output rows,
 // K = I. Registers: 4 warpgroups leave ptxas 128 per thread, enough for the consumers' 80 accumulators (setmaxnreg
@@ -231,17 +232,22 @@ __device__ __forceinline__ void produce(const WsGemmParams& p, const CUtensorMap
                                         uint32_t ring, uint32_t full0, uint32_t empty0, int nk) {
   using S = WsShape<GATED>;
   int early = 0;  // k steps of the first item whose weights went out before the wait
+  WsItem first{};
   if constexpr (!GATED) {
     if (static_cast<int>(blockIdx.x) < __ldcg(p.n_items)) {
-      const WsItem first = load_item_l2(p.items + blockIdx.x);
+      first = load_item_l2(p.items + blockIdx.x);
       early = min(S::STAGES, nk);
       for (int ks = 0; ks < early; ++ks) load_weight_stage<GATED>(p, weights, first, ks, ring + ks * S::STAGE_BYTES,
                                                                    full0 + 8 * ks);
     }
   }
   cuda::pdl_wait();
-  cuda::pdl_launch_dependents();
+  cuda::pdl_launch_dependents();  // never before the wait: down's producer reads the plan's items before its own
   const int n_items = *p.n_items;
+  if (early > 0) {  // the early weights belong to the item the consumers read now: else hang or mix, so fail loudly
+    const WsItem now = p.items[blockIdx.x];
+    if (static_cast<int>(blockIdx.x) >= n_items || now.expert != first.expert || now.tile != first.tile) __trap();
+  }
   int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
     const WsItem item = p.items[it];
@@ -281,7 +287,7 @@ __global__ void __launch_bounds__(WsShape<GATED>::THREADS, 1)
     return;
   }
   cuda::pdl_wait();  // the items, token rows and (down) act come from the kernels before
-  cuda::pdl_launch_dependents();
+  cuda::pdl_launch_dependents();  // never before the wait (see produce)
   if (wg == 0) return;
   const int n_items = *p.n_items;
   const int c = wg - 1;
