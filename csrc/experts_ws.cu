@@ -42,9 +42,10 @@ constexpr int kBox = 64 * 128;        // one consumer's 64 weight rows of a stag
 constexpr int kPlanThreads = 512;
 constexpr int kSlotsPerPlanCta = 16;  // <= 32: one warp ranks them in one round
 
-struct WsItem {
+struct alignas(16) WsItem {
   int expert, tile, slot0, cols;  // cols: the chunk's slots (<= kN), expert-sorted slots slot0..
 };
+static_assert(sizeof(WsItem) == 16, "down's producer reads an item as one int4 (load_item_l2)");
 
 // The two GEMMs' shapes: gate_up 3 consumers x 32 intermediates per tile, K = H; down 2 consumers x 64 output rows,
 // K = I. Registers: 4 warpgroups leave ptxas 128 per thread, enough for the consumers' 80 accumulators (setmaxnreg
@@ -196,6 +197,72 @@ __device__ __forceinline__ void down_epilogue(const float (&d)[kN / 2], const Ws
   });
 }
 
+// Stage s of the ring expects its bytes and gets the weight boxes of k step ks of `item`. A partial last tile:
+// consumers whose rows all lie past I (H) get no box (their results are not stored).
+template <bool GATED>
+__device__ __forceinline__ void load_weight_stage(const WsGemmParams& p, const CUtensorMap& weights, const WsItem& item,
+                                                  int ks, uint32_t stage, uint32_t bar) {
+  using S = WsShape<GATED>;
+  const int first_row = item.tile * S::TILE, rows_per_consumer = GATED ? 32 : 64;
+  const int live = min(S::CONSUMERS, (p.rows_out - first_row + rows_per_consumer - 1) / rows_per_consumer);
+  tma::mbar_arrive_expect_tx(bar, S::STAGE_BYTES - (S::CONSUMERS - live) * kBox);
+  for (int c = 0; c < live; ++c) {
+    if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
+      tma::load_5d(stage + c * kBox, &weights, ks * kStep, 0, 0, (first_row + 32 * c) / 8, item.expert, bar);
+    else
+      tma::load_3d(stage + c * kBox, &weights, ks * kStep, first_row + 64 * c, item.expert, bar);
+  }
+}
+
+// An item as the plan kernel wrote it, read through L2 (ld.global.cg): down's producer reads its first item before
+// its PDL wait, and L2 is where the plan kernel's writes are visible then (see produce).
+__device__ __forceinline__ WsItem load_item_l2(const WsItem* item) {
+  const int4 v = __ldcg(reinterpret_cast<const int4*>(item));
+  return WsItem{v.x, v.y, v.z, v.w};
+}
+
+// The producer (thread 0 of warpgroup 0): per item and k step, the weight boxes and the token box into the ring.
+// gate_up waits for the plan kernel first. down issues the weights of its first item's first STAGES k steps before
+// its PDL wait: its items come from the plan kernel, which completed before any gate_up CTA passed its own wait, and a
+// down CTA runs only after every gate_up CTA has (PDL launches a grid's dependents once all its CTAs triggered, and
+// gate_up triggers after its wait); only the act boxes, which gate_up writes, wait. So a down CTA that lands on an SM
+// freed early by gate_up streams its first stages while the rest of gate_up finishes.
+template <bool GATED>
+__device__ __forceinline__ void produce(const WsGemmParams& p, const CUtensorMap& weights, const CUtensorMap& tokens,
+                                        uint32_t ring, uint32_t full0, uint32_t empty0, int nk) {
+  using S = WsShape<GATED>;
+  int early = 0;  // k steps of the first item whose weights went out before the wait
+  WsItem first{};
+  if constexpr (!GATED) {
+    if (static_cast<int>(blockIdx.x) < __ldcg(p.n_items)) {
+      first = load_item_l2(p.items + blockIdx.x);
+      early = min(S::STAGES, nk);
+      for (int ks = 0; ks < early; ++ks) load_weight_stage<GATED>(p, weights, first, ks, ring + ks * S::STAGE_BYTES,
+                                                                   full0 + 8 * ks);
+    }
+  }
+  cuda::pdl_wait();
+  cuda::pdl_launch_dependents();  // never before the wait: down's producer reads the plan's items before its own
+  const int n_items = *p.n_items;
+  if (early > 0) {  // the early weights belong to the item the consumers read now: else hang or mix, so fail loudly
+    const WsItem now = p.items[blockIdx.x];
+    if (static_cast<int>(blockIdx.x) >= n_items || now.expert != first.expert || now.tile != first.tile) __trap();
+  }
+  int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
+  for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+    const WsItem item = p.items[it];
+    for (int ks = 0; ks < nk; ++ks, ++g) {
+      const int s = g % S::STAGES;
+      const uint32_t stage = ring + s * S::STAGE_BYTES, bar = full0 + 8 * s;
+      if (g >= early) {
+        if (g >= S::STAGES) tma::mbar_wait(empty0 + 8 * s, (g / S::STAGES - 1) & 1);
+        load_weight_stage<GATED>(p, weights, item, ks, stage, bar);
+      }
+      tma::load_2d(stage + S::A_BYTES, &tokens, ks * kStep, item.slot0, bar);
+    }
+  }
+}
+
 template <typename T, bool GATED>
 __global__ void __launch_bounds__(WsShape<GATED>::THREADS, 1)
     ws_gemm_kernel(const WsGemmParams p, const __grid_constant__ CUtensorMap weights,
@@ -214,34 +281,15 @@ __global__ void __launch_bounds__(WsShape<GATED>::THREADS, 1)
     tma::fence_mbarrier_init();
   }
   __syncthreads();
-  cuda::pdl_wait();  // the items, token rows and (down) act come from the kernels before
-  cuda::pdl_launch_dependents();
-  const int n_items = *p.n_items, nk = p.K / kStep;
-  if (wg == 0) {
-    if (tid == 0) {
-      int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
-      for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
-        const WsItem item = p.items[it];
-        for (int ks = 0; ks < nk; ++ks, ++g) {
-          const int s = g % S::STAGES;
-          if (g >= S::STAGES) tma::mbar_wait(empty0 + 8 * s, (g / S::STAGES - 1) & 1);
-          const uint32_t stage = ring + s * S::STAGE_BYTES, bar = full0 + 8 * s;
-          // a partial last tile: consumers whose rows all lie past I (H) get no box (their results are not stored)
-          const int first_row = item.tile * S::TILE, rows_per_consumer = GATED ? 32 : 64;
-          const int live = min(S::CONSUMERS, (p.rows_out - first_row + rows_per_consumer - 1) / rows_per_consumer);
-          tma::mbar_arrive_expect_tx(bar, S::STAGE_BYTES - (S::CONSUMERS - live) * kBox);
-          for (int c = 0; c < live; ++c) {
-            if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
-              tma::load_5d(stage + c * kBox, &weights, ks * kStep, 0, 0, (first_row + 32 * c) / 8, item.expert, bar);
-            else
-              tma::load_3d(stage + c * kBox, &weights, ks * kStep, first_row + 64 * c, item.expert, bar);
-          }
-          tma::load_2d(stage + S::A_BYTES, &tokens, ks * kStep, item.slot0, bar);
-        }
-      }
-    }
+  const int nk = p.K / kStep;
+  if (wg == 0 && tid == 0) {
+    produce<GATED>(p, weights, tokens, ring, full0, empty0, nk);
     return;
   }
+  cuda::pdl_wait();  // the items, token rows and (down) act come from the kernels before
+  cuda::pdl_launch_dependents();  // never before the wait (see produce)
+  if (wg == 0) return;
+  const int n_items = *p.n_items;
   const int c = wg - 1;
   float d[kN / 2];
   int g = 0;
