@@ -11,7 +11,8 @@
 // Both GEMMs: one persistent CTA per SM; thread 0 of warpgroup 0 loads, per 64-wide k step, one TMA box of 64 weight
 // rows per consumer warpgroup and one box of the item's N token rows into a ring of stages (full / empty mbarriers);
 // each consumer warpgroup runs four m64n160k16 wgmmas per stage on its 64 rows, keeps one stage in flight and releases
-// the one before. gate_up's weight box is 5-D (h, row in a group of 8, gate | up, group, expert): consumer c's 64 rows
+// the one before. down's loader issues its first item's first weight stages before its PDL wait (produce), so the
+// weights stream on the SMs gate_up frees first while gate_up's last items finish. gate_up's weight box is 5-D (h, row in a group of 8, gate | up, group, expert): consumer c's 64 rows
 // are 4 groups of [8 gate rows, the same 8 up rows], so each thread's two accumulator rows (lane / 4 and + 8) are the
 // gate and up of one intermediate and SiLU * up goes from registers to act. Rows past I or H (partial last tiles) and
 // token rows past the slots arrive as zeros and are not stored. Every output element is computed by one thread in a
