@@ -12,11 +12,11 @@
 // rows per consumer warpgroup and one box of the item's N token rows into a ring of stages (full / empty mbarriers);
 // each consumer warpgroup runs four m64n160k16 wgmmas per stage on its 64 rows, keeps one stage in flight and releases
 // the one before. down's loader issues its first item's first weight stages before its PDL wait (produce), so the
-// weights stream on the SMs gate_up frees first while gate_up's last items finish. gate_up's weight box is 5-D (h, row in a group of 8, gate | up, group, expert): consumer c's 64 rows
-// are 4 groups of [8 gate rows, the same 8 up rows], so each thread's two accumulator rows (lane / 4 and + 8) are the
-// gate and up of one intermediate and SiLU * up goes from registers to act. Rows past I or H (partial last tiles) and
-// token rows past the slots arrive as zeros and are not stored. Every output element is computed by one thread in a
-// fixed order: deterministic.
+// weights stream on the SMs gate_up frees first while gate_up's last items finish. gate_up's weight box is 5-D (h,
+// row in a group of 8, gate | up, group, expert): consumer c's 64 rows are 4 groups of [8 gate rows, the same 8 up
+// rows], so each thread's two accumulator rows (lane / 4 and + 8) are the gate and up of one intermediate and SiLU *
+// up goes from registers to act. Rows past I or H (partial last tiles) and token rows past the slots arrive as zeros
+// and are not stored. Every output element is computed by one thread in a fixed order: deterministic.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
