@@ -6,8 +6,10 @@
 // streams its first weight stages while gate_up finishes; the slot sum waits for the down GEMM:
 //   1. gate_up GEMM: act[p, i] = silu(gate_i . x_t) * (up_i . x_t) for every pair p = t*k + j of an expert,
 //      rounded to hidden's dtype (act rows in expert-sorted order of the pairs).
-//   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]) in fp32.
-//   3. slot sum:     y[t, h] = sum over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
+//   2. down GEMM:    yslot[p, h] = w_p * (down_h . act[p]), accumulated in fp32, rounded to hidden's dtype (as HF
+//                    rounds each expert's output; half the bytes of fp32 rows to write and read back: at 256 tokens
+//                    x 8 slots, 8 MB instead of 17).
+//   3. slot sum:     y[t, h] = sum in fp32 over j in slot order of yslot[t*k + j, h] (non-sentinel slots only).
 // expert_gemm_kernel: CTA (x, y) streams row tile x / S of active experts y, y + gridDim.y, ... in 64-column steps
 // (tokens in the same cp.async stages, re-streamed per pass of 16 to 128 tokens depending on the tile configuration;
 // passes x % S, x % S + S, ... of each expert, S = pass_splits; act indexed by expert-sorted position); the grid has
@@ -69,7 +71,7 @@ struct GemmParams {
   int K;                   // reduction length (H for gate_up, I for down)
   int up_row_offset;       // gated: row of the first up row (I)
   const void* b;           // gated: hidden [T, K]; else act [T*k, K]
-  void* out;               // gated: act [T*k, I] (input dtype); else yslot [T*k, H] fp32
+  void* out;               // gated: act [T*k, I]; else yslot [T*k, H] (both in the input dtype)
   int out_stride;
   int pass_splits;         // CTAs per (row tile, expert), each taking every pass_splits-th pass; set by the launcher
 };
@@ -323,12 +325,12 @@ __device__ __forceinline__ void expert_item(const GemmParams& p, uint8_t* smem, 
               for (int h = 0; h < 2; ++h) act[tile_row(rt) + g + 8 * h] = from_float<T>(acc[rt][j][2 * h + e]);
             }
           } else {
-            float* y = static_cast<float*>(p.out) + static_cast<int64_t>(s_list[tok]) * p.out_stride + row0;
+            T* y = static_cast<T*>(p.out) + static_cast<int64_t>(s_list[tok]) * p.out_stride + row0;
             const float wv = s_weight[tok];  // once: a store to y might alias shared memory, for all the compiler knows
 #pragma unroll
             for (int rt = 0; rt < RTW; ++rt) {
 #pragma unroll
-              for (int h = 0; h < 2; ++h) y[tile_row(rt) + g + 8 * h] = wv * acc[rt][j][2 * h + e];
+              for (int h = 0; h < 2; ++h) y[tile_row(rt) + g + 8 * h] = from_float<T>(wv * acc[rt][j][2 * h + e]);
             }
           }
         }
@@ -411,10 +413,11 @@ __global__ void __launch_bounds__(WARPS * 32) expert_gemm_kernel(const GemmParam
   }
 }
 
-// y[t, h..h+8) = sum over slots j (in order) of yslot[t*k + j, h..h+8), skipping sentinel slots; top_k <= KMAX.
+// y[t, h..h+8) = sum in fp32 over slots j (in order) of yslot[t*k + j, h..h+8), skipping sentinel slots;
+// top_k <= KMAX.
 template <typename T, int KMAX>
 __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict__ ids,
-                                                       const float* __restrict__ yslot, T* __restrict__ y,
+                                                       const T* __restrict__ yslot, T* __restrict__ y,
                                                        int tokens, int top_k, int num_experts, int H) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int h8 = H / 8;
@@ -425,23 +428,18 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
   // Every slot's row is loaded at once (rows of empty slots exist, unwritten): no load waits for the previous id.
   // An empty slot adds +0, which leaves the sum's bits unchanged (a sum that starts at +0 is never -0), so the
   // result equals skipping it.
-  float4 row[KMAX][2];
+  uint4 row[KMAX];
 #pragma unroll
   for (int j = 0; j < KMAX; ++j) {
-    if (j < top_k) {
-      const float4* src = reinterpret_cast<const float4*>(yslot + (static_cast<int64_t>(t) * top_k + j) * H + h);
-      row[j][0] = src[0];
-      row[j][1] = src[1];
-    }
+    if (j < top_k) row[j] = *reinterpret_cast<const uint4*>(yslot + (static_cast<int64_t>(t) * top_k + j) * H + h);
   }
 #pragma unroll
   for (int j = 0; j < KMAX; ++j) {
     if (j < top_k) {
       const bool used = static_cast<unsigned>(ids[t * top_k + j]) < static_cast<unsigned>(num_experts);
-      const float4 a = used ? row[j][0] : make_float4(0.f, 0.f, 0.f, 0.f);
-      const float4 b = used ? row[j][1] : make_float4(0.f, 0.f, 0.f, 0.f);
-      acc[0] += a.x; acc[1] += a.y; acc[2] += a.z; acc[3] += a.w;
-      acc[4] += b.x; acc[5] += b.y; acc[6] += b.z; acc[7] += b.w;
+      const T* v = reinterpret_cast<const T*>(&row[j]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += used ? cuda::to_float(v[i]) : 0.f;
     }
   }
   alignas(16) T out[8];
@@ -702,9 +700,9 @@ void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
   }
 }
 
-// The slot sum with every slot's row loaded at once: KMAX = 8 covers most models (registers: 2 float4 per slot).
+// The slot sum with every slot's row loaded at once: KMAX = 8 covers most models (registers: one uint4 per slot).
 template <typename T>
-void launch_slot_sum(const int32_t* ids, const float* yslot, Tensor& y, int64_t T_, int64_t k, int64_t E, int64_t H,
+void launch_slot_sum(const int32_t* ids, const T* yslot, Tensor& y, int64_t T_, int64_t k, int64_t E, int64_t H,
                      cudaStream_t stream, bool pdl) {
   const int64_t n8 = T_ * (H / 8);
   const dim3 grid(static_cast<unsigned>((n8 + 255) / 256));
@@ -728,7 +726,7 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t tk = T * k;
   Tensor act = at::empty({tk, I}, hidden.options());
-  Tensor yslot = at::empty({tk, H}, hidden.options().dtype(at::kFloat));
+  Tensor yslot = at::empty({tk, H}, hidden.options());
   const int grid_experts = static_cast<int>(std::min({E, tk, max_active_experts}));
 
   GemmParams p1{};
@@ -774,10 +772,10 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   }
   if (hidden.scalar_type() == at::kBFloat16) {
     if (!ran_ws) run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
-    launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
+    launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const __nv_bfloat16*>(p2.out), y, T, k, E, H, stream, pdl);
   } else {
     if (!ran_ws) run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
-    launch_slot_sum<__half>(p1.ids, static_cast<const float*>(p2.out), y, T, k, E, H, stream, pdl);
+    launch_slot_sum<__half>(p1.ids, static_cast<const __half*>(p2.out), y, T, k, E, H, stream, pdl);
   }
   return y;
 }

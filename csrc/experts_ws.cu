@@ -7,7 +7,7 @@
 //      its yslot row (t * k + j) and routing weight; CTA 0 writes the GEMMs' work items: per active expert, chunks of
 //      at most N = 160 of its slots x weight tiles.
 //   2. gate_up: act[slot, i] = SiLU(gate_i . x) * (up_i . x) for the items' 96-intermediate tiles.
-//   3. down:    yslot[t * k + j, h] = w * (down_h . act[slot]) for 128-row tiles.
+//   3. down:    yslot[t * k + j, h] = w * (down_h . act[slot]) for 128-row tiles, rounded to the input dtype.
 // Both GEMMs: one persistent CTA per SM; thread 0 of warpgroup 0 loads, per 64-wide k step, one TMA box of 64 weight
 // rows per consumer warpgroup and one box of the item's N token rows into a ring of stages (full / empty mbarriers);
 // each consumer warpgroup runs four m64n160k16 wgmmas per stage on its 64 rows, keeps one stage in flight and releases
@@ -166,7 +166,7 @@ struct WsGemmParams {
   int K;                      // reduction length: H (gate_up) or I (down)
   int rows_out;               // I (gate_up) or H (down): rows past it belong to a partial last tile
   void* act;                  // gate_up: [tk, I], expert-sorted slot rows
-  float* yslot;               // down: [tk, H], row t * k + j
+  void* yslot;                // down: [tk, H] in the input dtype, row t * k + j
   const int* slot_origin;     // down: each expert-sorted slot's yslot row
   const float* slot_weight;   // down: its routing weight
 };
@@ -184,16 +184,17 @@ __device__ __forceinline__ void gate_up_epilogue(const float (&d)[kN / 2], const
   });
 }
 // down: rows (l / 4, l / 4 + 8) of warp w are output rows h and h + 8 of consumer c's 64.
+template <typename T>
 __device__ __forceinline__ void down_epilogue(const float (&d)[kN / 2], const WsGemmParams& p, const WsItem& item,
                                               int c, int warp, int lane) {
   const int h = item.tile * WsShape<false>::TILE + 64 * c + 16 * warp + lane / 4;
   wgmma_for_each_column<kN>(lane, [&](int col, int reg) {
     if (col < item.cols) {
       const int slot = item.slot0 + col;
-      float* row = p.yslot + static_cast<int64_t>(p.slot_origin[slot]) * p.rows_out;
+      T* row = static_cast<T*>(p.yslot) + static_cast<int64_t>(p.slot_origin[slot]) * p.rows_out;
       const float w = p.slot_weight[slot];
-      if (h < p.rows_out) row[h] = w * d[reg];
-      if (h + 8 < p.rows_out) row[h + 8] = w * d[reg + 2];
+      if (h < p.rows_out) row[h] = from_float<T>(w * d[reg]);
+      if (h + 8 < p.rows_out) row[h + 8] = from_float<T>(w * d[reg + 2]);
     }
   });
 }
@@ -321,7 +322,7 @@ __global__ void __launch_bounds__(WsShape<GATED>::THREADS, 1)
     if constexpr (GATED)
       gate_up_epilogue<T>(d, p, item, c, warp, lane);
     else
-      down_epilogue(d, p, item, c, warp, lane);
+      down_epilogue<T>(d, p, item, c, warp, lane);
   }
 }
 
@@ -506,7 +507,7 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   down.n_items = plan.item_counts + 1;
   down.K = static_cast<int>(I);
   down.rows_out = static_cast<int>(H);
-  down.yslot = yslot.data_ptr<float>();
+  down.yslot = yslot.data_ptr();
   down.slot_origin = plan.slot_origin;
   down.slot_weight = plan.slot_weight;
   return hidden.scalar_type() == at::kBFloat16 ? launch_all<__nv_bfloat16>(plan, gate_up, down, maps, stream, pdl)
