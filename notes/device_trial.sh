@@ -72,7 +72,7 @@ for step in "$@"; do
     stream) # benchmarks/micro/stream_rate.cu: pure weight streams of the expert GEMMs' shapes (no torch needed)
       /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/stream_rate.cu \
         -o /tmp/stream_rate && timeout 120 /tmp/stream_rate > $OUT/stream.log 2>&1; cat $OUT/stream.log;;
-    wsn) timeout 300 python3 notes/ws_n_sweep.py > $OUT/ws_n.log 2>&1; cat $OUT/ws_n.log;;
+    wsn) timeout 300 python3 notes/ws_window.py --columns > $OUT/ws_n.log 2>&1; cat $OUT/ws_n.log;;
     floor) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/select_floor.cu -o /tmp/select_floor && /tmp/select_floor > $OUT/floor.log 2>&1; cat $OUT/floor.log;;
     micro) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/route_token.cu -o /tmp/route_token && /tmp/route_token > $OUT/micro.log 2>&1; cat $OUT/micro.log;;
     selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;

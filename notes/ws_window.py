@@ -1,8 +1,12 @@
-"""Where WS wins (developer tooling, notes/STATUS.md): the expert op under forced configurations at loads around its
-160-token pass, T x M points of 85-186 tokens per expert (bench_layer.py's draws and timing), Qwen3 and OLMoE shapes.
+"""Where WS wins (developer tooling, notes/STATUS.md): the expert op under forced configurations, bench_layer.py's
+draws and timing, Qwen3 and OLMoE shapes. Two sweeps:
+  default    T x M points of 85-186 tokens per expert, around WS's 160-token items (session 17)
+  --columns  points of 32-128 tokens per expert, where 160-column items are mostly padding, against WS with 128 and
+             64 token columns per item ("WS-128", "WS-64": BASE_MOE_WS_N, which only branch wip/ws-n reads)
 
-    python3 notes/ws_window.py [qwen3-30b-a3b,olmoe-1b-7b]
+    python3 notes/ws_window.py [--columns] [qwen3-30b-a3b,olmoe-1b-7b]
 """
+import os
 import sys
 
 import torch
@@ -10,25 +14,49 @@ import torch
 sys.path.insert(0, "benchmarks")
 from bench_layer import COPIES, MODELS, draw_point, expert_op_us, expert_weights, set_variant  # noqa: E402
 
-POINTS = {
-    "qwen3-30b-a3b": [(256, m) for m in (11, 13, 14, 16, 18, 20, 22, 24)] + [(128, 7), (128, 8), (128, 10),
-                                                                           (512, 28), (512, 32), (512, 40)],
-    "olmoe-1b-7b": [(256, m) for m in (12, 14, 16, 18, 20, 24)] + [(512, 32)],
+SWEEPS = {
+    "window": (
+        {
+            "qwen3-30b-a3b": [(256, m) for m in (11, 13, 14, 16, 18, 20, 22, 24)] + [(128, 7), (128, 8), (128, 10),
+                                                                                   (512, 28), (512, 32), (512, 40)],
+            "olmoe-1b-7b": [(256, m) for m in (12, 14, 16, 18, 20, 24)] + [(512, 32)],
+        },
+        ("default", "WS", "W64", "W128"),
+    ),
+    "columns": (
+        {
+            "qwen3-30b-a3b": [(256, 16), (256, 24), (256, 32), (256, 48), (256, 64), (128, 16), (128, 32), (64, 16)],
+            "olmoe-1b-7b": [(256, 16), (256, 32), (256, 64)],
+        },
+        ("default", "W64", "W128", "WS", "WS-128", "WS-64"),
+    ),
 }
-VARIANTS = ("default", "WS", "W64", "W128")
 
-for name in (sys.argv[1] if len(sys.argv) > 1 else ",".join(POINTS)).split(","):
+
+def set_columns_variant(var):
+    """set_variant for a configuration name, optionally suffixed "-N": WS's token columns per item."""
+    config, _, columns = var.partition("-")
+    set_variant(config)
+    if columns:
+        os.environ["BASE_MOE_WS_N"] = columns
+    else:
+        os.environ.pop("BASE_MOE_WS_N", None)
+
+
+args = [a for a in sys.argv[1:] if a != "--columns"]
+points, variants = SWEEPS["columns" if "--columns" in sys.argv[1:] else "window"]
+for name in (args[0] if args else ",".join(points)).split(","):
     cfg = MODELS[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     copies = [expert_weights(cfg, gen) for _ in range(COPIES)]
-    print(f"{name}\nT    M  tokens/expert active " + " ".join(f"{v:>8s}" for v in VARIANTS))
-    for T, M in POINTS[name]:
+    print(f"{name}\nT    M  tokens/expert active " + " ".join(f"{v:>8s}" for v in variants))
+    for T, M in points[name]:
         x, ids, w, active = draw_point(name, cfg, T, M)
         us = []
-        for var in VARIANTS:
-            set_variant(var)
+        for var in variants:
+            set_columns_variant(var)
             us.append(expert_op_us(x, ids, w, copies, M))
-        set_variant("default")
+        set_columns_variant("default")
         print(f"{T:<4d} {M:<3d} {T * cfg['k'] // M:>13d} {active:>6d} " + " ".join(f"{u:8.1f}" for u in us))
     del copies
     torch.cuda.empty_cache()
