@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "base_moe/experts_mma.cuh"
+#include "base_moe/launch_config.cuh"
 #include "check.cuh"
 
 namespace cg = cooperative_groups;
@@ -139,19 +140,9 @@ void run(const char* name, int mode, int C, int bytes, double ghz) {
   unsigned long long* d_ns;
   CHECK(cudaMalloc(&d_times, (kIters + 1) * sizeof(long long)));
   CHECK(cudaMalloc(&d_ns, kIters * sizeof(unsigned long long)));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(C);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = C;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  const base_moe::cuda::LaunchConfig config({dim3(C), dim3(kThreads), kSmemBytes, nullptr, C});
   for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
-    CHECK(cudaLaunchKernelEx(&config, exchange_kernel, mode, bytes, d_times, d_ns));
+    CHECK(cudaLaunchKernelEx(config.get(), exchange_kernel, mode, bytes, d_times, d_ns));
     CHECK(cudaDeviceSynchronize());
   }
   std::vector<long long> t(kIters);

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "base_moe/cuda_utils.cuh"
+#include "base_moe/launch_config.cuh"
 #include "check.cuh"
 
 namespace {
@@ -88,21 +89,8 @@ __global__ void norm_kernel(const uint4* in, uint4* out, int n) {
 }
 
 void launch_floor(const Args& a, int mode, int cluster, cudaStream_t s) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(cluster);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 2;
-  CHECK(cudaLaunchKernelEx(&cfg, floor_kernel, a, mode));
+  const base_moe::cuda::LaunchConfig config({dim3(cluster), dim3(kThreads), kSmemBytes, s, cluster, true});
+  CHECK(cudaLaunchKernelEx(config.get(), floor_kernel, a, mode));
 }
 
 struct Buffers {
