@@ -44,7 +44,9 @@ export VARIANTS=${VARIANTS:-default} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 run() {  # NAME STEP...
   local name=$1
   shift
-  touch csrc/experts.cu  # a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13)
+  # A warm machine keeps build outputs, and the synced tree keeps this machine's older mtimes: ninja skipped a changed
+  # file in session 13 and a reverted .cpp in session 20, so every source is touched and rebuilt.
+  find csrc -type f -exec touch {} +
   echo "### $name: experts.cu $(md5sum csrc/experts.cu | cut -c1-8)"
   local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== |^qwen3|^\\| qwen3|^select_experts after|stalled_|gpu__time_duration|issue_active"
   bash notes/device_trial.sh "$@" | grep -E "$keep"
