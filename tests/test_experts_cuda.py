@@ -221,6 +221,18 @@ def test_default_picks_ws_by_load(T, bound, I, monkeypatch):
     assert any("expert_gemm_kernel" in n for n in names) == (not ws), names  # one path ran, not none
 
 
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("T,used", [(256, 32), (256, 16), (128, 8), (37, 5)])
+def test_ws_token_columns(n, T, used, monkeypatch):
+    """WS with 64 or 128 token columns per work item (BASE_MOE_WS_N, a benchmark knob; 160 by default): accurate like
+    every configuration (experts with more slots than n take several items), and those WS kernels are what ran."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
+    monkeypatch.setenv("BASE_MOE_WS_N", str(n))
+    names = launched_kernels(lambda: check_accuracy(T, QWEN3, torch.bfloat16, used, used=used, seed=T + used))
+    ran = {int(m.group(1)) for x in names if (m := re.search(r"ws_gemm_kernel<[^,]+, (?:true|false), (\d+)>", x))}
+    assert ran == {n}, names
+
+
 @pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256"),
                                         ("BASE_MOE_EXPERTS_GATE_UP_TILES", "tall")])
 def test_malformed_knob_warns_and_is_ignored(name, value, monkeypatch, capfd):
