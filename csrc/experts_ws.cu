@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <string>
 
 #include "base_moe/experts_mma.cuh"
 #include "base_moe/experts_ws.h"
@@ -64,6 +65,7 @@ struct WsShape {
   static constexpr int STAGES = (kMaxSharedBytes - 1024) / STAGE_BYTES < 8 ? (kMaxSharedBytes - 1024) / STAGE_BYTES : 8;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1 KB to align the ring for the swizzle
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
+  static_assert(STAGES >= 2 && SMEM_BYTES + 16 * STAGES <= kMaxSharedBytes, "the ring and its mbarriers must fit");
 };
 
 // Weight tiles of a GEMM whose output has `rows` rows (I for gate_up, H for down); the last one may be partial.
@@ -447,12 +449,14 @@ bool launch_all_n(at::ScalarType dtype, const PlanParams& plan, const WsGemmPara
                                 : launch_all<__half, N>(plan, gate_up, down, maps, stream, pdl);
 }
 
-// The items' token columns: BASE_MOE_WS_N=64|128|160 (a benchmark knob, process-wide), 160 otherwise.
+// The items' token columns: BASE_MOE_WS_N=64|128|160 (a benchmark knob, process-wide), 160 otherwise. The host's
+// rule for picking WS (csrc/experts.cu pick_config, experts_ws_round_fill) assumes 160: with the knob alone it may
+// pick WS where an expert then takes several items; force BASE_MOE_EXPERTS_CONFIG=WS with it to measure.
 int ws_columns() {
   const char* forced = std::getenv("BASE_MOE_WS_N");
   if (forced == nullptr) return kMaxN;
-  const int n = std::atoi(forced);
-  if (n == 64 || n == 128 || n == 160) return n;
+  for (const int n : {64, 128, 160})
+    if (std::to_string(n) == forced) return n;
   TORCH_WARN_ONCE("BASE_MOE_WS_N=", forced, " is not 64, 128 or 160: ignored");
   return kMaxN;
 }
