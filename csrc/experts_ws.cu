@@ -5,12 +5,12 @@
 //   1. plan: the slots in expert-sorted order (each CTA recomputes the expert counts and offsets from the ids, so no
 //      grid-wide sync is needed, then ranks its 16 slots stably), each slot's hidden row copied to that order (xp),
 //      its yslot row (t * k + j) and routing weight; CTA 0 writes the GEMMs' work items: per active expert, chunks of
-//      at most N = 160 of its slots x weight tiles.
+//      at most N of its slots x weight tiles (N = 160; BASE_MOE_WS_N = 64 or 128 for measurements).
 //   2. gate_up: act[slot, i] = SiLU(gate_i . x) * (up_i . x) for the items' 96-intermediate tiles.
 //   3. down:    yslot[t * k + j, h] = w * (down_h . act[slot]) for 128-row tiles, rounded to the input dtype.
 // Both GEMMs: one persistent CTA per SM; thread 0 of warpgroup 0 loads, per 64-wide k step, one TMA box of 64 weight
 // rows per consumer warpgroup and one box of the item's N token rows into a ring of stages (full / empty mbarriers);
-// each consumer warpgroup runs four m64n160k16 wgmmas per stage on its 64 rows, keeps one stage in flight and releases
+// each consumer warpgroup runs four m64nNk16 wgmmas per stage on its 64 rows, keeps one stage in flight and releases
 // the one before. down's loader issues its first item's first weight stages before its PDL wait (produce), so the
 // weights stream on the SMs gate_up frees first while gate_up's last items finish. gate_up's weight box is 5-D (h,
 // row in a group of 8, gate | up, group, expert): consumer c's 64 rows are 4 groups of [8 gate rows, the same 8 up
@@ -24,6 +24,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #include "base_moe/experts_mma.cuh"
 #include "base_moe/experts_ws.h"
@@ -37,29 +39,33 @@ namespace {
 using namespace experts_detail;
 
 constexpr int kMaxE = 512;
-constexpr int kN = 160;               // token columns per work item (the wgmma's N)
+constexpr int kMaxN = 160;            // token columns per work item at most (the wgmma's N: 64, 128 or 160)
 constexpr int kStep = 64;             // k elements per stage (128-byte rows)
 constexpr int kBox = 64 * 128;        // one consumer's 64 weight rows of a stage
 constexpr int kPlanThreads = 512;
 constexpr int kSlotsPerPlanCta = 16;  // <= 32: one warp ranks them in one round
+constexpr int kMaxSharedBytes = 227 * 1024;  // dynamic shared memory per CTA on sm_90
 
 struct alignas(16) WsItem {
-  int expert, tile, slot0, cols;  // cols: the chunk's slots (<= kN), expert-sorted slots slot0..
+  int expert, tile, slot0, cols;  // cols: the chunk's slots (<= N), expert-sorted slots slot0..
 };
 static_assert(sizeof(WsItem) == 16, "down's producer reads an item as one int4 (load_item_l2)");
 
 // The two GEMMs' shapes: gate_up 3 consumers x 32 intermediates per tile, K = H; down 2 consumers x 64 output rows,
-// K = I. Registers: 4 warpgroups leave ptxas 128 per thread, enough for the consumers' 80 accumulators (setmaxnreg
-// does not raise ptxas's per-kernel limit: a 5-warpgroup form failed to compile at 96, session 16).
-template <bool GATED>
+// K = I; N token columns per item. Registers: 4 warpgroups leave ptxas 128 per thread, enough for the consumers' 80
+// accumulators at N = 160 (setmaxnreg does not raise ptxas's per-kernel limit: a 5-warpgroup form failed to compile
+// at 96, session 16).
+template <bool GATED, int N = kMaxN>
 struct WsShape {
   static constexpr int CONSUMERS = GATED ? 3 : 2;
   static constexpr int TILE = GATED ? 96 : 128;
-  static constexpr int STAGES = GATED ? 5 : 6;
   static constexpr int A_BYTES = CONSUMERS * kBox;
-  static constexpr int STAGE_BYTES = A_BYTES + kN * 128;
+  static constexpr int STAGE_BYTES = A_BYTES + N * 128;
+  // as many stages as the shared memory holds, at most 8: 5 / 6 at N = 160 (gate_up / down), 7 / 8 at N = 64
+  static constexpr int STAGES = (kMaxSharedBytes - 1024) / STAGE_BYTES < 8 ? (kMaxSharedBytes - 1024) / STAGE_BYTES : 8;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1 KB to align the ring for the swizzle
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
+  static_assert(STAGES >= 2 && SMEM_BYTES + 16 * STAGES <= kMaxSharedBytes, "the ring and its mbarriers must fit");
 };
 
 // Weight tiles of a GEMM whose output has `rows` rows (I for gate_up, H for down); the last one may be partial.
@@ -80,6 +86,7 @@ struct PlanParams {
   WsItem* down_items;
   int* item_counts;    // [2]: gate_up's, down's
   int gate_up_tiles, down_tiles;
+  int chunk;  // slots per work item at most: the GEMMs' N
 };
 
 __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams p) {
@@ -143,12 +150,12 @@ __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams 
   // the work items (CTA 0, whose bases are the expert offsets): chunk-major in expert order, tiles inner, so that
   // neighbouring CTAs stream tiles of the same expert and share its token rows in L2
   int my_chunks = 0;
-  for (int e = e0; e < e1; ++e) my_chunks += (s_count[e] + kN - 1) / kN;
+  for (int e = e0; e < e1; ++e) my_chunks += (s_count[e] + p.chunk - 1) / p.chunk;
   int all_chunks = 0;
   int chunk = block_exclusive_scan<kWarps>(my_chunks, s_scan, all_chunks);
   for (int e = e0; e < e1; ++e) {
-    for (int first = 0; first < s_count[e]; first += kN, ++chunk) {
-      const int slot0 = s_base[e] + first, cols = min(kN, s_count[e] - first);
+    for (int first = 0; first < s_count[e]; first += p.chunk, ++chunk) {
+      const int slot0 = s_base[e] + first, cols = min(p.chunk, s_count[e] - first);
       for (int t = 0; t < p.gate_up_tiles; ++t)
         p.gate_up_items[chunk * p.gate_up_tiles + t] = WsItem{e, t, slot0, cols};
       for (int t = 0; t < p.down_tiles; ++t) p.down_items[chunk * p.down_tiles + t] = WsItem{e, t, slot0, cols};
@@ -172,23 +179,23 @@ struct WsGemmParams {
 };
 
 // gate_up: rows (l / 4, l / 4 + 8) of warp w are the gate and up of intermediate 8 w + l / 4 of consumer c's 32.
-template <typename T>
-__device__ __forceinline__ void gate_up_epilogue(const float (&d)[kN / 2], const WsGemmParams& p, const WsItem& item,
+template <typename T, int N>
+__device__ __forceinline__ void gate_up_epilogue(const float (&d)[N / 2], const WsGemmParams& p, const WsItem& item,
                                                  int c, int warp, int lane) {
   const int i = item.tile * WsShape<true>::TILE + 32 * c + 8 * warp + lane / 4;
   if (i >= p.rows_out) return;
   T* act = static_cast<T*>(p.act);
-  wgmma_for_each_column<kN>(lane, [&](int col, int reg) {
+  wgmma_for_each_column<N>(lane, [&](int col, int reg) {
     if (col < item.cols)
       act[static_cast<int64_t>(item.slot0 + col) * p.rows_out + i] = from_float<T>(silu_mul(d[reg], d[reg + 2]));
   });
 }
 // down: rows (l / 4, l / 4 + 8) of warp w are output rows h and h + 8 of consumer c's 64.
-template <typename T>
-__device__ __forceinline__ void down_epilogue(const float (&d)[kN / 2], const WsGemmParams& p, const WsItem& item,
+template <typename T, int N>
+__device__ __forceinline__ void down_epilogue(const float (&d)[N / 2], const WsGemmParams& p, const WsItem& item,
                                               int c, int warp, int lane) {
   const int h = item.tile * WsShape<false>::TILE + 64 * c + 16 * warp + lane / 4;
-  wgmma_for_each_column<kN>(lane, [&](int col, int reg) {
+  wgmma_for_each_column<N>(lane, [&](int col, int reg) {
     if (col < item.cols) {
       const int slot = item.slot0 + col;
       T* row = static_cast<T*>(p.yslot) + static_cast<int64_t>(p.slot_origin[slot]) * p.rows_out;
@@ -201,10 +208,10 @@ __device__ __forceinline__ void down_epilogue(const float (&d)[kN / 2], const Ws
 
 // Stage s of the ring expects its bytes and gets the weight boxes of k step ks of `item`. A partial last tile:
 // consumers whose rows all lie past I (H) get no box (their results are not stored).
-template <bool GATED>
+template <bool GATED, int N>
 __device__ __forceinline__ void load_weight_stage(const WsGemmParams& p, const CUtensorMap& weights, const WsItem& item,
                                                   int ks, uint32_t stage, uint32_t bar) {
-  using S = WsShape<GATED>;
+  using S = WsShape<GATED, N>;
   const int first_row = item.tile * S::TILE, rows_per_consumer = GATED ? 32 : 64;
   const int live = min(S::CONSUMERS, (p.rows_out - first_row + rows_per_consumer - 1) / rows_per_consumer);
   tma::mbar_arrive_expect_tx(bar, S::STAGE_BYTES - (S::CONSUMERS - live) * kBox);
@@ -229,17 +236,17 @@ __device__ __forceinline__ WsItem load_item_l2(const WsItem* item) {
 // down CTA runs only after every gate_up CTA has (PDL launches a grid's dependents once all its CTAs triggered, and
 // gate_up triggers after its wait); only the act boxes, which gate_up writes, wait. So a down CTA that lands on an SM
 // freed early by gate_up streams its first stages while the rest of gate_up finishes.
-template <bool GATED>
+template <bool GATED, int N>
 __device__ __forceinline__ void produce(const WsGemmParams& p, const CUtensorMap& weights, const CUtensorMap& tokens,
                                         uint32_t ring, uint32_t full0, uint32_t empty0, int nk) {
-  using S = WsShape<GATED>;
+  using S = WsShape<GATED, N>;
   int early = 0;  // k steps of the first item whose weights went out before the wait
   WsItem first{};
   if constexpr (!GATED) {
     if (static_cast<int>(blockIdx.x) < __ldcg(p.n_items)) {
       first = load_item_l2(p.items + blockIdx.x);
       early = min(S::STAGES, nk);
-      for (int ks = 0; ks < early; ++ks) load_weight_stage<GATED>(p, weights, first, ks, ring + ks * S::STAGE_BYTES,
+      for (int ks = 0; ks < early; ++ks) load_weight_stage<GATED, N>(p, weights, first, ks, ring + ks * S::STAGE_BYTES,
                                                                    full0 + 8 * ks);
     }
   }
@@ -258,18 +265,18 @@ __device__ __forceinline__ void produce(const WsGemmParams& p, const CUtensorMap
       const uint32_t stage = ring + s * S::STAGE_BYTES, bar = full0 + 8 * s;
       if (g >= early) {
         if (g >= S::STAGES) tma::mbar_wait(empty0 + 8 * s, (g / S::STAGES - 1) & 1);
-        load_weight_stage<GATED>(p, weights, item, ks, stage, bar);
+        load_weight_stage<GATED, N>(p, weights, item, ks, stage, bar);
       }
       tma::load_2d(stage + S::A_BYTES, &tokens, ks * kStep, item.slot0, bar);
     }
   }
 }
 
-template <typename T, bool GATED>
-__global__ void __launch_bounds__(WsShape<GATED>::THREADS, 1)
+template <typename T, bool GATED, int N>
+__global__ void __launch_bounds__(WsShape<GATED, N>::THREADS, 1)
     ws_gemm_kernel(const WsGemmParams p, const __grid_constant__ CUtensorMap weights,
                    const __grid_constant__ CUtensorMap tokens) {
-  using S = WsShape<GATED>;
+  using S = WsShape<GATED, N>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[S::STAGES], empty[S::STAGES];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -285,7 +292,7 @@ __global__ void __launch_bounds__(WsShape<GATED>::THREADS, 1)
   __syncthreads();
   const int nk = p.K / kStep;
   if (wg == 0 && tid == 0) {
-    produce<GATED>(p, weights, tokens, ring, full0, empty0, nk);
+    produce<GATED, N>(p, weights, tokens, ring, full0, empty0, nk);
     return;
   }
   cuda::pdl_wait();  // the items, token rows and (down) act come from the kernels before
@@ -293,36 +300,36 @@ __global__ void __launch_bounds__(WsShape<GATED>::THREADS, 1)
   if (wg == 0) return;
   const int n_items = *p.n_items;
   const int c = wg - 1;
-  float d[kN / 2];
+  float d[N / 2];
   int g = 0;
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
     const WsItem item = p.items[it];
 #pragma unroll
-    for (int i = 0; i < kN / 2; ++i) d[i] = 0.0f;
+    for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
     int pending = -1;  // the ring slot whose wgmmas may still be reading it
     for (int ks = 0; ks < nk; ++ks, ++g) {
       const int s = g % S::STAGES;
       tma::mbar_wait(full0 + 8 * s, (g / S::STAGES) & 1);
       const uint32_t stage = ring + s * S::STAGE_BYTES;
       const uint64_t da = wgmma_desc(stage + c * kBox), db = wgmma_desc(stage + S::A_BYTES);
-      fence_registers<kN / 2>(d);
+      fence_registers<N / 2>(d);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kStep / 16; ++kk)
-        wgmma_m64k16<T, kN>(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
+        wgmma_m64k16<T, N>(d, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
       wgmma_commit();
       wgmma_wait_one();  // the previous stage's wgmmas are done: release its slot
-      fence_registers<kN / 2>(d);
+      fence_registers<N / 2>(d);
       if (pending >= 0 && lane == 0) tma::mbar_arrive(empty0 + 8 * pending);
       pending = s;
     }
     wgmma_wait_all();
-    fence_registers<kN / 2>(d);
+    fence_registers<N / 2>(d);
     if (lane == 0 && pending >= 0) tma::mbar_arrive(empty0 + 8 * pending);
     if constexpr (GATED)
-      gate_up_epilogue<T>(d, p, item, c, warp, lane);
+      gate_up_epilogue<T, N>(d, p, item, c, warp, lane);
     else
-      down_epilogue<T>(d, p, item, c, warp, lane);
+      down_epilogue<T, N>(d, p, item, c, warp, lane);
   }
 }
 
@@ -361,11 +368,11 @@ bool encode(CUtensorMap& map, at::ScalarType dtype, const void* base, int rank, 
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Token rows [rows, cols] (row-major) as the GEMMs' B operand: boxes of 64 columns x kN rows.
-bool encode_tokens(CUtensorMap& map, const at::Tensor& t) {
+// Token rows [rows, cols] (row-major) as the GEMMs' B operand: boxes of 64 columns x n rows.
+bool encode_tokens(CUtensorMap& map, const at::Tensor& t, int n) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(t.size(0))};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(t.size(1)) * 2};
-  const cuuint32_t box[2] = {kStep, kN};
+  const cuuint32_t box[2] = {kStep, static_cast<cuuint32_t>(n)};
   return encode(map, t.scalar_type(), t.data_ptr(), 2, dims, strides, box);
 }
 
@@ -395,17 +402,17 @@ bool ws_available(cudaStream_t stream) {
   return loaded == 1;
 }
 
-// Raises the dynamic shared-memory limit of ws_gemm_kernel<T, GATED>, once per device (as csrc/experts.cu's
+// Raises the dynamic shared-memory limit of ws_gemm_kernel<T, GATED, N>, once per device (as csrc/experts.cu's
 // prepare; one flag per instance); false if the device refuses it.
-template <typename T, bool GATED>
+template <typename T, bool GATED, int N>
 bool allow_shared_memory() {
   constexpr int kMaxDevices = 64;
   static std::atomic<bool> done[kMaxDevices];
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return true;
-  if (cudaFuncSetAttribute(ws_gemm_kernel<T, GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           WsShape<GATED>::SMEM_BYTES) != cudaSuccess) {
+  if (cudaFuncSetAttribute(ws_gemm_kernel<T, GATED, N>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           WsShape<GATED, N>::SMEM_BYTES) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -413,25 +420,45 @@ bool allow_shared_memory() {
   return true;
 }
 
-template <typename T, bool GATED>
+template <typename T, bool GATED, int N>
 void launch_ws_gemm(const WsGemmParams& p, const CUtensorMap& weights, const CUtensorMap& tokens, cudaStream_t stream,
                     bool pdl) {
-  using S = WsShape<GATED>;
+  using S = WsShape<GATED, N>;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  cuda::launch({dim3(sms), dim3(S::THREADS), S::SMEM_BYTES, stream, 0, pdl}, ws_gemm_kernel<T, GATED>, p, weights,
+  cuda::launch({dim3(sms), dim3(S::THREADS), S::SMEM_BYTES, stream, 0, pdl}, ws_gemm_kernel<T, GATED, N>, p, weights,
                tokens);
 }
 
 // false, having launched nothing, where a GEMM's shared memory cannot be had
-template <typename T>
+template <typename T, int N>
 bool launch_all(const PlanParams& plan, const WsGemmParams& gate_up, const WsGemmParams& down,
                 const CUtensorMap (&maps)[4], cudaStream_t stream, bool pdl) {
-  if (!allow_shared_memory<T, true>() || !allow_shared_memory<T, false>()) return false;
+  if (!allow_shared_memory<T, true, N>() || !allow_shared_memory<T, false, N>()) return false;
   const int plan_ctas = (plan.tk + kSlotsPerPlanCta - 1) / kSlotsPerPlanCta;
   cuda::launch({dim3(plan_ctas), dim3(kPlanThreads), 0, stream, 0, pdl}, ws_plan_kernel, plan);
-  launch_ws_gemm<T, true>(gate_up, maps[0], maps[1], stream, pdl);
-  launch_ws_gemm<T, false>(down, maps[2], maps[3], stream, pdl);
+  launch_ws_gemm<T, true, N>(gate_up, maps[0], maps[1], stream, pdl);
+  launch_ws_gemm<T, false, N>(down, maps[2], maps[3], stream, pdl);
   return true;
+}
+
+// Both dtypes' instances of one N.
+template <int N>
+bool launch_all_n(at::ScalarType dtype, const PlanParams& plan, const WsGemmParams& gate_up, const WsGemmParams& down,
+                  const CUtensorMap (&maps)[4], cudaStream_t stream, bool pdl) {
+  return dtype == at::kBFloat16 ? launch_all<__nv_bfloat16, N>(plan, gate_up, down, maps, stream, pdl)
+                                : launch_all<__half, N>(plan, gate_up, down, maps, stream, pdl);
+}
+
+// The items' token columns: BASE_MOE_WS_N=64|128|160 (a benchmark knob, process-wide), 160 otherwise. The host's
+// rule for picking WS (csrc/experts.cu pick_config, experts_ws_round_fill) assumes 160: with the knob alone it may
+// pick WS where an expert then takes several items; force BASE_MOE_EXPERTS_CONFIG=WS with it to measure.
+int ws_columns() {
+  const char* forced = std::getenv("BASE_MOE_WS_N");
+  if (forced == nullptr) return kMaxN;
+  for (const int n : {64, 128, 160})
+    if (std::to_string(n) == forced) return n;
+  TORCH_WARN_ONCE("BASE_MOE_WS_N=", forced, " is not 64, 128 or 160: ignored");
+  return kMaxN;
 }
 
 }  // namespace
@@ -453,7 +480,8 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
   const int gate_up_tiles = static_cast<int>(weight_tiles<true>(I));
   const int down_tiles = static_cast<int>(weight_tiles<false>(H));
-  const int64_t chunks_bound = (tk + kN - 1) / kN + std::min(E, tk);  // sum over experts of ceil(count / kN)
+  const int n = ws_columns();
+  const int64_t chunks_bound = (tk + n - 1) / n + std::min(E, tk);  // sum over experts of ceil(count / n)
   const auto ints = hidden.options().dtype(at::kInt);
   at::Tensor xp = at::empty({tk, H}, hidden.options());
   at::Tensor slot_origin = at::empty({tk}, ints);
@@ -474,9 +502,9 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   const cuuint64_t d_strides[2] = {static_cast<cuuint64_t>(I) * 2, static_cast<cuuint64_t>(H * I) * 2};
   const cuuint32_t d_box[3] = {kStep, 64, 1};
   if (!encode(maps[0], hidden.scalar_type(), gate_up_proj.data_ptr(), 5, g_dims, g_strides, g_box) ||
-      !encode_tokens(maps[1], xp) ||
+      !encode_tokens(maps[1], xp, n) ||
       !encode(maps[2], hidden.scalar_type(), down_proj.data_ptr(), 3, d_dims, d_strides, d_box) ||
-      !encode_tokens(maps[3], act))
+      !encode_tokens(maps[3], act, n))
     return false;
 
   WsItem* item_ptr = reinterpret_cast<WsItem*>(items.data_ptr<int>());
@@ -496,6 +524,7 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   plan.item_counts = counts.data_ptr<int>();
   plan.gate_up_tiles = gate_up_tiles;
   plan.down_tiles = down_tiles;
+  plan.chunk = n;
   WsGemmParams gate_up{};
   gate_up.items = plan.gate_up_items;
   gate_up.n_items = plan.item_counts;
@@ -510,8 +539,10 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   down.yslot = yslot.data_ptr();
   down.slot_origin = plan.slot_origin;
   down.slot_weight = plan.slot_weight;
-  return hidden.scalar_type() == at::kBFloat16 ? launch_all<__nv_bfloat16>(plan, gate_up, down, maps, stream, pdl)
-                                               : launch_all<__half>(plan, gate_up, down, maps, stream, pdl);
+  const at::ScalarType dtype = hidden.scalar_type();
+  if (n == 64) return launch_all_n<64>(dtype, plan, gate_up, down, maps, stream, pdl);
+  if (n == 128) return launch_all_n<128>(dtype, plan, gate_up, down, maps, stream, pdl);
+  return launch_all_n<kMaxN>(dtype, plan, gate_up, down, maps, stream, pdl);
 }
 
 }  // namespace base_moe

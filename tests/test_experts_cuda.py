@@ -221,6 +221,32 @@ def test_default_picks_ws_by_load(T, bound, I, monkeypatch):
     assert any("expert_gemm_kernel" in n for n in names) == (not ws), names  # one path ran, not none
 
 
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("T,used", [(256, 32), (256, 16), (512, 16), (37, 5)])
+def test_ws_token_columns(n, T, used, monkeypatch):
+    """WS with 64 or 128 token columns per work item (BASE_MOE_WS_N, a benchmark knob; 160 by default): accurate like
+    every configuration (experts with more slots than n take several items: ~218 per expert at 512 x 8 / 16, ~110 at
+    256 / 16), and both GEMMs' kernels of that n are what ran."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
+    monkeypatch.setenv("BASE_MOE_WS_N", str(n))
+    names = launched_kernels(lambda: check_accuracy(T, QWEN3, torch.bfloat16, used, used=used, seed=T + used))
+    ran = {m.groups() for x in names if (m := re.search(r"ws_gemm_kernel<[^,]+, (true|false), (\d+)>", x))}
+    assert ran == {("true", str(n)), ("false", str(n))}, names
+
+
+def test_ws_token_columns_knob_malformed(monkeypatch, capfd):
+    """A BASE_MOE_WS_N that is not exactly 64, 128 or 160 is reported once and ignored: WS runs its 160 columns."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
+    hidden, ids, w, gate_up, down = make_problem(64, dtype=torch.bfloat16, **QWEN3, used=16, seed=3)
+    expected = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
+    monkeypatch.setenv("BASE_MOE_WS_N", "64abc")
+    capfd.readouterr()
+    out = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
+    torch.cuda.synchronize()
+    assert "BASE_MOE_WS_N=64abc is not" in capfd.readouterr().err
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256"),
                                         ("BASE_MOE_EXPERTS_GATE_UP_TILES", "tall")])
 def test_malformed_knob_warns_and_is_ignored(name, value, monkeypatch, capfd):
