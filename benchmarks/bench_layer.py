@@ -121,14 +121,16 @@ def hf_experts_modules(cfg, copies):
     return mods
 
 
-VARIANT_KNOBS = ("BASE_MOE_EXPERTS_CONFIG", "BASE_MOE_EXPERTS_PDL", "BASE_MOE_EXPERTS_GATE_UP_TILES")
+VARIANT_KNOBS = ("BASE_MOE_EXPERTS_CONFIG", "BASE_MOE_EXPERTS_PDL", "BASE_MOE_EXPERTS_GATE_UP_TILES", "BASE_MOE_WS_N")
 GATE_UP_TILES = ("full", "half")
 CONFIGS = ("T16", "T32", "W64", "W128", "WS")
+WS_COLUMNS = ("64", "128", "160")
 
 
 def set_variant(var):
     """Set the expert op's benchmark knobs for a variant: "default", or parts joined by "+": a configuration name
-    (T16, T32, W64, W128, WS), "nopdl", or a gate_up tile height (full, half; csrc/experts.cu launch_pair)."""
+    (T16, T32, W64, W128, WS; WS-64, WS-128, WS-160 with its token columns per work item), "nopdl", or a gate_up tile
+    height (full, half; csrc/experts.cu launch_pair)."""
     for knob in VARIANT_KNOBS:
         os.environ.pop(knob, None)
     for part in var.split("+"):
@@ -138,6 +140,9 @@ def set_variant(var):
             os.environ["BASE_MOE_EXPERTS_GATE_UP_TILES"] = part
         elif part in CONFIGS:
             os.environ["BASE_MOE_EXPERTS_CONFIG"] = part
+        elif part.startswith("WS-") and part[3:] in WS_COLUMNS:
+            os.environ["BASE_MOE_EXPERTS_CONFIG"] = "WS"
+            os.environ["BASE_MOE_WS_N"] = part[3:]
         elif part != "default":
             raise ValueError(f"variant {var!r}: unknown part {part!r}")
 

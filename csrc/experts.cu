@@ -25,8 +25,8 @@
 // element is written by one thread in a fixed order, and a token's result depends only on its own MMA
 // column: deterministic whatever the order of items or of tokens within a pass.
 //
-// Shape constraints (checked at the op boundary, csrc/experts_cuda.cpp): H and I multiples of 64, E <= 512, 16-byte aligned
-// tensors, bf16 or fp16. ids outside [0, E] are treated like the sentinel (can't be checked without a sync).
+// Shape constraints (checked at the op boundary, csrc/experts_cuda.cpp): H and I multiples of 64, E <= 512, 16-byte
+// aligned tensors, bf16 or fp16. ids outside [0, E] are treated like the sentinel (can't be checked without a sync).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -579,23 +579,26 @@ enum class Config { kT16, kT32, kW64, kW128, kWS };
 // The cp.async configuration for this load; also where WS is picked or forced but cannot run (see pick_config).
 Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
   // Measured on the H200 at every batch x budget point of bench_layer.py (bench_layer_configs.json, session 4;
-  // bench_layer_wgmma_sweep.json, session 5; notes/experts_kernel.md): a pass that holds an expert's busiest token count avoids re-reading its weights, but
-  // wider passes keep fewer weight bytes in flight per shared-memory byte. T16 whenever no expert can exceed 16
-  // tokens or the average is at most 8 (b16/M8 28.9 us vs T32 31.3, b16 dense 185, b64 dense 295); T32 at 16 per
-  // expert in batches of more than 64 tokens, where experts exceed 16 tokens by chance (b256 dense 344 vs W64 352);
-  // W64 in batches of 17-64 tokens (b64/M16 50.5 vs T32 79, b64/M8 38.3 vs W128 45.7; b64/M32 94.3 vs T32 101.7,
-  // session 7) and up to 32 per expert beyond (b256/M64 193 vs W128 213);
-  // past 32 per expert, with an expert's passes split over CTAs (pass_splits; session 7, BASE_MOE_EXPERTS_SPLITS sweeps
-  // in benchmarks/results/device_runs/session7.txt): W128 at up to 64 per expert (b256/M32 130 vs W64 in two splits
-  // 140), W64 at 121-128 (b256/M16: three 64-token splits 105.6 vs W128 113-118 with or without splits; 87.8 vs 96.3 in
-  // session 17, call 7), W128 beyond (b256/M8: two 128-token splits 67 vs W64 in four 88, W128 unsplit 111). W128 also
-  // at 65-120 (notes/ws_window.py, device_runs/session17.txt calls 7-8; us, W128 vs W64): Qwen3 b256/M18 (113 per
-  // expert) 77.6 vs 87.4, M20 (102) 81.8 vs 93.8, M22 (93) 87.0 vs 97.9, M24 (85) 109.6 vs 122.6; OLMoE b256/M18 113.9
-  // vs 127.9, M20 116.0 vs 135.5, M24 121.1 vs 141.1.
+  // bench_layer_wgmma_sweep.json, session 5; notes/experts_kernel.md): a pass that holds an expert's busiest token
+  // count avoids re-reading its weights, but wider passes keep fewer weight bytes in flight per shared-memory byte. T16
+  // whenever no expert can exceed 16 tokens or the average is at most 8 (b16/M8 28.9 us vs T32 31.3, b16 dense 185, b64
+  // dense 295); T32 at 16 per expert in batches of more than 64 tokens, where experts exceed 16 tokens by chance (b256
+  // dense 344 vs W64 352); W64 in batches of 17-64 tokens (b64/M16 50.5 vs T32 79, b64/M8 38.3 vs W128 45.7; b64/M32
+  // 94.3 vs T32 101.7, session 7) and up to 56 per expert beyond (b256/M64 193 vs W128 213; device_runs/session20.txt
+  // call 5, W64 vs W128: Qwen3 b256/M56 (36 per expert) 170.9 vs 183.7, M48 (42) 161.6 vs 166.9, M40 (51) 122.5 vs
+  // 134.8, b128/M24 (42) 77.6 vs 95.5, b512/M96 (42) 347.5 vs 379.9; OLMoE b256/M56 214.7 vs 244.1, M40 174.6 vs
+  // 175.8); past 56 per expert, with an expert's passes split over CTAs (pass_splits; session 7,
+  // BASE_MOE_EXPERTS_SPLITS sweeps in benchmarks/results/device_runs/session7.txt): W128 at up to 64 per expert
+  // (b256/M32 130 vs W64 in two splits 140; 115.3 vs 132.5 in session 20), W64 at 121-128 (b256/M16: three 64-token
+  // splits 105.6 vs W128 113-118 with or without splits; 87.8 vs 96.3 in session 17, call 7), W128 beyond (b256/M8: two
+  // 128-token splits 67 vs W64 in four 88, W128 unsplit 111). W128 also at 65-120 (notes/ws_window.py,
+  // device_runs/session17.txt calls 7-8; us, W128 vs W64): Qwen3 b256/M18 (113 per expert) 77.6 vs 87.4, M20 (102) 81.8
+  // vs 93.8, M22 (93) 87.0 vs 97.9, M24 (85) 109.6 vs 122.6; OLMoE b256/M18 113.9 vs 127.9, M20 116.0 vs 135.5, M24
+  // 121.1 vs 141.1.
   if (T <= 16 || tokens_per_expert <= 8) return Config::kT16;
   if (T <= 64) return Config::kW64;
   if (tokens_per_expert <= 16) return Config::kT32;
-  if (tokens_per_expert <= 32) return Config::kW64;
+  if (tokens_per_expert <= 56) return Config::kW64;
   if (tokens_per_expert <= 120) return Config::kW128;
   if (tokens_per_expert <= 128) return Config::kW64;
   return Config::kW128;
@@ -604,25 +607,50 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
 // BASE_MOE_EXPERTS_CONFIG's choice (benchmarks and tests): an index into pick_config's kConfigs, or -1 where unset.
 int forced_config() { return forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"}); }
 
+// WS's token columns per work item (its wgmma's N), in the order of BASE_MOE_WS_N's names.
+constexpr int kWsColumns[] = {64, 128, 160};
+
+// The WS token columns measured best for this load (active_experts: the bound tokens_per_expert divides by), or 0
+// where a cp.async configuration is faster. Only where WS's items fill the SMs' last round to at least 65%
+// (experts_ws_round_fill). 160 columns where experts average 97-150 tokens, so that each fits one item with little
+// padding. H200 (device_runs/session17.txt, calls 1-3 and 7-8; us, WS vs the best cp.async configuration): Qwen3
+// b256/M14 (146 per expert) 75.7 vs 88.6, M16 (128) 76.8 vs 87.6, b512/M28 / M32 / M40 142.9 / 144.4 / 178.0 vs 211.2
+// / 180.5 / 188.0; OLMoE (I 1024: 11 gate_up tiles) b256/M16 (176 items, 67% of the last round) 103.6 vs 107.4, M18
+// 112.6 vs 113.9, b512/M32 183.1 vs 230.6. Slower at 157 per expert (Qwen3 b256/M13: some experts take two items,
+// 101.2 vs 86.5), at 93 (M22 105.6 vs 86.7: padding), and where the items leave more SMs idle (Qwen3 b256/M18 and M20,
+// 144 and 160 gate_up items on 132 SMs, 55% and 61% of the last round: 106.9 / 105.8 vs 77.2 / 81.2; b128/M8, 64
+// items: 51.1 vs 38.9; OLMoE b256/M14, 58%: 104.7 vs 103.5).
+// 64 or 128 columns in batches of 512 tokens or more at 32-96 per expert, where 160-column items are mostly padding
+// (device_runs/session20.txt, call 5; us, WS-64 / WS-128 / the best cp.async configuration): Qwen3 b512/M128 (32 per
+// expert) 339.3 / 373.6 / 419.6, M112 (36) 303.7 / 333.0 / 400.2, M96 (42) 269.5 / 293.8 / 347.5, M80 (51) 235.7 /
+// 257.6 / 280.4, M64 (64) 249.8 / 214.0 / 258.9, M56 (73) 242.0 / 200.9 / 239.1, M48 (85) 213.5 / 173.7 / 216.5;
+// OLMoE b512/M64 (64) 309.5 / 283.1 / 319.6, M48 (85) 266.5 / 222.0 / 248.0. Not in smaller batches, where fewer items
+// make WS's rounds coarse and the wins and losses mix by model and load (b256: Qwen3 M48 (42) 143.7 / 156.8 / 161.6
+// and M24 (85) 111.2 / 99.0 / 108.4, but M44 (46) 136.8 / 150.7 / 130.3, M22 (93) 107.2 / 97.9 / 86.3; OLMoE M64 (32)
+// 237.9 / 265.6 / 219.8, M28 (73) 161.7 / 143.9 / 131.5; b128/M12 (85) 70.1 / 56.8 / 49.6).
+int ws_columns_for(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
+  if (T <= 64 || experts_ws_round_fill(active_experts, I, H, sms) < 0.65) return 0;
+  if (tokens_per_expert > 96 && tokens_per_expert <= 150) return 160;
+  if (T >= 512 && tokens_per_expert >= 32 && tokens_per_expert <= 96) return tokens_per_expert <= 56 ? 64 : 128;
+  return 0;
+}
+
+struct Pick {
+  Config config;
+  int ws_columns;  // WS's token columns per work item, where config is kWS
+};
+
 // BASE_MOE_EXPERTS_CONFIG's choice, if set (benchmarks and tests), or else the configuration measured best for this
-// load (active_experts: the bound tokens_per_expert divides by). WS where experts average 97-150 tokens, so that each
-// fits one of its 160-token passes with little padding, and where its items fill the SMs' last round to at least 65%
-// (experts_ws_round_fill). H200 (device_runs/session17.txt, calls 1-3 and 7-8; us, WS vs the best cp.async
-// configuration): Qwen3 b256/M14 (146 per expert) 75.7 vs 88.6, M16 (128) 76.8 vs 87.6, b512/M28 / M32 / M40 142.9 /
-// 144.4 / 178.0 vs 211.2 / 180.5 / 188.0; OLMoE (I 1024: 11 gate_up tiles) b256/M16 (176 items, 67% of the last round)
-// 103.6 vs 107.4, M18 112.6 vs 113.9, b512/M32 183.1 vs 230.6. Slower at 157 per expert (Qwen3 b256/M13: some experts
-// take two passes, 101.2 vs 86.5), at 93 (M22 105.6 vs 86.7: padding; at 85, M24, WS won narrowly, 106.6 vs 109.3, and
-// is not taken), and where the items leave more SMs idle (Qwen3 b256/M18 and M20, 144 and 160 gate_up items on 132 SMs,
-// 55% and 61% of the last round: 106.9 / 105.8 vs 77.2 / 81.2; b128/M8, 64 items: 51.1 vs 38.9; OLMoE b256/M14, 58%:
-// 104.7 vs 103.5).
-Config pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
+// load: WS where ws_columns_for gives its columns, a cp.async configuration otherwise. BASE_MOE_WS_N=64|128|160
+// forces WS's columns wherever WS runs (benchmarks and tests; with BASE_MOE_EXPERTS_CONFIG=WS to run it at any load).
+Pick pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
   static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
   const int forced = forced_config();
-  if (forced >= 0) return kConfigs[forced];
-  if (T > 64 && tokens_per_expert > 96 && tokens_per_expert <= 150 &&
-      experts_ws_round_fill(active_experts, I, H, sms) >= 0.65)
-    return Config::kWS;
-  return cp_async_config(T, tokens_per_expert);
+  const int forced_columns = forced_choice("BASE_MOE_WS_N", {"64", "128", "160"});
+  const int columns = ws_columns_for(T, tokens_per_expert, active_experts, I, H, sms);
+  const int ws_columns = forced_columns >= 0 ? kWsColumns[forced_columns] : columns > 0 ? columns : 160;
+  if (forced >= 0) return {kConfigs[forced], ws_columns};
+  return {columns > 0 ? Config::kWS : cp_async_config(T, tokens_per_expert), ws_columns};
 }
 
 // Programmatic dependent launch where the device code supports it (launch.cuh); BASE_MOE_EXPERTS_PDL=0 turns it off
@@ -753,7 +781,8 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
 
   const int64_t tokens_per_expert = tk / grid_experts;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  Config cfg = pick_config(T, tokens_per_expert, grid_experts, I, H, sms);
+  const Pick pick = pick_config(T, tokens_per_expert, grid_experts, I, H, sms);
+  Config cfg = pick.config;
   // The busiest expert's tokens, estimated without a sync: the average plus a third (random routings of the benchmark
   // points spread about that far), never more than T (a token lists an expert once; if twice, the estimate is low,
   // which costs time, not correctness).
@@ -762,7 +791,8 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   // WS needs TMA and wgmma: this build's sm_90a code (the default target) on an sm_90 device
   bool ran_ws = false;
   if (cfg == Config::kWS) {
-    ran_ws = experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot, stream, pdl);
+    ran_ws = experts_ws_launch(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, act, yslot,
+                               pick.ws_columns, stream, pdl);
     if (!ran_ws) {
       if (forced_config() >= 0)  // WS was forced (an automatic pick falls back silently)
         TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=WS: unavailable on this device or build, ran a cp.async "

@@ -5,7 +5,7 @@
 //   1. plan: the slots in expert-sorted order (each CTA recomputes the expert counts and offsets from the ids, so no
 //      grid-wide sync is needed, then ranks its 16 slots stably), each slot's hidden row copied to that order (xp),
 //      its yslot row (t * k + j) and routing weight; CTA 0 writes the GEMMs' work items: per active expert, chunks of
-//      at most N of its slots x weight tiles (N = 160; BASE_MOE_WS_N = 64 or 128 for measurements).
+//      at most N of its slots x weight tiles (N = 64, 128 or 160: csrc/experts.cu pick_config).
 //   2. gate_up: act[slot, i] = SiLU(gate_i . x) * (up_i . x) for the items' 96-intermediate tiles.
 //   3. down:    yslot[t * k + j, h] = w * (down_h . act[slot]) for 128-row tiles, rounded to the input dtype.
 // Both GEMMs: one persistent CTA per SM; thread 0 of warpgroup 0 loads, per 64-wide k step, one TMA box of 64 weight
@@ -24,8 +24,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 #include "base_moe/experts_mma.cuh"
 #include "base_moe/experts_ws.h"
@@ -449,18 +447,6 @@ bool launch_all_n(at::ScalarType dtype, const PlanParams& plan, const WsGemmPara
                                 : launch_all<__half, N>(plan, gate_up, down, maps, stream, pdl);
 }
 
-// The items' token columns: BASE_MOE_WS_N=64|128|160 (a benchmark knob, process-wide), 160 otherwise. The host's
-// rule for picking WS (csrc/experts.cu pick_config, experts_ws_round_fill) assumes 160: with the knob alone it may
-// pick WS where an expert then takes several items; force BASE_MOE_EXPERTS_CONFIG=WS with it to measure.
-int ws_columns() {
-  const char* forced = std::getenv("BASE_MOE_WS_N");
-  if (forced == nullptr) return kMaxN;
-  for (const int n : {64, 128, 160})
-    if (std::to_string(n) == forced) return n;
-  TORCH_WARN_ONCE("BASE_MOE_WS_N=", forced, " is not 64, 128 or 160: ignored");
-  return kMaxN;
-}
-
 }  // namespace
 
 double experts_ws_round_fill(int64_t experts, int64_t I, int64_t H, int sms) {
@@ -474,13 +460,15 @@ double experts_ws_round_fill(int64_t experts, int64_t I, int64_t H, int sms) {
 
 bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
                        const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& act, at::Tensor& yslot,
-                       cudaStream_t stream, bool pdl) {
+                       int columns, cudaStream_t stream, bool pdl) {
+  TORCH_CHECK(columns == 64 || columns == 128 || columns == kMaxN, "WS token columns must be 64, 128 or 160, got ",
+              columns);
   if (!ws_available(stream)) return false;
   const int64_t H = hidden.size(1), k = expert_ids.size(1), tk = expert_ids.numel();
   const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
   const int gate_up_tiles = static_cast<int>(weight_tiles<true>(I));
   const int down_tiles = static_cast<int>(weight_tiles<false>(H));
-  const int n = ws_columns();
+  const int n = columns;
   const int64_t chunks_bound = (tk + n - 1) / n + std::min(E, tk);  // sum over experts of ceil(count / n)
   const auto ints = hidden.options().dtype(at::kInt);
   at::Tensor xp = at::empty({tk, H}, hidden.options());

@@ -2,11 +2,10 @@
 draws and timing, Qwen3 and OLMoE shapes. Two sweeps:
   default    T x M points of 85-186 tokens per expert, around WS's 160-token items (session 17)
   --columns  points of 32-128 tokens per expert, where 160-column items are mostly padding, against WS with 128 and
-             64 token columns per item ("WS-128", "WS-64": BASE_MOE_WS_N, which only branch wip/ws-n reads)
+             64 token columns per item ("WS-128", "WS-64": bench_layer.py's variants, BASE_MOE_WS_N)
 
     python3 notes/ws_window.py [--columns] [qwen3-30b-a3b,olmoe-1b-7b]
 """
-import os
 import sys
 
 import torch
@@ -35,16 +34,6 @@ SWEEPS = {
 }
 
 
-def set_columns_variant(var):
-    """set_variant for a configuration name, optionally suffixed "-N": WS's token columns per item."""
-    config, _, columns = var.partition("-")
-    set_variant(config)
-    if columns:
-        os.environ["BASE_MOE_WS_N"] = columns
-    else:
-        os.environ.pop("BASE_MOE_WS_N", None)
-
-
 args = [a for a in sys.argv[1:] if a != "--columns"]
 points, variants = SWEEPS["columns" if "--columns" in sys.argv[1:] else "window"]
 for name in (args[0] if args else ",".join(points)).split(","):
@@ -56,9 +45,9 @@ for name in (args[0] if args else ",".join(points)).split(","):
         x, ids, w, active = draw_point(name, cfg, T, M)
         us = []
         for var in variants:
-            set_columns_variant(var)
+            set_variant(var)
             us.append(expert_op_us(x, ids, w, copies, M))
-        set_columns_variant("default")
+        set_variant("default")
         print(f"{T:<4d} {M:<3d} {T * cfg['k'] // M:>13d} {active:>6d} " + " ".join(f"{u:8.1f}" for u in us))
     del copies
     torch.cuda.empty_cache()

@@ -192,10 +192,12 @@ def test_ws_runs_its_kernels(monkeypatch):
     assert any("ws_gemm_kernel" in n for n in names) and not any("expert_gemm_kernel" in n for n in names), names
 
 
-def picks_ws(T, bound, shape):
-    """csrc/experts.cu pick_config's rule for WS, restated: batches of more than 64 tokens, 97-150 tokens per active
-    expert, and work items (active experts x weight tiles of 96 intermediates for gate_up, 128 rows for down) that
-    fill the last of the rounds of one persistent CTA per SM to at least 65%; only on sm_90 (its sm_90a code)."""
+def ws_columns_picked(T, bound, shape):
+    """csrc/experts.cu ws_columns_for, restated: WS's token columns per work item where the default picks WS, else 0.
+    Only on sm_90 (its sm_90a code), in batches of more than 64 tokens whose work items (active experts x weight tiles
+    of 96 intermediates for gate_up, 128 rows for down) fill the last of the rounds of one persistent CTA per SM to at
+    least 65%: 160 columns at 97-150 tokens per active expert; 64 at 32-56 and 128 at 57-96 in batches of 512 or
+    more."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def fill(items):
@@ -204,27 +206,36 @@ def picks_ws(T, bound, shape):
     active = min(bound, shape["E"], T * shape["k"])
     per_expert = T * shape["k"] // active
     round_fill = min(fill(active * -(-shape["I"] // 96)), fill(active * -(-shape["H"] // 128)))
-    return (torch.cuda.get_device_capability() == (9, 0) and T > 64 and 96 < per_expert <= 150
-            and round_fill >= 0.65)
+    if torch.cuda.get_device_capability() != (9, 0) or T <= 64 or round_fill < 0.65:
+        return 0
+    if 96 < per_expert <= 150:
+        return 160
+    if T >= 512 and 32 <= per_expert <= 96:
+        return 64 if per_expert <= 56 else 128
+    return 0
 
 
 @pytest.mark.parametrize("T,bound,I", [(256, 16, 768), (256, 14, 768), (256, 13, 768), (256, 18, 768),
-                                       (256, 22, 768), (64, 4, 768), (256, 16, 1024), (256, 14, 1024)])
+                                       (256, 22, 768), (64, 4, 768), (256, 16, 1024), (256, 14, 1024),
+                                       (512, 40, 768), (512, 48, 768), (512, 96, 768), (256, 48, 768), (512, 64, 1024)])
 def test_default_picks_ws_by_load(T, bound, I, monkeypatch):
-    """By default WS runs exactly where pick_config's rule says (on an H200: b256 with 14 or 16 active experts of the
-    Qwen3 shape, not 13, 18 or 22, not b64; with OLMoE's I = 1024 at 16, not 14), and its output is accurate there."""
+    """By default WS runs exactly where pick_config's rule says, with the columns it says (on an H200: b256 with 14 or
+    16 active experts of the Qwen3 shape at 160 columns, not 13, 18, 22 or 48, not b64; with OLMoE's I = 1024 at 16,
+    not 14; b512 at 160 with 40 active experts, 128 with 48, 64 with 96), and its output is accurate there."""
     monkeypatch.delenv("BASE_MOE_EXPERTS_CONFIG", raising=False)
-    shape = dict(QWEN3, E=24, I=I)
+    monkeypatch.delenv("BASE_MOE_WS_N", raising=False)
+    shape = dict(QWEN3, E=max(24, bound), I=I)
     names = launched_kernels(lambda: check_accuracy(T, shape, torch.bfloat16, bound, used=bound, seed=bound))
-    ws = picks_ws(T, bound, shape)
-    assert any("ws_gemm_kernel" in n for n in names) == ws, names
-    assert any("expert_gemm_kernel" in n for n in names) == (not ws), names  # one path ran, not none
+    columns = ws_columns_picked(T, bound, shape)
+    ran = {m.groups() for x in names if (m := re.search(r"ws_gemm_kernel<[^,]+, (true|false), (\d+)>", x))}
+    assert ran == ({("true", str(columns)), ("false", str(columns))} if columns else set()), names
+    assert any("expert_gemm_kernel" in n for n in names) == (not columns), names  # one path ran, not none
 
 
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("T,used", [(256, 32), (256, 16), (512, 16), (37, 5)])
 def test_ws_token_columns(n, T, used, monkeypatch):
-    """WS with 64 or 128 token columns per work item (BASE_MOE_WS_N, a benchmark knob; 160 by default): accurate like
+    """WS with 64 or 128 token columns per work item (forced by BASE_MOE_WS_N, the knob of benchmarks): accurate like
     every configuration (experts with more slots than n take several items: ~218 per expert at 512 x 8 / 16, ~110 at
     256 / 16), and both GEMMs' kernels of that n are what ran."""
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
