@@ -129,8 +129,8 @@ WS_COLUMNS = ("64", "128", "160")
 
 def set_variant(var):
     """Set the expert op's benchmark knobs for a variant: "default", or parts joined by "+": a configuration name
-    (T16, T32, W64, W128, WS; WS-64, WS-128, WS-160 with its token columns per work item), "nopdl", or a gate_up tile
-    height (full, half; csrc/experts.cu launch_pair)."""
+    (T16, T32, W64, W128, WS at pick_config's token columns per work item; WS-64, WS-128, WS-160 at those), "nopdl",
+    or a gate_up tile height (full, half; csrc/experts.cu launch_pair)."""
     for knob in VARIANT_KNOBS:
         os.environ.pop(knob, None)
     for part in var.split("+"):

@@ -567,9 +567,9 @@ int forced_choice(const char* knob, std::initializer_list<const char*> choices) 
 
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
 // mma.sync (m16n8k16, tokens as the narrow n side), W64 / W128 on wgmma (m64nNk16, tokens as N); WS, the
-// warp-specialised persistent GEMMs of csrc/experts_ws.cu (160 tokens per pass, TMA; sm_90a code only). Picked on
-// the host (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128|WS forces one (a process-wide setting, so the
-// choice is graph-safe).
+// warp-specialised persistent GEMMs of csrc/experts_ws.cu (64, 128 or 160 token columns per work item, TMA; sm_90a
+// code only). Picked on the host (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128|WS forces one (a
+// process-wide setting, so the choice is graph-safe).
 enum class Config { kT16, kT32, kW64, kW128, kWS };
 
 // T: tokens of the batch (no expert gets more unless a token lists it twice); tokens_per_expert: T * k over the most
@@ -641,14 +641,15 @@ struct Pick {
 };
 
 // BASE_MOE_EXPERTS_CONFIG's choice, if set (benchmarks and tests), or else the configuration measured best for this
-// load: WS where ws_columns_for gives its columns, a cp.async configuration otherwise. BASE_MOE_WS_N=64|128|160
-// forces WS's columns wherever WS runs (benchmarks and tests; with BASE_MOE_EXPERTS_CONFIG=WS to run it at any load).
+// load: WS where ws_columns_for gives its columns, a cp.async configuration otherwise. WS's columns wherever it runs:
+// BASE_MOE_WS_N=64|128|160 if set (benchmarks and tests; with BASE_MOE_EXPERTS_CONFIG=WS at any load), else the
+// rule's, else (WS forced where the rule takes none) 160.
 Pick pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
   static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
   const int forced = forced_config();
   const int forced_columns = forced_choice("BASE_MOE_WS_N", {"64", "128", "160"});
   const int columns = ws_columns_for(T, tokens_per_expert, active_experts, I, H, sms);
-  const int ws_columns = forced_columns >= 0 ? kWsColumns[forced_columns] : columns > 0 ? columns : 160;
+  const int ws_columns = forced_columns >= 0 ? kWsColumns[forced_columns] : columns > 0 ? columns : kWsColumns[2];
   if (forced >= 0) return {kConfigs[forced], ws_columns};
   return {columns > 0 ? Config::kWS : cp_async_config(T, tokens_per_expert), ws_columns};
 }

@@ -221,7 +221,8 @@ def ws_columns_picked(T, bound, shape):
 def test_default_picks_ws_by_load(T, bound, I, monkeypatch):
     """By default WS runs exactly where pick_config's rule says, with the columns it says (on an H200: b256 with 14 or
     16 active experts of the Qwen3 shape at 160 columns, not 13, 18, 22 or 48, not b64; with OLMoE's I = 1024 at 16,
-    not 14; b512 at 160 with 40 active experts, 128 with 48, 64 with 96), and its output is accurate there."""
+    not 14; b512 at 160 with 40 active experts, 128 with 48, 64 with 96; I = 1024 b512 at 128 with 64), and its output
+    is accurate there."""
     monkeypatch.delenv("BASE_MOE_EXPERTS_CONFIG", raising=False)
     monkeypatch.delenv("BASE_MOE_WS_N", raising=False)
     shape = dict(QWEN3, E=max(24, bound), I=I)
@@ -248,6 +249,7 @@ def test_ws_token_columns(n, T, used, monkeypatch):
 def test_ws_token_columns_knob_malformed(monkeypatch, capfd):
     """A BASE_MOE_WS_N that is not exactly 64, 128 or 160 is reported once and ignored: WS runs its 160 columns."""
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
+    monkeypatch.delenv("BASE_MOE_WS_N", raising=False)
     hidden, ids, w, gate_up, down = make_problem(64, dtype=torch.bfloat16, **QWEN3, used=16, seed=3)
     expected = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
     monkeypatch.setenv("BASE_MOE_WS_N", "64abc")

@@ -10,7 +10,8 @@ namespace base_moe {
 // slot (act rows in expert-sorted order of the slots, yslot rows token-major); the caller's slot sum then adds each
 // token's rows. columns: the token columns of one work item (64, 128 or 160; an expert with more slots takes several).
 // Returns false, having launched nothing, where it cannot run: a device without this build's sm_90a code (checked
-// once per device, outside stream capture), a tensor the driver cannot describe for TMA, or shared memory refused.
+// once per device, outside stream capture), a tensor the driver cannot describe for TMA, shared memory refused, or
+// columns not one of its instances.
 bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
                        const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& act, at::Tensor& yslot,
                        int columns, cudaStream_t stream, bool pdl);
