@@ -1,6 +1,6 @@
 // Declarations of the CPU op implementations; csrc/registration.cpp binds them to the schemas.
-// Each CUDA kernel file registers its own op for the CUDA dispatch key (TORCH_LIBRARY_IMPL), so
-// the library builds with whichever CUDA kernels exist.
+// The CUDA ops are registered for the CUDA dispatch key (TORCH_LIBRARY_IMPL) by the host-compiled
+// csrc/select_cuda.cpp and csrc/experts_cuda.cpp, built only where CUDA is.
 #pragma once
 
 #include <tuple>
