@@ -5,9 +5,12 @@ Qwen3-30B-A3B (H=2048, E=128, k=8, I=768) and OLMoE-1B-7B (H=2048, E=64, k=8, I=
 expert op and to HF by restricting the random routing to M random experts (every token's top-k among them),
 and M is passed to our op as its bound on active experts (``max_active_experts``), as the BASE layer does; the
 BASE layer runs its own selection (``select_experts`` with budget M, or M = E when dense; ``--select two``:
-``router_predict`` + ``route_select``) on random router and predictor weights. Times: median of CUDA-graph replays, each graph holding several calls
-that rotate among copies of the layer's expert weights so the 60 MB L2 never holds them; a device-to-device
-copy measured in the same run gives the bandwidth ceiling (2 x bytes / time).
+``router_predict`` + ``route_select``) on random router and predictor weights. Times: median of CUDA-graph
+replays, each graph holding several calls that rotate among copies of the layer's expert weights so the 60 MB L2
+never holds them; a device-to-device copy measured in the same run gives the bandwidth ceiling (2 x bytes / time).
+The BASE layer is timed twice: as consecutive layers (each selection follows the previous layer's slot sum, whose
+end its programmatic dependent launch may overlap), and behind the decoder layer's RMSNorm as in decode
+((norm + layer) - norm: a plain PyTorch kernel that lets nothing overlap it).
 
     python3 benchmarks/bench_layer.py [--out benchmarks/results/bench_layer.json]
 """
@@ -19,6 +22,7 @@ import os
 import zlib
 
 import torch
+import torch.nn.functional as F
 from common import copy_bandwidth, graph_time_us, median, run_metadata, write_json
 
 import base_moe.ops  # noqa: F401
@@ -34,6 +38,11 @@ VLLM_US = {(1, None): 36.6, (16, None): 194.0, (64, None): 292.0, (16, 16): 60.3
            (256, 16): 153.0, (64, 32): 123.0}
 COPIES = 3  # expert weight copies (3 x 1.2 GB for Qwen3)
 CALLS_PER_COPY = 4
+
+
+def rounded(us):
+    """A time for the progress lines: one decimal, or None where it was not measured."""
+    return us if us is None else round(us, 1)
 
 
 def time_graph(calls, reps=25):
@@ -176,6 +185,7 @@ def main():
         expert_bytes = 3 * cfg["H"] * cfg["I"] * 2
         copies = [expert_weights(cfg, gen) for _ in range(COPIES)]
         wr, wp, bp = router_weights(cfg, gen)
+        norm_weight = torch.ones(cfg["H"], device="cuda", dtype=torch.bfloat16)
         hf = None
         if not args.no_hf:
             try:
@@ -194,11 +204,21 @@ def main():
                 def layer(gu, dp):
                     return torch.ops.base_moe.experts(x, *select(), gu, dp, M)
 
-                base_us = base_active = None
+                def norm():  # the decoder layer's norm just before the MoE block
+                    return F.rms_norm(x, (cfg["H"],), norm_weight, 1e-6)
+
+                def norm_layer(gu, dp):
+                    xn = norm()
+                    return torch.ops.base_moe.experts(xn, *select_experts(xn, cfg, wr, wp, bp, budget, args.select),
+                                                      gu, dp, M)
+
+                base_us = base_norm_us = base_active = None
                 try:  # the selection ops are developed elsewhere: report a failure, keep the expert-op numbers
                     base_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp) for gu, dp in copies])
                     sid = select()[0]
                     base_active = int(torch.unique(sid[sid < E]).numel())
+                    base_norm_us = (time_graph([lambda gu=gu, dp=dp: norm_layer(gu, dp) for gu, dp in copies]) -
+                                    time_graph([norm for _ in copies]))
                 except Exception as exc:
                     print(f"BASE layer failed at T={T} M={M}: {exc!r}")
                 hf_us = None
@@ -212,13 +232,14 @@ def main():
                         hf = None
                 bw = active * expert_bytes / (ours * 1e-6)
                 row = dict(model=name, batch=T, budget=M, active=active, ours_us=ours, ours_bw_TBps=bw / 1e12,
-                           ours_frac_copy=bw / copy_bw, base_layer_us=base_us, base_layer_active=base_active,
+                           ours_frac_copy=bw / copy_bw, base_layer_us=base_us, base_layer_after_norm_us=base_norm_us,
+                           base_layer_active=base_active,
                            hf_grouped_mm_us=hf_us, floor_us=active * expert_bytes / copy_bw * 1e6,
                            vllm_us=VLLM_US.get((T, M)) if name == "qwen3-30b-a3b" else None)
                 rows.append(row)
                 print(f"{name:14s} T={T:4d} M={str(M):4s} active={active:3d} ours={ours:7.1f}us "
-                      f"({bw / 1e12:4.2f} TB/s, {100 * bw / copy_bw:3.0f}% copy) base_layer={base_us if base_us is None else round(base_us, 1)}us "
-                      f"(|A|={base_active}) hf={hf_us if hf_us is None else round(hf_us, 1)} "
+                      f"({bw / 1e12:4.2f} TB/s, {100 * bw / copy_bw:3.0f}% copy) base_layer={rounded(base_us)}us "
+                      f"(after a norm {rounded(base_norm_us)}us, |A|={base_active}) hf={rounded(hf_us)} "
                       f"vllm={row['vllm_us']}", flush=True)
         if name == "qwen3-30b-a3b" and not args.no_variants:
             # tile configurations and PDL, on the acceptance points of issue 8 or on every (batch, budget)
@@ -245,10 +266,12 @@ def main():
         r["ours_frac_copy"] = r["ours_bw_TBps"] * 1e12 / copy_bw
     print(f"\ncopy bandwidth {copy_start / 1e12:.2f} TB/s at the start, {copy_end / 1e12:.2f} at the end: % of "
           f"{copy_bw / 1e12:.2f}")
-    print("\nmodel           batch budget active  ours_us  %copy  base_layer_us  hf_grouped_mm_us  vllm_us")
+    print("\nmodel           batch budget active  ours_us  %copy  base_layer_us  after_norm_us  hf_grouped_mm_us  "
+          "vllm_us")
     for r in rows:
         print(f"{r['model']:15s} {r['batch']:5d} {str(r['budget']):6s} {r['active']:6d} {r['ours_us']:8.1f} "
               f"{100 * r['ours_frac_copy']:5.0f}% {(r['base_layer_us'] or float('nan')):13.1f} "
+              f"{(r['base_layer_after_norm_us'] or float('nan')):13.1f} "
               f"{(r['hf_grouped_mm_us'] or float('nan')):17.1f} {r['vllm_us'] or float('nan'):8.1f}")
     result = run_metadata(copy_bandwidth_TBps=copy_bw / 1e12, copy_bandwidth_start_end_TBps=[copy_start / 1e12,
                                                                                               copy_end / 1e12],
