@@ -40,6 +40,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <iterator>
 #include <mutex>
 #include <set>
 #include <string>
@@ -609,6 +610,7 @@ int forced_config() { return forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T
 
 // WS's token columns per work item (its wgmma's N), in the order of BASE_MOE_WS_N's names.
 constexpr int kWsColumns[] = {64, 128, 160};
+constexpr int kWsMaxColumns = kWsColumns[std::size(kWsColumns) - 1];
 
 // The WS token columns measured best for this load (active_experts: the bound tokens_per_expert divides by), or 0
 // where a cp.async configuration is faster. Only where WS's items fill the SMs' last round to at least 65%
@@ -649,7 +651,7 @@ Pick pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, i
   const int forced = forced_config();
   const int forced_columns = forced_choice("BASE_MOE_WS_N", {"64", "128", "160"});
   const int columns = ws_columns_for(T, tokens_per_expert, active_experts, I, H, sms);
-  const int ws_columns = forced_columns >= 0 ? kWsColumns[forced_columns] : columns > 0 ? columns : kWsColumns[2];
+  const int ws_columns = forced_columns >= 0 ? kWsColumns[forced_columns] : columns > 0 ? columns : kWsMaxColumns;
   if (forced >= 0) return {kConfigs[forced], ws_columns};
   return {columns > 0 ? Config::kWS : cp_async_config(T, tokens_per_expert), ws_columns};
 }

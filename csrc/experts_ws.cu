@@ -459,14 +459,13 @@ double experts_ws_round_fill(int64_t experts, int64_t I, int64_t H, int sms) {
 bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
                        const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& act, at::Tensor& yslot,
                        int columns, cudaStream_t stream, bool pdl) {
-  if (columns != 64 && columns != 128 && columns != kMaxN) return false;  // not an instance: the caller's fallback
   if (!ws_available(stream)) return false;
   const int64_t H = hidden.size(1), k = expert_ids.size(1), tk = expert_ids.numel();
   const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
   const int gate_up_tiles = static_cast<int>(weight_tiles<true>(I));
   const int down_tiles = static_cast<int>(weight_tiles<false>(H));
-  const int n = columns;
-  const int64_t chunks_bound = (tk + n - 1) / n + std::min(E, tk);  // sum over experts of ceil(count / n)
+  // the sum over experts of ceil(count / columns) at most
+  const int64_t chunks_bound = (tk + columns - 1) / columns + std::min(E, tk);
   const auto ints = hidden.options().dtype(at::kInt);
   at::Tensor xp = at::empty({tk, H}, hidden.options());
   at::Tensor slot_origin = at::empty({tk}, ints);
@@ -487,9 +486,9 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   const cuuint64_t d_strides[2] = {static_cast<cuuint64_t>(I) * 2, static_cast<cuuint64_t>(H * I) * 2};
   const cuuint32_t d_box[3] = {kStep, 64, 1};
   if (!encode(maps[0], hidden.scalar_type(), gate_up_proj.data_ptr(), 5, g_dims, g_strides, g_box) ||
-      !encode_tokens(maps[1], xp, n) ||
+      !encode_tokens(maps[1], xp, columns) ||
       !encode(maps[2], hidden.scalar_type(), down_proj.data_ptr(), 3, d_dims, d_strides, d_box) ||
-      !encode_tokens(maps[3], act, n))
+      !encode_tokens(maps[3], act, columns))
     return false;
 
   WsItem* item_ptr = reinterpret_cast<WsItem*>(items.data_ptr<int>());
@@ -509,7 +508,7 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   plan.item_counts = counts.data_ptr<int>();
   plan.gate_up_tiles = gate_up_tiles;
   plan.down_tiles = down_tiles;
-  plan.chunk = n;
+  plan.chunk = columns;
   WsGemmParams gate_up{};
   gate_up.items = plan.gate_up_items;
   gate_up.n_items = plan.item_counts;
@@ -525,9 +524,12 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   down.slot_origin = plan.slot_origin;
   down.slot_weight = plan.slot_weight;
   const at::ScalarType dtype = hidden.scalar_type();
-  if (n == 64) return launch_all_n<64>(dtype, plan, gate_up, down, maps, stream, pdl);
-  if (n == 128) return launch_all_n<128>(dtype, plan, gate_up, down, maps, stream, pdl);
-  return launch_all_n<kMaxN>(dtype, plan, gate_up, down, maps, stream, pdl);
+  switch (columns) {
+    case 64: return launch_all_n<64>(dtype, plan, gate_up, down, maps, stream, pdl);
+    case 128: return launch_all_n<128>(dtype, plan, gate_up, down, maps, stream, pdl);
+    case kMaxN: return launch_all_n<kMaxN>(dtype, plan, gate_up, down, maps, stream, pdl);
+    default: return false;  // not an instance: the caller's fallback
+  }
 }
 
 }  // namespace base_moe
