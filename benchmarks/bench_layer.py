@@ -198,26 +198,21 @@ def main():
                 ours = expert_op_us(x, ids, w, copies, M)
                 budget = E if M is None else M
 
-                def select():
-                    return select_experts(x, cfg, wr, wp, bp, budget, args.select)
+                def select(h=x):
+                    return select_experts(h, cfg, wr, wp, bp, budget, args.select)
 
-                def layer(gu, dp):
-                    return torch.ops.base_moe.experts(x, *select(), gu, dp, M)
+                def layer(gu, dp, h=x):
+                    return torch.ops.base_moe.experts(h, *select(h), gu, dp, M)
 
                 def norm():  # the decoder layer's norm just before the MoE block
                     return F.rms_norm(x, (cfg["H"],), norm_weight, 1e-6)
-
-                def norm_layer(gu, dp):
-                    xn = norm()
-                    return torch.ops.base_moe.experts(xn, *select_experts(xn, cfg, wr, wp, bp, budget, args.select),
-                                                      gu, dp, M)
 
                 base_us = base_norm_us = base_active = None
                 try:  # the selection ops are developed elsewhere: report a failure, keep the expert-op numbers
                     base_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp) for gu, dp in copies])
                     sid = select()[0]
                     base_active = int(torch.unique(sid[sid < E]).numel())
-                    base_norm_us = (time_graph([lambda gu=gu, dp=dp: norm_layer(gu, dp) for gu, dp in copies]) -
+                    base_norm_us = (time_graph([lambda gu=gu, dp=dp: layer(gu, dp, norm()) for gu, dp in copies]) -
                                     time_graph([norm for _ in copies]))
                 except Exception as exc:
                     print(f"BASE layer failed at T={T} M={M}: {exc!r}")
