@@ -192,6 +192,11 @@ def test_ws_runs_its_kernels(monkeypatch):
     assert any("ws_gemm_kernel" in n for n in names) and not any("expert_gemm_kernel" in n for n in names), names
 
 
+def ws_kernels_ran(names):
+    """The WS GEMM instances among launched kernel names: {(gated "true" / "false", token columns N)}."""
+    return {m.groups() for x in names if (m := re.search(r"ws_gemm_kernel<[^,]+, (true|false), (\d+)>", x))}
+
+
 def ws_columns_picked(T, bound, shape):
     """csrc/experts.cu ws_columns_for, restated: WS's token columns per work item where the default picks WS, else 0.
     Only on sm_90 (its sm_90a code), in batches of more than 64 tokens whose work items (active experts x weight tiles
@@ -228,8 +233,7 @@ def test_default_picks_ws_by_load(T, bound, I, monkeypatch):
     shape = dict(QWEN3, E=max(24, bound), I=I)
     names = launched_kernels(lambda: check_accuracy(T, shape, torch.bfloat16, bound, used=bound, seed=bound))
     columns = ws_columns_picked(T, bound, shape)
-    ran = {m.groups() for x in names if (m := re.search(r"ws_gemm_kernel<[^,]+, (true|false), (\d+)>", x))}
-    assert ran == ({("true", str(columns)), ("false", str(columns))} if columns else set()), names
+    assert ws_kernels_ran(names) == ({("true", str(columns)), ("false", str(columns))} if columns else set()), names
     assert any("expert_gemm_kernel" in n for n in names) == (not columns), names  # one path ran, not none
 
 
@@ -242,29 +246,20 @@ def test_ws_token_columns(n, T, used, monkeypatch):
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
     monkeypatch.setenv("BASE_MOE_WS_N", str(n))
     names = launched_kernels(lambda: check_accuracy(T, QWEN3, torch.bfloat16, used, used=used, seed=T + used))
-    ran = {m.groups() for x in names if (m := re.search(r"ws_gemm_kernel<[^,]+, (true|false), (\d+)>", x))}
-    assert ran == {("true", str(n)), ("false", str(n))}, names
+    assert ws_kernels_ran(names) == {("true", str(n)), ("false", str(n))}, names
 
 
-def test_ws_token_columns_knob_malformed(monkeypatch, capfd):
-    """A BASE_MOE_WS_N that is not exactly 64, 128 or 160 is reported once and ignored: WS runs its 160 columns."""
-    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
-    monkeypatch.delenv("BASE_MOE_WS_N", raising=False)
-    hidden, ids, w, gate_up, down = make_problem(64, dtype=torch.bfloat16, **QWEN3, used=16, seed=3)
-    expected = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
-    monkeypatch.setenv("BASE_MOE_WS_N", "64abc")
-    capfd.readouterr()
-    out = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
-    torch.cuda.synchronize()
-    assert "BASE_MOE_WS_N=64abc is not" in capfd.readouterr().err
-    assert torch.equal(out, expected)
-
-
-@pytest.mark.parametrize("name,value", [("BASE_MOE_EXPERTS_SPLITS", "two"), ("BASE_MOE_EXPERTS_CONFIG", "W256"),
-                                        ("BASE_MOE_EXPERTS_GATE_UP_TILES", "tall")])
-def test_malformed_knob_warns_and_is_ignored(name, value, monkeypatch, capfd):
+@pytest.mark.parametrize("name,value,config", [("BASE_MOE_EXPERTS_SPLITS", "two", None),
+                                               ("BASE_MOE_EXPERTS_CONFIG", "W256", None),
+                                               ("BASE_MOE_EXPERTS_GATE_UP_TILES", "tall", None),
+                                               ("BASE_MOE_WS_N", "64abc", "WS")])
+def test_malformed_knob_warns_and_is_ignored(name, value, config, monkeypatch, capfd):
     """A benchmark knob with a value the op cannot use is reported (c10's warning on stderr, once per process: no
-    other test sets a malformed value) and ignored: the output is the default's."""
+    other test sets a malformed value) and ignored: the output is the default's (for BASE_MOE_WS_N under forced WS:
+    WS at its 160 columns)."""
+    monkeypatch.delenv(name, raising=False)
+    if config is not None:
+        monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
     hidden, ids, w, gate_up, down = make_problem(40, dtype=torch.bfloat16, H=128, I=64, E=4, k=2)
     expected = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down)
     monkeypatch.setenv(name, value)
