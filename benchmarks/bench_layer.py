@@ -133,13 +133,13 @@ def hf_experts_modules(cfg, copies):
 VARIANT_KNOBS = ("BASE_MOE_EXPERTS_CONFIG", "BASE_MOE_EXPERTS_PDL", "BASE_MOE_EXPERTS_GATE_UP_TILES", "BASE_MOE_WS_N")
 GATE_UP_TILES = ("full", "half")
 CONFIGS = ("T16", "T32", "W64", "W128", "WS")
-WS_COLUMNS = ("64", "128", "160")
+WS_COLUMNS = ("64", "80", "128", "160")
 
 
 def set_variant(var):
     """Set the expert op's benchmark knobs for a variant: "default", or parts joined by "+": a configuration name
-    (T16, T32, W64, W128, WS at pick_config's token columns per work item; WS-64, WS-128, WS-160 at those), "nopdl",
-    or a gate_up tile height (full, half; csrc/experts.cu launch_pair)."""
+    (T16, T32, W64, W128, WS at pick_config's token columns per work item; WS-64, -80, -128, -160 at those),
+    "nopdl", or a gate_up tile height (full, half; csrc/experts.cu launch_pair)."""
     for knob in VARIANT_KNOBS:
         os.environ.pop(knob, None)
     for part in var.split("+"):

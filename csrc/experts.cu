@@ -568,8 +568,8 @@ int forced_choice(const char* knob, std::initializer_list<const char*> choices) 
 
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
 // mma.sync (m16n8k16, tokens as the narrow n side), W64 / W128 on wgmma (m64nNk16, tokens as N); WS, the
-// warp-specialised persistent GEMMs of csrc/experts_ws.cu (64, 128 or 160 token columns per work item, TMA; sm_90a
-// code only). Picked on the host (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128|WS forces one (a
+// warp-specialised persistent GEMMs of csrc/experts_ws.cu (64-160 token columns per work item, TMA; sm_90a code
+// only). Picked on the host (pick_config); BASE_MOE_EXPERTS_CONFIG=T16|T32|W64|W128|WS forces one (a
 // process-wide setting, so the choice is graph-safe).
 enum class Config { kT16, kT32, kW64, kW128, kWS };
 
@@ -609,7 +609,7 @@ Config cp_async_config(int64_t T, int64_t tokens_per_expert) {
 int forced_config() { return forced_choice("BASE_MOE_EXPERTS_CONFIG", {"T16", "T32", "W64", "W128", "WS"}); }
 
 // WS's token columns per work item (its wgmma's N), in the order of BASE_MOE_WS_N's names.
-constexpr int kWsColumns[] = {64, 128, 160};
+constexpr int kWsColumns[] = {64, 80, 128, 160};
 constexpr int kWsMaxColumns = kWsColumns[std::size(kWsColumns) - 1];
 
 // The WS token columns measured best for this load (active_experts: the bound tokens_per_expert divides by), or 0
@@ -630,9 +630,17 @@ constexpr int kWsMaxColumns = kWsColumns[std::size(kWsColumns) - 1];
 // make WS's rounds coarse and the wins and losses mix by model and load (b256: Qwen3 M48 (42) 143.7 / 156.8 / 161.6
 // and M24 (85) 111.2 / 99.0 / 108.4, but M44 (46) 136.8 / 150.7 / 130.3, M22 (93) 107.2 / 97.9 / 86.3; OLMoE M64 (32)
 // 237.9 / 265.6 / 219.8, M28 (73) 161.7 / 143.9 / 131.5; b128/M12 (85) 70.1 / 56.8 / 49.6).
+// 80 columns at 57-80 per expert in batches of 256 or more: an expert's tokens are about Binomial(T, k / M), so at a
+// mean of 64-73 most experts fit one 80-column item, where 128 columns are 40% padding and 64 split most experts in
+// two (their weights stream twice). device_runs/session21.txt, call 1 (us, WS-80 / WS-128 / the default before):
+// Qwen3 b256/M28 (73) 101.6 / 110.5 / 110.1, M32 (64) 108.1 / 119.9 / 115.6, b512/M56 (73) 189.0 / 201.9 / 204.0, M64
+// (64) 202.8 / 228.7 / 210.7; OLMoE b256/M32 (64) 134.8 / 149.0 / 139.4, b512/M64 (64) 260.3 / 281.7 / 283.3, but
+// b256/M28 (73) 134.1 / 144.1 / 132.1 (a 1.5% loss, taken for the rule's simplicity). Not at b128 (M16, 64 per expert: 59.2 vs 56.3) nor at 85 (Qwen3
+// b256/M24 116.9 vs 109.8).
 int ws_columns_for(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
   if (T <= 64 || experts_ws_round_fill(active_experts, I, H, sms) < 0.65) return 0;
   if (tokens_per_expert > 96 && tokens_per_expert <= 150) return 160;
+  if (tokens_per_expert > 56 && tokens_per_expert <= 80) return T >= 256 ? 80 : 0;
   if (T >= 512 && tokens_per_expert >= 32 && tokens_per_expert <= 96) return tokens_per_expert <= 56 ? 64 : 128;
   return 0;
 }
@@ -644,12 +652,12 @@ struct Pick {
 
 // BASE_MOE_EXPERTS_CONFIG's choice, if set (benchmarks and tests), or else the configuration measured best for this
 // load: WS where ws_columns_for gives its columns, a cp.async configuration otherwise. WS's columns wherever it runs:
-// BASE_MOE_WS_N=64|128|160 if set (benchmarks and tests; with BASE_MOE_EXPERTS_CONFIG=WS at any load), else the
+// BASE_MOE_WS_N=64|80|128|160 if set (benchmarks and tests; with BASE_MOE_EXPERTS_CONFIG=WS at any load), else the
 // rule's, else (WS forced where the rule takes none) 160.
 Pick pick_config(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
   static constexpr Config kConfigs[] = {Config::kT16, Config::kT32, Config::kW64, Config::kW128, Config::kWS};
   const int forced = forced_config();
-  const int forced_columns = forced_choice("BASE_MOE_WS_N", {"64", "128", "160"});
+  const int forced_columns = forced_choice("BASE_MOE_WS_N", {"64", "80", "128", "160"});
   const int columns = ws_columns_for(T, tokens_per_expert, active_experts, I, H, sms);
   const int ws_columns = forced_columns >= 0 ? kWsColumns[forced_columns] : columns > 0 ? columns : kWsMaxColumns;
   if (forced >= 0) return {kConfigs[forced], ws_columns};

@@ -5,7 +5,7 @@
 //   1. plan: the slots in expert-sorted order (each CTA recomputes the expert counts and offsets from the ids, so no
 //      grid-wide sync is needed, then ranks its 16 slots stably), each slot's hidden row copied to that order (xp),
 //      its yslot row (t * k + j) and routing weight; CTA 0 writes the GEMMs' work items: per active expert, chunks of
-//      at most N of its slots x weight tiles (N = 64, 128 or 160: csrc/experts.cu pick_config).
+//      at most N of its slots x weight tiles (N = 64, 80, 128 or 160: csrc/experts.cu pick_config).
 //   2. gate_up: act[slot, i] = SiLU(gate_i . x) * (up_i . x) for the items' 96-intermediate tiles.
 //   3. down:    yslot[t * k + j, h] = w * (down_h . act[slot]) for 128-row tiles, rounded to the input dtype.
 // Both GEMMs: one persistent CTA per SM; thread 0 of warpgroup 0 loads, per 64-wide k step, one TMA box of 64 weight
@@ -35,7 +35,7 @@ namespace {
 using namespace experts_detail;
 
 constexpr int kMaxE = 512;
-constexpr int kMaxN = 160;            // token columns per work item at most (the wgmma's N: 64, 128 or 160)
+constexpr int kMaxN = 160;            // token columns per work item at most (the wgmma's N: 64, 80, 128 or 160)
 constexpr int kStep = 64;             // k elements per stage (128-byte rows)
 constexpr int kBox = 64 * 128;        // one consumer's 64 weight rows of a stage
 constexpr int kPlanThreads = 512;
@@ -57,10 +57,13 @@ struct WsShape {
   static constexpr int TILE = GATED ? 96 : 128;
   static constexpr int A_BYTES = CONSUMERS * kBox;
   static constexpr int STAGE_BYTES = A_BYTES + N * 128;
-  // as many stages as the shared memory holds, at most 8: 5 / 6 at N = 160 (gate_up / down), 7 / 8 at N = 64
+  // as many stages as the shared memory holds, at most 8: 5 / 6 at N = 160 (gate_up / down), 6 / 8 at 80, 7 / 8 at
+  // 64
   static constexpr int STAGES = (kMaxSharedBytes - 1024) / STAGE_BYTES < 8 ? (kMaxSharedBytes - 1024) / STAGE_BYTES : 8;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1 KB to align the ring for the swizzle
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
+  // whole 8-row swizzle blocks of token rows, so every stage's boxes start 1024-byte aligned
+  static_assert(N % 8 == 0 && N <= kMaxN, "token columns: a multiple of 8, at most kMaxN");
   static_assert(STAGES >= 2 && SMEM_BYTES + 16 * STAGES <= kMaxSharedBytes, "the ring and its mbarriers must fit");
 };
 
@@ -526,6 +529,7 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   const at::ScalarType dtype = hidden.scalar_type();
   switch (columns) {
     case 64: return launch_all_n<64>(dtype, plan, gate_up, down, maps, stream, pdl);
+    case 80: return launch_all_n<80>(dtype, plan, gate_up, down, maps, stream, pdl);
     case 128: return launch_all_n<128>(dtype, plan, gate_up, down, maps, stream, pdl);
     case kMaxN: return launch_all_n<kMaxN>(dtype, plan, gate_up, down, maps, stream, pdl);
     default: return false;  // not an instance: the caller's fallback

@@ -1,8 +1,8 @@
 """Where WS wins (developer tooling, notes/STATUS.md): the expert op under forced configurations, bench_layer.py's
 draws and timing, Qwen3 and OLMoE shapes. Two sweeps:
   default    T x M points of 85-186 tokens per expert, around WS's 160-token items (session 17)
-  --columns  points of 32-128 tokens per expert, where 160-column items are mostly padding, against WS with 128 and
-             64 token columns per item ("WS-128", "WS-64": bench_layer.py's variants, BASE_MOE_WS_N)
+  --columns  points of 32-128 tokens per expert, where 160-column items are mostly padding, against WS with 128, 80
+             and 64 token columns per item ("WS-128" ...: bench_layer.py's variants, BASE_MOE_WS_N)
 
     python3 notes/ws_window.py [--columns] [qwen3-30b-a3b,olmoe-1b-7b]
 """
@@ -29,7 +29,7 @@ SWEEPS = {
             + [(128, m) for m in (12, 16, 20, 24, 32)] + [(64, 16)],
             "olmoe-1b-7b": [(256, m) for m in (16, 20, 24, 28, 32, 40, 48, 56, 64)] + [(512, m) for m in (48, 64, 96)],
         },
-        ("default", "W64", "W128", "WS", "WS-128", "WS-64"),
+        ("default", "W64", "W128", "WS", "WS-128", "WS-80", "WS-64"),
     ),
 }
 

@@ -201,8 +201,8 @@ def ws_columns_picked(T, bound, shape):
     """csrc/experts.cu ws_columns_for, restated: WS's token columns per work item where the default picks WS, else 0.
     Only on sm_90 (its sm_90a code), in batches of more than 64 tokens whose work items (active experts x weight tiles
     of 96 intermediates for gate_up, 128 rows for down) fill the last of the rounds of one persistent CTA per SM to at
-    least 65%: 160 columns at 97-150 tokens per active expert; 64 at 32-56 and 128 at 57-96 in batches of 512 or
-    more."""
+    least 65%: 160 columns at 97-150 tokens per active expert; 80 at 57-80 in batches of 256 or more; 64 at 32-56
+    and 128 at 81-96 in batches of 512 or more."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def fill(items):
@@ -215,6 +215,8 @@ def ws_columns_picked(T, bound, shape):
         return 0
     if 96 < per_expert <= 150:
         return 160
+    if 56 < per_expert <= 80:
+        return 80 if T >= 256 else 0
     if T >= 512 and 32 <= per_expert <= 96:
         return 64 if per_expert <= 56 else 128
     return 0
@@ -222,12 +224,13 @@ def ws_columns_picked(T, bound, shape):
 
 @pytest.mark.parametrize("T,bound,I", [(256, 16, 768), (256, 14, 768), (256, 13, 768), (256, 18, 768),
                                        (256, 22, 768), (64, 4, 768), (256, 16, 1024), (256, 14, 1024),
-                                       (512, 40, 768), (512, 48, 768), (512, 96, 768), (256, 48, 768), (512, 64, 1024)])
+                                       (512, 40, 768), (512, 48, 768), (512, 96, 768), (256, 48, 768), (512, 64, 1024),
+                                       (256, 28, 768), (256, 32, 1024), (128, 16, 768)])
 def test_default_picks_ws_by_load(T, bound, I, monkeypatch):
     """By default WS runs exactly where pick_config's rule says, with the columns it says (on an H200: b256 with 14 or
-    16 active experts of the Qwen3 shape at 160 columns, not 13, 18, 22 or 48, not b64; with OLMoE's I = 1024 at 16,
-    not 14; b512 at 160 with 40 active experts, 128 with 48, 64 with 96; I = 1024 b512 at 128 with 64), and its output
-    is accurate there."""
+    16 active experts of the Qwen3 shape at 160 columns, at 80 with 28, not 13, 18, 22 or 48, not b64 or b128/M16;
+    with OLMoE's I = 1024 at 16, at 80 with 32, not 14; b512 at 160 with 40 active experts, 128 with 48, 64 with 96;
+    I = 1024 b512 at 80 with 64), and its output is accurate there."""
     monkeypatch.delenv("BASE_MOE_EXPERTS_CONFIG", raising=False)
     monkeypatch.delenv("BASE_MOE_WS_N", raising=False)
     shape = dict(QWEN3, E=max(24, bound), I=I)
@@ -237,12 +240,12 @@ def test_default_picks_ws_by_load(T, bound, I, monkeypatch):
     assert any("expert_gemm_kernel" in n for n in names) == (not columns), names  # one path ran, not none
 
 
-@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("n", [64, 80, 128])
 @pytest.mark.parametrize("T,used", [(256, 32), (256, 16), (512, 16), (37, 5)])
 def test_ws_token_columns(n, T, used, monkeypatch):
-    """WS with 64 or 128 token columns per work item (forced by BASE_MOE_WS_N, the knob of benchmarks): accurate like
-    every configuration (experts with more slots than n take several items: ~218 per expert at 512 x 8 / 16, ~110 at
-    256 / 16), and both GEMMs' kernels of that n are what ran."""
+    """WS with 64, 80 or 128 token columns per work item (forced by BASE_MOE_WS_N, the knob of benchmarks):
+    accurate like every configuration (experts with more slots than n take several items: ~218 per expert at 512 x 8 /
+    16, ~110 at 256 / 16), and both GEMMs' kernels of that n are what ran."""
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
     monkeypatch.setenv("BASE_MOE_WS_N", str(n))
     names = launched_kernels(lambda: check_accuracy(T, QWEN3, torch.bfloat16, used, used=used, seed=T + used))

@@ -80,13 +80,19 @@ __device__ __forceinline__ void fence_registers(float* d) {
 // d (N / 2 floats per thread, the m16n8 accumulator layout per warp and per 8 columns) += A * B.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, uint64_t desc_a, uint64_t desc_b);
-// The instruction for one operand type (AB: "bf16" or "f16"); N = 64 takes 32 accumulator registers, N = 128 takes 64,
-// N = 160 (csrc/experts_ws.cu) 80.
+// The instruction for one operand type (AB: "bf16" or "f16"); N columns take N / 2 accumulator registers. N = 64 and
+// 128 serve csrc/experts.cu's W64 / W128; csrc/experts_ws.cu's items take 64, 80, 128 or 160.
 #define BASE_MOE_WGMMA_N64(AB)                                                                              \
   BASE_MOE_WGMMA(                                                                                           \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                          \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+      : "l"(desc_a), "l"(desc_b), "r"(1))
+#define BASE_MOE_WGMMA_N80(AB)                                                                              \
+  BASE_MOE_WGMMA(                                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"                                                          \
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32." AB "." AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) \
       : "l"(desc_a), "l"(desc_b), "r"(1))
 #define BASE_MOE_WGMMA_N128(AB)                                                                             \
   BASE_MOE_WGMMA(                                                                                           \
@@ -113,10 +119,12 @@ __device__ __forceinline__ void wgmma_m64k16(float* d, uint64_t desc_a, uint64_t
     BASE_MOE_WGMMA_N##N("f16");                                                                          \
   }
 BASE_MOE_WGMMA_INSTANCES(64)
+BASE_MOE_WGMMA_INSTANCES(80)
 BASE_MOE_WGMMA_INSTANCES(128)
 BASE_MOE_WGMMA_INSTANCES(160)
 
 #undef BASE_MOE_WGMMA_N64
+#undef BASE_MOE_WGMMA_N80
 #undef BASE_MOE_WGMMA_N128
 #undef BASE_MOE_WGMMA_N160
 #undef BASE_MOE_WGMMA_INSTANCES
