@@ -64,7 +64,10 @@ struct WsShape {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   // whole 8-row swizzle blocks of token rows, so every stage's boxes start 1024-byte aligned
   static_assert(N % 8 == 0 && N <= kMaxN, "token columns: a multiple of 8, at most kMaxN");
-  static_assert(STAGES >= 2 && SMEM_BYTES + 16 * STAGES <= kMaxSharedBytes, "the ring and its mbarriers must fit");
+  // with the ring: its mbarriers and (down) the item's staged yslot rows and weights (ws_gemm_kernel)
+  static_assert(STAGES >= 2 && SMEM_BYTES + 16 * STAGES + (GATED ? 0 : 8 * N) <= kMaxSharedBytes,
+                "the ring, its mbarriers and down's staged item must fit");
+  static_assert(GATED || N <= 128 * CONSUMERS, "down's consumers stage one column each");
 };
 
 // Weight tiles of a GEMM whose output has `rows` rows (I for gate_up, H for down); the last one may be partial.
@@ -137,13 +140,25 @@ __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams 
       p.slot_weight[pos] = p.weights[p0 + j];
     }
   }
-  const int chunks = p.H / 8;  // 16-byte chunks of a row
+  // each pair's hidden row to its sorted position, kCopyBatch 16-byte chunks per thread in flight: a batch's loads
+  // all go out before its stores (a store to xp might alias hidden for all the compiler knows, so one chunk per
+  // iteration waited a round trip each: 8 at H = 2048)
+  constexpr int kCopyBatch = 8;
+  const int chunks = p.H / 8, n = (p1 - p0) * chunks;
   const uint4* src = static_cast<const uint4*>(p.hidden);
   uint4* dst = static_cast<uint4*>(p.xp);
-  for (int v = tid; v < (p1 - p0) * chunks; v += kPlanThreads) {
-    const int j = v / chunks, c = v % chunks, pos = s_pos[j];
-    if (pos >= 0)
-      dst[static_cast<int64_t>(pos) * chunks + c] = src[static_cast<int64_t>((p0 + j) / p.top_k) * chunks + c];
+  for (int v0 = tid; v0 < n; v0 += kPlanThreads * kCopyBatch) {
+    uint4 row[kCopyBatch];
+#pragma unroll
+    for (int b = 0; b < kCopyBatch; ++b) {
+      const int v = v0 + b * kPlanThreads;  // a sentinel pair's row is loaded too (it exists), never stored
+      if (v < n) row[b] = src[static_cast<int64_t>((p0 + v / chunks) / p.top_k) * chunks + v % chunks];
+    }
+#pragma unroll
+    for (int b = 0; b < kCopyBatch; ++b) {
+      const int v = v0 + b * kPlanThreads, pos = v < n ? s_pos[v / chunks] : -1;
+      if (pos >= 0) dst[static_cast<int64_t>(pos) * chunks + v % chunks] = row[b];
+    }
   }
   if (blockIdx.x != 0) return;
   // the work items (CTA 0, whose bases are the expert offsets): chunk-major in expert order, tiles inner, so that
@@ -189,16 +204,16 @@ __device__ __forceinline__ void gate_up_epilogue(const float (&d)[N / 2], const 
       act[static_cast<int64_t>(item.slot0 + col) * p.rows_out + i] = from_float<T>(silu_mul(d[reg], d[reg + 2]));
   });
 }
-// down: rows (l / 4, l / 4 + 8) of warp w are output rows h and h + 8 of consumer c's 64.
+// down: rows (l / 4, l / 4 + 8) of warp w are output rows h and h + 8 of consumer c's 64. The item's yslot rows and
+// routing weights come staged in shared memory (origin, weight: ws_gemm_kernel).
 template <typename T, int N>
 __device__ __forceinline__ void down_epilogue(const float (&d)[N / 2], const WsGemmParams& p, const WsItem& item,
-                                              int c, int warp, int lane) {
+                                              const int* origin, const float* weight, int c, int warp, int lane) {
   const int h = item.tile * WsShape<false>::TILE + 64 * c + 16 * warp + lane / 4;
   wgmma_for_each_column<N>(lane, [&](int col, int reg) {
     if (col < item.cols) {
-      const int slot = item.slot0 + col;
-      T* row = static_cast<T*>(p.yslot) + static_cast<int64_t>(p.slot_origin[slot]) * p.rows_out;
-      const float w = p.slot_weight[slot];
+      T* row = static_cast<T*>(p.yslot) + static_cast<int64_t>(origin[col]) * p.rows_out;
+      const float w = weight[col];
       if (h < p.rows_out) row[h] = from_float<T>(w * d[reg]);
       if (h + 8 < p.rows_out) row[h + 8] = from_float<T>(w * d[reg + 2]);
     }
@@ -278,6 +293,10 @@ __global__ void __launch_bounds__(WsShape<GATED, N>::THREADS, 1)
   using S = WsShape<GATED, N>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[S::STAGES], empty[S::STAGES];
+  // down: the item's yslot rows and routing weights, which its epilogue reads per column (read from global memory
+  // there, behind the previous column's stores, each waited a round trip)
+  __shared__ int s_origin[GATED ? 1 : N];
+  __shared__ float s_weight[GATED ? 1 : N];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const uint32_t ring = smem_addr(smem), full0 = smem_addr(full), empty0 = smem_addr(empty);
@@ -303,6 +322,14 @@ __global__ void __launch_bounds__(WsShape<GATED, N>::THREADS, 1)
   int g = 0;
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
     const WsItem item = p.items[it];
+    // down: consumer thread `col` loads the item's column col before the k loop and stages it after
+    const int col = tid - 128;
+    int origin = 0;
+    float weight = 0.0f;
+    if (!GATED && col < item.cols) {
+      origin = p.slot_origin[item.slot0 + col];
+      weight = p.slot_weight[item.slot0 + col];
+    }
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
     int pending = -1;  // the ring slot whose wgmmas may still be reading it
@@ -325,10 +352,17 @@ __global__ void __launch_bounds__(WsShape<GATED, N>::THREADS, 1)
     wgmma_wait_all();
     fence_registers<N / 2>(d);
     if (lane == 0 && pending >= 0) tma::mbar_arrive(empty0 + 8 * pending);
-    if constexpr (GATED)
+    if constexpr (GATED) {
       gate_up_epilogue<T, N>(d, p, item, c, warp, lane);
-    else
-      down_epilogue<T, N>(d, p, item, c, warp, lane);
+    } else {
+      cuda::named_barrier_sync(1, S::CONSUMERS * 128);  // the previous item's epilogue has read the staged column
+      if (col < item.cols) {
+        s_origin[col] = origin;
+        s_weight[col] = weight;
+      }
+      cuda::named_barrier_sync(1, S::CONSUMERS * 128);
+      down_epilogue<T, N>(d, p, item, s_origin, s_weight, c, warp, lane);
+    }
   }
 }
 

@@ -134,6 +134,12 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Synchronises `threads` threads of the CTA (a multiple of 32) on hardware barrier `id` (1-15; __syncthreads takes 0),
+// with __syncthreads's ordering of their shared-memory accesses.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // 16-byte asynchronous copy global -> shared (cp.async, bypassing L1).
 __device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
