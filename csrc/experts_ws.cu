@@ -294,8 +294,8 @@ __global__ void __launch_bounds__(WsShape<GATED, N>::THREADS, 1)
   using S = WsShape<GATED, N>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[S::STAGES], empty[S::STAGES];
-  // down: the item's yslot rows and routing weights, which its epilogue reads per column (read from global memory
-  // there, behind the previous column's stores, each waited a round trip)
+  // down: the item's yslot rows and routing weights, which its epilogue reads per column (formerly from global memory
+  // there, each load behind the previous column's stores: a round trip per column)
   __shared__ int s_origin[GATED ? 1 : N];
   __shared__ float s_weight[GATED ? 1 : N];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);

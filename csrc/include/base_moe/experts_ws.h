@@ -8,7 +8,8 @@ namespace base_moe {
 
 // act [T*k, I] and yslot [T*k, H] (both in hidden's dtype) as in csrc/experts.cu: fills them for every non-sentinel
 // slot (act rows in expert-sorted order of the slots, yslot rows token-major); the caller's slot sum then adds each
-// token's rows. columns: the token columns of one work item (64, 80, 128 or 160; an expert with more slots takes several).
+// token's rows. columns: the token columns of one work item (64, 80, 128 or 160; an expert with more slots takes
+// several).
 // Returns false, having launched nothing, where it cannot run: a device without this build's sm_90a code (checked
 // once per device, outside stream capture), a tensor the driver cannot describe for TMA, shared memory refused, or
 // columns not one of its instances.
