@@ -40,7 +40,7 @@ constexpr int kStep = 64;             // k elements per stage (128-byte rows)
 constexpr int kBox = 64 * 128;        // one consumer's 64 weight rows of a stage
 constexpr int kPlanThreads = 512;
 constexpr int kSlotsPerPlanCta = 16;  // <= 32: one warp ranks them in one round
-constexpr int kMaxSharedBytes = 227 * 1024;  // dynamic shared memory per CTA on sm_90
+constexpr int kMaxSharedBytes = 227 * 1024;  // shared memory per CTA on sm_90 (static + dynamic)
 
 struct alignas(16) WsItem {
   int expert, tile, slot0, cols;  // cols: the chunk's slots (<= N), expert-sorted slots slot0..
@@ -59,7 +59,7 @@ struct WsShape {
   static constexpr int STAGE_BYTES = A_BYTES + N * 128;
   // as many stages as the shared memory holds, at most 8: 5 / 6 at N = 160 (gate_up / down), 6 / 8 at 80, 7 / 8 at
   // 64
-  static constexpr int STAGES = (kMaxSharedBytes - 1024) / STAGE_BYTES < 8 ? (kMaxSharedBytes - 1024) / STAGE_BYTES : 8;
+  static constexpr int STAGES = std::min((kMaxSharedBytes - 1024) / STAGE_BYTES, 8);
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1 KB to align the ring for the swizzle
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   // whole 8-row swizzle blocks of token rows, so every stage's boxes start 1024-byte aligned
