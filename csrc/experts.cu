@@ -638,12 +638,16 @@ constexpr int kWsMaxColumns = kWsColumns[std::size(kWsColumns) - 1];
 // 201.9 / 204.0, M64 (64) 202.8 / 228.7 / 210.7; OLMoE b256/M32 (64) 134.8 / 149.0 / 139.4, b512/M64 (64) 260.3 / 281.7
 // / 283.3, but b256/M28 (73) 134.1 / 144.1 / 132.1 (a 1.5% loss, taken for the rule's simplicity). Not at b128 (M16,
 // 64 per expert: 59.2 vs 56.3) nor at 85 (Qwen3 b256/M24 116.9 vs 109.8).
+// Since WS's down epilogue reads its items' columns from shared memory (session 21), 64 and 128 columns also in
+// batches of 256 (device_runs/session21.txt, call 5; us, WS at the rule's columns against the cp.async choice before):
+// Qwen3 b256/M48-64 (32-42 per expert) WS-64 135.8-172.5 vs 160.7-180.4, M24 (85) WS-128 90.2 vs 109.5; OLMoE b256/M40
+// -56 (36-51) WS-64 154.9-200.3 vs 173.7-208.6, M24 (85) WS-128 109.8 vs 118.9; within 2% either way at Qwen3
+// b256/M36-44 (46-56) and M22 (93: 88.6 vs 86.8) and OLMoE b256/M64 (32: 225.8 vs 222.4). Still not at b128.
 int ws_columns_for(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
   if (T <= 64 || experts_ws_round_fill(active_experts, I, H, sms) < 0.65) return 0;
   if (tokens_per_expert > 96 && tokens_per_expert <= 150) return 160;
-  if (tokens_per_expert > 56 && tokens_per_expert <= 80) return T >= 256 ? 80 : 0;
-  if (T >= 512 && tokens_per_expert >= 32 && tokens_per_expert <= 96) return tokens_per_expert <= 56 ? 64 : 128;
-  return 0;
+  if (T < 256 || tokens_per_expert < 32 || tokens_per_expert > 96) return 0;
+  return tokens_per_expert <= 56 ? 64 : tokens_per_expert <= 80 ? 80 : 128;
 }
 
 struct Pick {

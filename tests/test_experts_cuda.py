@@ -201,8 +201,8 @@ def ws_columns_picked(T, bound, shape):
     """csrc/experts.cu ws_columns_for, restated: WS's token columns per work item where the default picks WS, else 0.
     Only on sm_90 (its sm_90a code), in batches of more than 64 tokens whose work items (active experts x weight tiles
     of 96 intermediates for gate_up, 128 rows for down) fill the last of the rounds of one persistent CTA per SM to at
-    least 65%: 160 columns at 97-150 tokens per active expert; 80 at 57-80 in batches of 256 or more; 64 at 32-56
-    and 128 at 81-96 in batches of 512 or more."""
+    least 65%: 160 columns at 97-150 tokens per active expert; in batches of 256 or more also 64 at 32-56, 80 at 57-80
+    and 128 at 81-96."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def fill(items):
@@ -215,22 +215,22 @@ def ws_columns_picked(T, bound, shape):
         return 0
     if 96 < per_expert <= 150:
         return 160
-    if 56 < per_expert <= 80:
-        return 80 if T >= 256 else 0
-    if T >= 512 and 32 <= per_expert <= 96:
-        return 64 if per_expert <= 56 else 128
-    return 0
+    if T < 256 or not 32 <= per_expert <= 96:
+        return 0
+    return 64 if per_expert <= 56 else 80 if per_expert <= 80 else 128
 
 
 @pytest.mark.parametrize("T,bound,I", [(256, 16, 768), (256, 14, 768), (256, 13, 768), (256, 18, 768),
                                        (256, 22, 768), (64, 4, 768), (256, 16, 1024), (256, 14, 1024),
                                        (512, 40, 768), (512, 48, 768), (512, 96, 768), (256, 48, 768), (512, 64, 1024),
-                                       (256, 28, 768), (256, 32, 1024), (128, 16, 768)])
+                                       (256, 28, 768), (256, 32, 1024), (128, 16, 768), (256, 35, 768), (256, 36, 768),
+                                       (256, 25, 768), (512, 51, 768), (512, 50, 768)])
 def test_default_picks_ws_by_load(T, bound, I, monkeypatch):
     """By default WS runs exactly where pick_config's rule says, with the columns it says (on an H200: b256 with 14 or
-    16 active experts of the Qwen3 shape at 160 columns, at 80 with 28, not 13, 18, 22 or 48, not b64 or b128/M16;
-    with OLMoE's I = 1024 at 16, at 80 with 32, not 14; b512 at 160 with 40 active experts, 128 with 48, 64 with 96;
-    I = 1024 b512 at 80 with 64), and its output is accurate there."""
+    16 active experts of the Qwen3 shape at 160 columns, 22 (93 per expert) at 128, 28 at 80, 48 (42) at 64, not 13 or
+    18, not b64 or b128/M16; with OLMoE's I = 1024 at 16, at 80 with 32, not 14; b512 at 160 with 40 active experts,
+    128 with 48, 64 with 96; I = 1024 b512 at 80 with 64; at the rule's edges: b256 with 35 (58 per expert) at 80, 36
+    (56) at 64, 25 (81) at 128; b512 with 51 (80) at 80, 50 (81) at 128), and its output is accurate there."""
     monkeypatch.delenv("BASE_MOE_EXPERTS_CONFIG", raising=False)
     monkeypatch.delenv("BASE_MOE_WS_N", raising=False)
     shape = dict(QWEN3, E=max(24, bound), I=I)
