@@ -39,14 +39,19 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
                                             Token<EPL>& s) {
   const int E = p.E;
   const bool sig = p.scoring == static_cast<int>(Scoring::kSigmoid);
+  // the lane's correction biases loaded together: ptxas issued one load per expert after the previous expert's
+  // sigmoid, a memory round trip each
+  float bias[EPL];
+  const bool biased = sig && p.correction_bias != nullptr;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int u = lane * EPL + j;
+    bias[j] = biased && u < E ? p.correction_bias[u] : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
     float c = s.logit[j];
-    if (sig) {
-      c = sigmoid(c);
-      if (p.correction_bias != nullptr && u < E) c = c + p.correction_bias[u];
-    }
+    if (sig) c = sigmoid(c) + bias[j];
     s.choice[j] = c;
   }
   s.allowed = (1u << EPL) - 1u;
