@@ -622,15 +622,15 @@ constexpr int kWsMaxColumns = kWsColumns[std::size(kWsColumns) - 1];
 // 101.2 vs 86.5), at 93 (M22 105.6 vs 86.7: padding), and where the items leave more SMs idle (Qwen3 b256/M18 and M20,
 // 144 and 160 gate_up items on 132 SMs, 55% and 61% of the last round: 106.9 / 105.8 vs 77.2 / 81.2; b128/M8, 64
 // items: 51.1 vs 38.9; OLMoE b256/M14, 58%: 104.7 vs 103.5).
-// 64 or 128 columns in batches of 512 tokens or more at 32-96 per expert (64 at 32-56, 128 at 81-96; 57-80 takes 80,
-// below), where 160-column items are mostly padding (device_runs/session20.txt, call 5; us, WS-64 / WS-128 / the best
-// cp.async configuration): Qwen3 b512/M128 (32 per expert) 339.3 / 373.6 / 419.6, M112 (36) 303.7 / 333.0 / 400.2, M96
-// (42) 269.5 / 293.8 / 347.5, M80 (51) 235.7 / 257.6 / 280.4, M64 (64) 249.8 / 214.0 / 258.9, M56 (73) 242.0 / 200.9 /
-// 239.1, M48 (85) 213.5 / 173.7 / 216.5; OLMoE b512/M64 (64) 309.5 / 283.1 / 319.6, M48 (85) 266.5 / 222.0 / 248.0. Not
-// in smaller batches, where fewer items make WS's rounds coarse and the wins and losses mix by model and load (b256:
-// Qwen3 M48 (42) 143.7 / 156.8 / 161.6 and M24 (85) 111.2 / 99.0 / 108.4, but M44 (46) 136.8 / 150.7 / 130.3, M22 (93)
-// 107.2 / 97.9 / 86.3; OLMoE M64 (32) 237.9 / 265.6 / 219.8, M28 (73) 161.7 / 143.9 / 131.5; b128/M12 (85) 70.1 / 56.8
-// / 49.6).
+// 64 or 128 columns at 32-96 per expert (64 at 32-56, 128 at 81-96; 57-80 takes 80, below), first (session 20) in
+// batches of 512 tokens or more, where 160-column items are mostly padding (device_runs/session20.txt, call 5; us,
+// WS-64 / WS-128 / the best cp.async configuration): Qwen3 b512/M128 (32 per expert) 339.3 / 373.6 / 419.6, M112 (36)
+// 303.7 / 333.0 / 400.2, M96 (42) 269.5 / 293.8 / 347.5, M80 (51) 235.7 / 257.6 / 280.4, M64 (64) 249.8 / 214.0 /
+// 258.9, M56 (73) 242.0 / 200.9 / 239.1, M48 (85) 213.5 / 173.7 / 216.5; OLMoE b512/M64 (64) 309.5 / 283.1 / 319.6, M48
+// (85) 266.5 / 222.0 / 248.0. Then not in smaller batches, where fewer items make WS's rounds coarse and the wins and
+// losses mix by model and load (b256: Qwen3 M48 (42) 143.7 / 156.8 / 161.6 and M24 (85) 111.2 / 99.0 / 108.4, but M44
+// (46) 136.8 / 150.7 / 130.3, M22 (93) 107.2 / 97.9 / 86.3; OLMoE M64 (32) 237.9 / 265.6 / 219.8, M28 (73) 161.7 /
+// 143.9 / 131.5; b128/M12 (85) 70.1 / 56.8 / 49.6).
 // 80 columns at 57-80 per expert in batches of 256 or more: an expert's tokens are about Binomial(T, k / M), so at a
 // mean of 64-73 most experts fit one 80-column item, where 128 columns are 43-50% padding and 64 split half or more
 // of the experts in two (their weights stream twice). device_runs/session21.txt, call 1 (us, WS-80 / WS-128 / the
@@ -642,7 +642,9 @@ constexpr int kWsMaxColumns = kWsColumns[std::size(kWsColumns) - 1];
 // batches of 256 (device_runs/session21.txt, call 5; us, WS at the rule's columns against the cp.async choice before):
 // Qwen3 b256/M48-64 (32-42 per expert) WS-64 135.8-172.5 vs 160.7-180.4, M24 (85) WS-128 90.2 vs 109.5; OLMoE b256/M40
 // -56 (36-51) WS-64 154.9-200.3 vs 173.7-208.6, M24 (85) WS-128 109.8 vs 118.9; within 2% either way at Qwen3
-// b256/M36-44 (46-56) and M22 (93: 88.6 vs 86.8) and OLMoE b256/M64 (32: 225.8 vs 222.4). Still not at b128.
+// b256/M36-44 (46-56) and M22 (93: 88.6 vs 86.8) and OLMoE b256/M64 (32: 225.8 vs 222.4). Against the rule before
+// (device_runs/session22.txt, call 2): Qwen3 b256/M64 181.8 -> 170.8, b256/M8-32 and batch <= 64 within 0.4 us. Still
+// not at b128.
 int ws_columns_for(int64_t T, int64_t tokens_per_expert, int64_t active_experts, int64_t I, int64_t H, int sms) {
   if (T <= 64 || experts_ws_round_fill(active_experts, I, H, sms) < 0.65) return 0;
   if (tokens_per_expert > 96 && tokens_per_expert <= 150) return 160;
