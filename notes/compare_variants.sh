@@ -7,15 +7,25 @@
 # forced build, the steps of notes/device_trial.sh given by the last -s before it (default "texp var"; e.g. "texp var
 # mem race", "stamps" with notes/diag_stamps_main.patch among the patches, "phases" with
 # notes/select_phases_main.patch), the patches reverted. The JSON's git_commit names .trial_sha plus the patches.
-# Then, if any variant ran "var", main's "var" and one table of the default configuration's microseconds at every
-# batch x budget point of those variants, main first. Under $OUT the variants / pytest_experts / memcheck / racecheck /
-# bench_layer_q / bench_select / ncuicache files are renamed by variant; other steps' logs keep device_trial.sh's
-# names (the last variant's survive). An empty patch list (`main=`) runs the steps on main itself, e.g. session 16's
-# call 1 (the selection bisect; its patches are in git history at 9ef34e8): -s "bsel layerq" main=
+# Then, if any variant ran "var", main's "var" and one table of the default configuration's microseconds at every batch
+# x budget point of those variants, main first. Under $OUT the variants / pytest_experts / memcheck / racecheck /
+# bench_layer_q / bench_select / ncuicache / timeline / phases files are renamed by variant; other steps' logs keep
+# device_trial.sh's names (the last variant's survive). An empty patch list (`main=`) runs the steps on main itself,
+# e.g. session 16's call 1 (the selection bisect; its patches are in git history at 9ef34e8): -s "bsel layerq" main=
 # bias=notes/select_bisect_bias.patch push=notes/select_bisect_push.patch all=notes/select_replicated_s15.patch
 # Session 14 ran its calls 2, 3 and 5 as one-off scripts of this form (git history: 4dbf907).
 steps="texp var"
 names=()
+# The device tool brings back at most 8 files from $OUT (session 22 lost a call's timelines to it): at exit, more than
+# 8 files go into one $OUT/all.tgz (`tar xzf all.tgz` here).
+pack_out() {
+  local n
+  n=$(find "$OUT" -type f | wc -l)
+  [ "$n" -gt 8 ] || return 0
+  tar czf /tmp/all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/all.tgz "$OUT/all.tgz"
+  echo "packed $n files into \$OUT/all.tgz"
+}
+trap pack_out EXIT
 compared=0
 main_commit=$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)
 # One git apply per patch (one call over several patches of the same file does not always compose them); on a
@@ -50,7 +60,8 @@ run() {  # NAME STEP...
   echo "### $name: experts.cu $(md5sum csrc/experts.cu | cut -c1-8)"
   local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== |^qwen3|^\\| qwen3|^select_experts after|stalled_|gpu__time_duration|issue_active"
   bash notes/device_trial.sh "$@" | grep -E "$keep"
-  for f in variants pytest_experts memcheck racecheck bench_layer_q bench_select ncuicache_select ncuicache_layer; do
+  for f in variants pytest_experts memcheck racecheck bench_layer_q bench_select ncuicache_select ncuicache_layer timeline \
+      phases; do
     for x in json log txt; do [ -f "$OUT/$f.$x" ] && mv "$OUT/$f.$x" "$OUT/${f}_$name.$x"; done
   done
 }

@@ -53,7 +53,8 @@ for step in "$@"; do
     bselwhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --weights hot --out $OUT/bench_select_whot.json > $OUT/bench_select_whot.log 2>&1; tail -8 $OUT/bench_select_whot.log;;
     sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 200 compute-sanitizer --tool synccheck python3 benchmarks/sanitize_experts.py > $OUT/synccheck.log 2>&1; tail -6 $OUT/synccheck.log;;
     timeline) for pt in ${POINTS:-1:0 16:16 64:16 256:16}; do b=${pt%:*}; m=${pt#*:}; [ "$m" = 0 ] && m=; for op in experts layer; do
-           timeout 60 python3 benchmarks/profile_layer.py --timeline --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning; done; done;;
+           timeout 60 python3 benchmarks/profile_layer.py --timeline --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning |
+             tee -a $OUT/timeline.log; done; done;;
     stamps) # per-CTA phase stamps of the expert GEMMs (needs notes/diag_stamps_main.patch, or one like it, applied)
       for pt in ${POINTS:-64:16 16:16 1:0 256:16}; do b=${pt%:*}; m=${pt#*:}; [ "$m" = 0 ] && m=
         echo "stamps b$b/M${m:-dense}"
