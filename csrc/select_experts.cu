@@ -15,14 +15,17 @@
 //      routing_device.cuh), computes weights and slot costs, and writes each slot's cost into the shared memory of
 //      the CTA that owns the expert for the batch cost (EO experts per CTA), at the token's position.  -- barrier
 //   3. Batch cost: each CTA adds its owned experts' costs in token order (bitwise the reference's sequential fp32
-//      sum: absent tokens contribute nothing) and broadcasts D and the candidate flags to every CTA.  -- barrier
+//      sum: absent tokens contribute nothing) and pushes the ranking keys (D of the candidates, 0 otherwise) into
+//      every CTA's inbox (cuda::inbox_push: st.async counted by the receiver's mbarrier).  -- each CTA waits for its
+//      E keys (no cluster barrier: its release fence cost ~0.5 us)
 //   4. Every CTA ranks the candidates (D descending, index ascending) and keeps the top W; the token warps fill
 //      their tokens' slots (still in registers) and add them to the counts in global memory with integer atomics
 //      (the owners zeroed their experts' counts right after the PDL wait, before barrier 1; integer sums do not
 //      depend on the order).
-//   5. ids, weights, logits, log-norms, D and the kept list go to global memory. No CTA reads another's shared
-//      memory after barrier 3, so no barrier closes the kernel. Global writes before a barrier make its fence wait
-//      for them: only the counts' zeroing precedes one, with the GEMV in between.
+//   5. ids, weights, logits, log-norms, D and the kept list go to global memory. No CTA touches another's shared
+//      memory after phase 3's pushes, and a CTA leaves only once all pushes to it have landed, so no barrier closes
+//      the kernel. Global writes before a barrier make its fence wait for them: only the counts' zeroing precedes
+//      one, with the GEMV in between.
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
 // does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
 // the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
