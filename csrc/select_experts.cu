@@ -15,14 +15,17 @@
 //      routing_device.cuh), computes weights and slot costs, and writes each slot's cost into the shared memory of
 //      the CTA that owns the expert for the batch cost (EO experts per CTA), at the token's position.  -- barrier
 //   3. Batch cost: each CTA adds its owned experts' costs in token order (bitwise the reference's sequential fp32
-//      sum: absent tokens contribute nothing) and broadcasts D and the candidate flags to every CTA.  -- barrier
+//      sum: absent tokens contribute nothing) and pushes the ranking keys (D of the candidates, 0 otherwise) into
+//      every CTA's inbox (cuda::inbox_push: st.async counted by the receiver's mbarrier).  -- each CTA waits for its
+//      E keys (no cluster barrier: its release fence cost ~0.5 us)
 //   4. Every CTA ranks the candidates (D descending, index ascending) and keeps the top W; the token warps fill
 //      their tokens' slots (still in registers) and add them to the counts in global memory with integer atomics
 //      (the owners zeroed their experts' counts right after the PDL wait, before barrier 1; integer sums do not
 //      depend on the order).
-//   5. ids, weights, logits, log-norms, D and the kept list go to global memory. No CTA reads another's shared
-//      memory after barrier 3, so no barrier closes the kernel. Global writes before a barrier make its fence wait
-//      for them: only the counts' zeroing precedes one, with the GEMV in between.
+//   5. ids, weights, logits, log-norms, D and the kept list go to global memory. No CTA touches another's shared
+//      memory after phase 3's pushes, and a CTA leaves only once all pushes to it have landed, so no barrier closes
+//      the kernel. Global writes before a barrier make its fence wait for them: only the counts' zeroing precedes
+//      one, with the GEMV in between.
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
 // does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
 // the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
@@ -53,7 +56,8 @@ constexpr int kMaxFusedTokens = 64;  // tokens per group up to which one launch 
 
 struct FusedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
-  int weights, bias, partial, logit, log_norm, own, flags, own_cost, rank_key, kept_flag, kept, scratch, fill, total;
+  int weights, bias, partial, logit, log_norm, own, flags, own_cost, rank_key, kept_flag, kept, scratch, fill, inbox,
+      total;
 };
 
 __host__ __device__ inline int round_up(int a, int b) { return (a + b - 1) / b * b; }
@@ -93,6 +97,8 @@ __host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) 
   at += kWarps * (E + 2 * f.sel.n_group);
   s.fill = round_up(at, 2);  // per warp: the fill's kFillScratchWords (8-byte keys)
   at = s.fill + kWarps * kFillScratchWords;
+  s.inbox = at;  // 8 bytes (at is even): the mbarrier counting the rank keys the other CTAs push (cuda::inbox_push)
+  at += 2;
   s.total = at;
   return s;
 }
@@ -286,6 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   uint32_t* rank_key = reinterpret_cast<uint32_t*>(smem + L.rank_key);
   int* kept_flag = reinterpret_cast<int*>(smem + L.kept_flag);
   int* kept = reinterpret_cast<int*>(smem + L.kept);
+  uint64_t* inbox = reinterpret_cast<uint64_t*>(smem + L.inbox);
   float* my_scratch = smem + L.scratch + warp * (E + 2 * p.n_group);
 
   // The weights do not depend on the previous kernel: start copying this CTA's rows to shared memory while it
@@ -305,6 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   for (int i = tid; i < EO; i += kThreads) flags[i] = 0;
   for (int i = tid; i < E; i += kThreads) kept_flag[i] = 0;
   for (int i = tid; i < W; i += kThreads) kept[i] = E;
+  if (tid == 0) cuda::inbox_init(inbox, 4u * static_cast<uint32_t>(E));  // every expert's rank key, from its owner
   cuda::pdl_wait();
   int32_t* group_counts = p.counts + static_cast<int64_t>(group) * E;
   for (int e = tid; e < EO; e += kThreads) {
@@ -354,10 +362,11 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     }
     const int fl = flags[e];
     if (p.cost == static_cast<int>(Cost::kTop1Union) && (fl & 2)) d = d + p.top1_offset;
-    if (lane < C) cuda::cluster_map(rank_key, static_cast<unsigned>(lane))[u] = (fl & 1) ? candidate_key(d) : 0u;
+    if (lane < C) cuda::inbox_push(rank_key + u, static_cast<unsigned>(lane), (fl & 1) ? candidate_key(d) : 0u, inbox);
     if (lane == 0) own_cost[e] = d;
   }
-  cuda::cluster_sync();
+  // No CTA touches another's shared memory after this point, so the inbox (all E keys in) replaces a cluster barrier
+  cuda::inbox_wait(inbox);
 
   // ---- 4. top-budget selection (every CTA): rank each candidate (key descending, index ascending) ----
   rank_candidates<EPL>(rank_key, E, W, warp, lane, kept, kept_flag);

@@ -340,6 +340,8 @@ FUSED_CASES = [
     (4, 64, 7168, 256, 8, "sigmoid_groups8_4", torch.bfloat16, True, False, True),  # weights too big: two kernels
     (5, 7, 64, 8, 2, "sigmoid", torch.float16, True, True, False),
     (2, 3, 256, 12, 3, "softmax_renorm", torch.bfloat16, False, False, True),
+    (3, 1, 64, 8, 2, "softmax", torch.bfloat16, True, False, False),  # B = 1, E < 16: one-CTA clusters
+    (1, 1, 256, 12, 3, "sigmoid", torch.float16, False, True, True),  # the same
     (1, 300, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),  # > 64 tokens per group: two kernels
     (2, 9, 204, 64, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # H % 8 != 0: two kernels
     (1, 16, 512, 64, 4, "softmax_renorm", torch.float32, True, True, False),  # fp32: two kernels
@@ -404,6 +406,27 @@ def test_select_experts_deterministic():
         again = ops.select_experts(hidden, Wr, routing, budget=16, num_groups=G, predictor_weight=Wp,
                                    predictor_bias=bp)
         assert all(bitwise_equal(a, b) for a, b in zip(first, again))
+
+
+def test_select_experts_alternating_inputs():
+    """Calls on two inputs in turn give each input's first outputs bit for bit. On the GPU each group runs on its own
+    cluster (8 groups of 16 CTAs cover 128 SMs), so a CTA that ranked before all the rank keys pushed to it had landed
+    would see the other input's keys, left in the same SM's shared memory by the call before."""
+    G, B, E, H = 8, 16, 128, 2048
+    routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
+    inputs = [fused_inputs(G, B, H, E, torch.bfloat16, True, False, False, False, seed=seed) for seed in (31, 32)]
+
+    def select(x):
+        hidden, Wr, _, Wp, bp, _ = x
+        return ops.select_experts(hidden, Wr, routing, budget=16, num_groups=G, predictor_weight=Wp,
+                                  predictor_bias=bp)
+
+    firsts = [select(x) for x in inputs]
+    kept = 4
+    assert not torch.equal(firsts[0][kept], firsts[1][kept])  # else a stale read could not show
+    for i in range(100):
+        again = select(inputs[i % 2])
+        assert all(bitwise_equal(a, b) for a, b in zip(firsts[i % 2], again))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")

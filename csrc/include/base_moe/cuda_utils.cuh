@@ -1,5 +1,5 @@
 // Small device helpers shared by the CUDA kernels: dtype conversion, 16-byte loads, order-preserving
-// float keys for warp top-k, deterministic warp sums, tensor-core MMA, thread-block clusters.
+// float keys for warp top-k, deterministic warp sums, tensor-core MMA, thread-block clusters and their inboxes.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +8,8 @@
 
 #include <cooperative_groups.h>
 #include <cstdint>
+
+#include "base_moe/tma.cuh"
 
 namespace base_moe {
 namespace cuda {
@@ -118,6 +120,69 @@ __device__ __forceinline__ T* cluster_map(T* ptr, unsigned rank) {
 #else
   return ptr;
 #endif
+}
+
+// A CTA's inbox: 32-bit values the other CTAs of its cluster push into its shared memory, complete on its own
+// mbarrier once it has received the number of bytes it expects (st.async, sm_90). Where a CTA knows how many bytes it
+// will receive, waiting on its inbox replaces a cluster barrier, whose release (a MEMBAR.ALL.GPU per warp on sm_90)
+// cost select_experts ~0.5 us per call at its third barrier (device_runs/session22.txt, call 4). In a one-CTA
+// cluster (st.async needs two or more) and without clusters the pushes are plain stores and the wait a
+// __syncthreads. The inbox is one 8-byte aligned shared word; every thread of the CTA calls inbox_wait.
+// inbox_init: one thread, ordered before every push by a cluster barrier.
+__device__ __forceinline__ void inbox_init(uint64_t* inbox, uint32_t bytes) {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(inbox));
+  tma::mbar_init(bar, 1);
+  tma::mbar_arrive_expect_tx(bar, bytes);
+  tma::fence_mbarrier_init();
+#else
+  (void)inbox;
+  (void)bytes;
+#endif
+}
+
+// `value` to `dst` (a shared-memory variable, as in this CTA) of CTA `rank`, counted by that CTA's inbox.
+__device__ __forceinline__ void inbox_push(uint32_t* dst, unsigned rank, uint32_t value, uint64_t* inbox) {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  if (cooperative_groups::this_cluster().num_blocks() > 1) {
+    uint32_t remote_dst, remote_bar;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n"
+        : "=r"(remote_dst)
+        : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "r"(rank));
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n"
+        : "=r"(remote_bar)
+        : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(inbox))), "r"(rank));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];\n" ::"r"(remote_dst),
+                 "r"(value), "r"(remote_bar)
+                 : "memory");
+    return;
+  }
+#endif
+  (void)rank;
+  (void)inbox;
+  *dst = value;
+}
+
+// Returns once this CTA's inbox has received all the bytes inbox_init expects. The acquire is at cluster scope: the
+// bytes come from other CTAs' threads.
+__device__ __forceinline__ void inbox_wait(uint64_t* inbox) {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  if (cooperative_groups::this_cluster().num_blocks() > 1) {
+    const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(inbox));
+    uint32_t done = 0;
+    while (!done) {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; "
+          "}\n"
+          : "=r"(done)
+          : "r"(bar)
+          : "memory");
+    }
+    return;
+  }
+#endif
+  (void)inbox;
+  __syncthreads();
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialisation may start
