@@ -141,19 +141,25 @@ __device__ __forceinline__ void inbox_init(uint64_t* inbox, uint32_t bytes) {
 #endif
 }
 
+#ifdef BASE_MOE_HAS_CLUSTERS
+// The shared::cluster address of `ptr` (a shared-memory variable, as in this CTA) in CTA `rank`: what st.async and
+// remote mbarrier operations take (cluster_map gives a generic pointer instead).
+__device__ __forceinline__ uint32_t cluster_shared_address(const void* ptr, unsigned rank) {
+  uint32_t remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n"
+      : "=r"(remote)
+      : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "r"(rank));
+  return remote;
+}
+#endif
+
 // `value` to `dst` (a shared-memory variable, as in this CTA) of CTA `rank`, counted by that CTA's inbox.
 __device__ __forceinline__ void inbox_push(uint32_t* dst, unsigned rank, uint32_t value, uint64_t* inbox) {
 #ifdef BASE_MOE_HAS_CLUSTERS
   if (cooperative_groups::this_cluster().num_blocks() > 1) {
-    uint32_t remote_dst, remote_bar;
-    asm("mapa.shared::cluster.u32 %0, %1, %2;\n"
-        : "=r"(remote_dst)
-        : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "r"(rank));
-    asm("mapa.shared::cluster.u32 %0, %1, %2;\n"
-        : "=r"(remote_bar)
-        : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(inbox))), "r"(rank));
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];\n" ::"r"(remote_dst),
-                 "r"(value), "r"(remote_bar)
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];\n" ::"r"(
+                     cluster_shared_address(dst, rank)),
+                 "r"(value), "r"(cluster_shared_address(inbox, rank))
                  : "memory");
     return;
   }
