@@ -103,8 +103,8 @@ __host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) 
   return s;
 }
 
-// Weight row of local GEMV row r: router rows first, then predictor rows (null past the experts). No division: a
-// valid r is below 2 EC.
+// Weight row of local GEMV row r: router rows first, then predictor rows (null past the experts). No modulo: a valid
+// r is below 2 EC.
 template <typename T>
 __device__ __forceinline__ const T* gemv_row(const FusedSelectParams& f, int rg, int r) {
   const int EC = f.experts_per_cta;
