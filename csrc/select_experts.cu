@@ -157,8 +157,14 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
   const char* weights = reinterpret_cast<const char*>(smem + L.weights);
 
   for (int w = warp; w < units * KS; w += kWarps) {
-    const int unit = w % units, ks = w / units;
-    const int rt = unit % row_tiles, tu = unit / row_tiles;
+    // one 16 x 16 tile at decode sizes (Qwen3 up to 16 tokens): no integer division on the path to the loads then
+    int unit = 0, ks = w, rt = 0, tu = 0;
+    if (units > 1) {
+      unit = w % units;
+      ks = w / units;
+      rt = unit % row_tiles;
+      tu = unit / row_tiles;
+    }
     const T* a_ptr[2];
     const T* b_ptr[2];
 #pragma unroll
