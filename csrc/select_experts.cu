@@ -251,13 +251,20 @@ template <int EPL>
 __device__ __forceinline__ void gather_token(const FusedSelectParams& f, int tg, int i, int lane, float* logit_smem,
                                              float* log_norm_smem, bool base_cost, Token<EPL>& s) {
   const int E = f.sel.E, EC = f.experts_per_cta, RG = f.row_groups;
+  // expert u = lane * EPL + j is column u % EC of row group u / EC: one division for the lane's first expert, then a
+  // step per register (this is the routing warp's critical path, where each division is a ~20-instruction chain)
+  int row_group = lane * EPL / EC, column = lane * EPL - row_group * EC;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int u = lane * EPL + j;
-    const unsigned owner = static_cast<unsigned>(tg * RG + u / EC);
-    const int at = i * EC + u % EC;
+    const unsigned owner = static_cast<unsigned>(tg * RG + row_group);
+    const int at = i * EC + column;
     s.logit[j] = u < E ? cuda::cluster_map(logit_smem, owner)[at] : 0.0f;
     s.log_norm[j] = u < E && base_cost ? cuda::cluster_map(log_norm_smem, owner)[at] : 0.0f;
+    if (++column == EC) {
+      column = 0;
+      ++row_group;
+    }
   }
 }
 
