@@ -103,13 +103,16 @@ __host__ __device__ inline FusedLayout fused_layout(const FusedSelectParams& f) 
   return s;
 }
 
-// Weight row of local GEMV row r: router rows first, then predictor rows (null past the experts).
+// Weight row of local GEMV row r: router rows first, then predictor rows (null past the experts). No modulo: a valid
+// r is below 2 EC.
 template <typename T>
 __device__ __forceinline__ const T* gemv_row(const FusedSelectParams& f, int rg, int r) {
   const int EC = f.experts_per_cta;
-  const int u = rg * EC + r % EC;
-  if (r >= EC * (f.predict ? 2 : 1) || u >= f.sel.E) return nullptr;
-  const void* w = r < EC ? f.gemv.router_weight : f.gemv.predictor_weight;
+  if (r >= EC * (f.predict ? 2 : 1)) return nullptr;
+  const bool router = r < EC;
+  const int u = rg * EC + (router ? r : r - EC);
+  if (u >= f.sel.E) return nullptr;
+  const void* w = router ? f.gemv.router_weight : f.gemv.predictor_weight;
   return static_cast<const T*>(w) + static_cast<int64_t>(u) * f.gemv.H;
 }
 
@@ -132,7 +135,11 @@ __device__ __forceinline__ void stage_biases(const FusedSelectParams& f, int rg,
 
 // Phase 1: this CTA's [rows x tokens] tile of the GEMV, into shared memory (the op's outputs are written at the end).
 // The weight rows are in shared memory (copied before the kernel waited for its predecessor); the hidden states
-// stream from global memory.
+// stream from global memory. Every lane loads unconditionally: a weight row past the CTA's rows reads row 0 and a token
+// past the group's reads the batch's first, whose MMA rows / columns are never read back (an MMA's output row depends
+// on its A row only, its column on its B column only); only k past the slice's end must add nothing, so both operands
+// are zeroed there. A load under a condition compiled into a divergent branch per load (BSSY / BSYNC), and the first
+// pass through that code took ~2.3k cycles with its data in L2 (device_runs/session23.txt, call 5).
 template <typename T>
 __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group, int tg, int rg, float* smem,
                                           const FusedLayout& L) {
@@ -150,18 +157,23 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
   const char* weights = reinterpret_cast<const char*>(smem + L.weights);
 
   for (int w = warp; w < units * KS; w += kWarps) {
-    const int unit = w % units, ks = w / units;
-    const int rt = unit % row_tiles, tu = unit / row_tiles;
+    // one 16 x 16 tile at decode sizes (Qwen3 up to 16 tokens): no integer division on the path to the loads then
+    int unit = 0, ks = w, rt = 0, tu = 0;
+    if (units > 1) {
+      unit = w % units;
+      ks = w / units;
+      rt = unit % row_tiles;
+      tu = unit / row_tiles;
+    }
     const T* a_ptr[2];
     const T* b_ptr[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rt * 16 + h * 8 + g;
-      a_ptr[h] = gemv_row<T>(f, rg, r) != nullptr ? reinterpret_cast<const T*>(weights + r * stride) : nullptr;
+      a_ptr[h] = reinterpret_cast<const T*>(weights + (gemv_row<T>(f, rg, r) != nullptr ? r : 0) * stride);
       const int i = tu * 16 + h * 8 + g;
-      b_ptr[h] = i < tokens_here
-                     ? static_cast<const T*>(p.hidden) + (static_cast<int64_t>(group) * B + tg * TC + i) * p.H
-                     : nullptr;
+      const int64_t token = static_cast<int64_t>(group) * B + (i < tokens_here ? tg * TC + i : 0);
+      b_ptr[h] = static_cast<const T*>(p.hidden) + token * p.H;
     }
     const int k_begin = ks * slice, k_end = min(p.H, k_begin + slice);
     float acc[2][4] = {};
@@ -171,10 +183,12 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
       for (int u = 0; u < kUnroll; ++u) {
         const int k = k0 + u * 32 + t4 * 8;
         const bool ok = k < k_end;
+        const int kc = ok ? k : k0;  // k0 + 8 <= k_end: H and the slice bounds are multiples of 8
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          a[u][h] = ok && a_ptr[h] != nullptr ? *reinterpret_cast<const uint4*>(a_ptr[h] + k) : zero;
-          b[u][h] = ok && b_ptr[h] != nullptr ? cuda::load16(b_ptr[h] + k) : zero;
+          a[u][h] = *reinterpret_cast<const uint4*>(a_ptr[h] + kc);
+          b[u][h] = cuda::load16(b_ptr[h] + kc);
+          if (!ok) a[u][h] = b[u][h] = zero;
         }
       }
       // k within each 32-chunk is permuted identically for A and B: lane (g, t4) holds columns [8 t4, 8 t4 + 8)
@@ -237,13 +251,20 @@ template <int EPL>
 __device__ __forceinline__ void gather_token(const FusedSelectParams& f, int tg, int i, int lane, float* logit_smem,
                                              float* log_norm_smem, bool base_cost, Token<EPL>& s) {
   const int E = f.sel.E, EC = f.experts_per_cta, RG = f.row_groups;
+  // expert u = lane * EPL + j is column u % EC of row group u / EC: one division for the lane's first expert, then a
+  // step per register (this is the routing warp's critical path, where each division is a ~20-instruction chain)
+  int row_group = lane * EPL / EC, column = lane * EPL - row_group * EC;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int u = lane * EPL + j;
-    const unsigned owner = static_cast<unsigned>(tg * RG + u / EC);
-    const int at = i * EC + u % EC;
+    const unsigned owner = static_cast<unsigned>(tg * RG + row_group);
+    const int at = i * EC + column;
     s.logit[j] = u < E ? cuda::cluster_map(logit_smem, owner)[at] : 0.0f;
     s.log_norm[j] = u < E && base_cost ? cuda::cluster_map(log_norm_smem, owner)[at] : 0.0f;
+    if (++column == EC) {
+      column = 0;
+      ++row_group;
+    }
   }
 }
 

@@ -343,6 +343,9 @@ FUSED_CASES = [
     (3, 1, 64, 8, 2, "softmax", torch.bfloat16, True, False, False),  # B = 1, E < 16: one-CTA clusters
     (1, 1, 256, 12, 3, "sigmoid", torch.float16, False, True, True),  # the same
     (1, 300, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),  # > 64 tokens per group: two kernels
+    (2, 5, 1000, 64, 4, "softmax_renorm", torch.bfloat16, True, True, False),  # k slices ending inside a 32-chunk
+    (2, 5, 1000, 32, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # a token group past the batch
+    (1, 2, 512, 129, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # a row group past the experts
     (2, 9, 204, 64, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # H % 8 != 0: two kernels
     (1, 16, 512, 64, 4, "softmax_renorm", torch.float32, True, True, False),  # fp32: two kernels
 ]
