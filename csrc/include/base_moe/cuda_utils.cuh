@@ -174,16 +174,7 @@ __device__ __forceinline__ void inbox_push(uint32_t* dst, unsigned rank, uint32_
 __device__ __forceinline__ void inbox_wait(uint64_t* inbox) {
 #ifdef BASE_MOE_HAS_CLUSTERS
   if (cooperative_groups::this_cluster().num_blocks() > 1) {
-    const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(inbox));
-    uint32_t done = 0;
-    while (!done) {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; "
-          "}\n"
-          : "=r"(done)
-          : "r"(bar)
-          : "memory");
-    }
+    tma::mbar_wait</*CLUSTER=*/true>(static_cast<uint32_t>(__cvta_generic_to_shared(inbox)), 0);
     return;
   }
 #endif

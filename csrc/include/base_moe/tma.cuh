@@ -32,14 +32,25 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   BASE_MOE_SM90("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// Spins until the phase with parity `parity` has completed.
+// Spins until the phase with parity `parity` has completed. CLUSTER: the wait acquires at cluster scope, for bytes
+// that other CTAs' threads pushed (cuda::inbox_push); the TMA unit's copies into this CTA need only its own scope.
+template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
-    BASE_MOE_SM90("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                  : "=r"(done)
-                  : "r"(bar), "r"(parity)
-                  : "memory");
+    if constexpr (CLUSTER) {
+      BASE_MOE_SM90(
+          "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; "
+          "}"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    } else {
+      BASE_MOE_SM90("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                    : "=r"(done)
+                    : "r"(bar), "r"(parity)
+                    : "memory");
+    }
   }
 }
 
