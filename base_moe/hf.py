@@ -18,6 +18,11 @@ What a patched block does with a call:
 * ``group_by="position"`` (the evaluation harness, DESIGN section 7): every call is budgeted, each sequence
   position of ``[B, S, H]`` is one decode batch of B tokens (``num_groups = S``), except the first
   ``dense_positions`` positions, which run the model's own forward.
+
+The decoder layer's norm just before a patched block (``post_attention_layernorm``) is re-classed too where it is
+Hugging Face's Llama-style RMSNorm (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3; not GPT-OSS's): while the
+budget is on it runs ``base_moe.ops.rms_norm``, torch's computation bit for bit on the CPU, and on CUDA a kernel that
+lets the block's selection kernel start copying its weights while the norm runs.
 """
 
 from __future__ import annotations
@@ -100,6 +105,10 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
         layout.block.__class__ = _patched_class(_BaseMoEBlock, type(layout.block))
         layout.router.__class__ = _patched_class(_BaseMoERouter, layout.router_class)
         layout.block._base_moe = state
+        state.norm = _norm_before(model, layout)
+        if state.norm is not None:
+            state.norm.__class__ = _patched_class(_BaseMoENorm, type(state.norm))
+            state.norm._base_moe = state
     model._base_moe_layouts = found
     return model
 
@@ -126,8 +135,12 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
 
 
 def restore(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: every MoE block and router gets its original class back; returns ``model``."""
+    """Undo :func:`apply`: every MoE block, router and norm gets its original class back; returns ``model``."""
     for layout in moe_layouts(model):
+        norm = layout.block._base_moe.norm
+        if norm is not None:
+            norm.__class__ = type(norm)._base_moe_original_class
+            del norm._base_moe
         layout.block.__class__ = type(layout.block)._base_moe_original_class
         layout.router.__class__ = layout.router_class
         del layout.block._base_moe
@@ -257,6 +270,34 @@ class _BaseMoERouter:
         return base_moe.route(self, hidden_states, **kwargs)
 
 
+# Hugging Face's Llama-style RMSNorm classes, ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``, which
+# ops.rms_norm computes. GPT-OSS's multiplies by the weight before the cast and keeps its own.
+_LLAMA_STYLE_NORMS = frozenset(
+    {"Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "OlmoeRMSNorm", "MixtralRMSNorm", "DeepseekV3RMSNorm"}
+)
+
+
+def _norm_before(model: nn.Module, layout: MoELayout) -> nn.Module | None:
+    """The decoder layer's norm just before ``layout``'s block, if it is one ``ops.rms_norm`` computes."""
+    layer_name = layout.name.rpartition(".")[0]
+    norm = getattr(model.get_submodule(layer_name), "post_attention_layernorm", None)
+    if type(norm).__name__ not in _LLAMA_STYLE_NORMS or "forward" in norm.__dict__:
+        return None
+    return norm
+
+
+class _BaseMoENorm:
+    """Mixed into the Llama-style RMSNorm before a patched block: ``ops.rms_norm`` while the budget is on (on CUDA
+    its kernel lets the block's selection kernel start during the norm), the model's own norm otherwise."""
+
+    def forward(self, hidden_states):
+        if not self._base_moe.settings.active or hidden_states.dtype != self.weight.dtype:
+            return super().forward(hidden_states)
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1]).contiguous()
+        return ops.rms_norm(x, self.weight, self.variance_epsilon).view(shape)
+
+
 class _BaseMoEBlock:
     """Mixed into the model's MoE block class: the budgeted decode path, or the block's own forward."""
 
@@ -305,6 +346,7 @@ class _BlockState:
         self.predictor_bias: torch.Tensor | None = None
         self.mean_log_norm: torch.Tensor | None = None
         self.last: tuple[Selection, int] | None = None
+        self.norm: nn.Module | None = None  # the decoder layer's norm before the block, when base_moe runs it
         self._router_bias_fp32: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
 
     def set_predictors(self, predictors) -> None:

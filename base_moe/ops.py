@@ -98,6 +98,18 @@ def select_experts(
     )
 
 
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The decoder layer's RMSNorm before the MoE block, as Hugging Face writes it for the Llama-style families
+    (Qwen3-MoE, OLMoE, Mixtral, DeepSeek): ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` with ``x`` in fp32;
+    ``hidden [T, H]``, ``weight [H]`` of ``hidden``'s dtype.
+
+    On CUDA the kernel lets the next kernel on the stream start at once (programmatic dependent launch): a selection
+    op right after it (``select_experts``, ``router_predict``) then copies its weights while the norm runs. Its
+    fp32 sum of squares is added in another order than torch's, so an output may differ from torch's in the last
+    places; on the CPU it is torch's computation, bit for bit."""
+    return _ops.rms_norm(hidden, weight, eps)
+
+
 def experts(
     hidden: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -165,6 +177,11 @@ def _select_experts_fake(hidden, router_weight, router_bias, predictor_weight, p
     logits, log_norms = _router_predict_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias)
     return logits, log_norms, *_route_select_fake(logits, None, correction_bias, num_groups, top_k, scoring,
                                                   renormalize, n_group, topk_group, scaling, cost, budget, fill)
+
+
+@torch.library.register_fake("base_moe::rms_norm")
+def _rms_norm_fake(hidden, weight, eps):
+    return torch.empty_like(hidden)
 
 
 @torch.library.register_fake("base_moe::experts")

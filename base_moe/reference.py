@@ -290,6 +290,17 @@ def select_experts(
 
 
 # ---------------------------------------------------------------------------------------------
+# The decoder layer's norm before the MoE block
+# ---------------------------------------------------------------------------------------------
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama-style RMSNorm (``Qwen3MoeRMSNorm``, ``OlmoeRMSNorm``, ``MixtralRMSNorm``, ...):
+    fp32 inside, the normalised states cast back to the input dtype before the weight multiplies them."""
+    x = hidden.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(hidden.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # Stage 4: routed experts
 # ---------------------------------------------------------------------------------------------
 def experts(

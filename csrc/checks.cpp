@@ -129,6 +129,21 @@ void check_select_experts(const OptTensor& predictor_weight, int64_t cost) {
               "cost=0 (base) needs the predicted log-norms: pass predictor_weight and predictor_bias");
 }
 
+void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
+  BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
+  BASE_MOE_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
+              hidden.scalar_type());
+  BASE_MOE_CHECK(hidden.is_contiguous(), "hidden must be contiguous");
+  const int64_t H = hidden.size(1);
+  BASE_MOE_CHECK(weight.dim() == 1 && weight.size(0) == H, "weight must have shape [", H, "] to match hidden, got ",
+              weight.sizes());
+  BASE_MOE_CHECK(weight.scalar_type() == hidden.scalar_type(), "weight must have hidden's dtype (",
+              hidden.scalar_type(), "), got ", weight.scalar_type());
+  BASE_MOE_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  check_same_device(weight, hidden, "weight", "hidden");
+  BASE_MOE_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
+}
+
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts) {
   BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());

@@ -32,6 +32,10 @@ TORCH_LIBRARY(base_moe, m) {
       "Tensor? predictor_bias, Tensor? correction_bias, int num_groups, int top_k, int scoring, bool renormalize, "
       "int n_group, int topk_group, float scaling, int cost, int budget, int fill) -> (Tensor logits, "
       "Tensor log_norms, Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, Tensor batch_cost)");
+  // The decoder layer's RMSNorm before the MoE block (Llama-style, as HF writes it for Qwen3-MoE, OLMoE, Mixtral,
+  // DeepSeek): weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), fp32 inside. On CUDA it lets the selection kernel
+  // after it start (programmatic dependent launch), so select_experts stages its weights while the norm runs.
+  m.def("rms_norm(Tensor hidden, Tensor weight, float eps) -> Tensor");
   // Stage 4: the routed experts' output for the final ids and weights (SiLU-gated, HF v5 layout).
   // max_active_experts: an upper bound on the distinct experts in expert_ids that the caller knows (a budget);
   // the CUDA kernels size their grid by it and pick their tile configuration with it (any value gives a correct
@@ -47,13 +51,15 @@ TORCH_LIBRARY_IMPL(base_moe, CPU, m) {
   m.impl("select_fill", &base_moe::select_fill_cpu);
   m.impl("route_select", &base_moe::route_select_cpu);
   m.impl("select_experts", &base_moe::select_experts_cpu);
+  m.impl("rms_norm", &base_moe::rms_norm_cpu);
   m.impl("experts", &base_moe::experts_cpu);
 }
 
 // The ops are not differentiable (inference-time selection and decode kernels): their outputs carry no
 // autograd history, whatever the inputs.
 TORCH_LIBRARY_IMPL(base_moe, Autograd, m) {
-  for (const char* op : {"router_predict", "route_cost", "select_fill", "route_select", "select_experts", "experts"}) {
+  for (const char* op : {"router_predict", "route_cost", "select_fill", "route_select", "select_experts", "rms_norm",
+                          "experts"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

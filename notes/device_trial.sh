@@ -76,6 +76,8 @@ for step in "$@"; do
     wsn) timeout 300 python3 notes/ws_window.py --columns > $OUT/ws_n.log 2>&1; cat $OUT/ws_n.log;;
     floor) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/select_floor.cu -o /tmp/select_floor && /tmp/select_floor > $OUT/floor.log 2>&1; cat $OUT/floor.log;;
     micro) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/route_token.cu -o /tmp/route_token && /tmp/route_token > $OUT/micro.log 2>&1; cat $OUT/micro.log;;
+    tnorm) timeout 200 python3 -m pytest -m cuda tests/test_norm_cuda.py -q -x > $OUT/pytest_norm.log 2>&1; tail -5 $OUT/pytest_norm.log;;
+    normsan) for tool in memcheck racecheck; do timeout 150 compute-sanitizer --tool $tool python3 tests/test_norm_cuda.py sanitize > $OUT/norm_$tool.log 2>&1; tail -2 $OUT/norm_$tool.log; done;;
     selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;
     e2e) timeout 200 python3 benchmarks/bench_e2e.py --repeats 2 --json $OUT/bench_e2e.json > $OUT/e2e.log 2>&1; tail -25 $OUT/e2e.log;;
     *) echo "unknown step $step";;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -239,6 +240,30 @@ def test_state_dict_and_restore(family):
     assert {name: type(m) for name, m in model.named_modules()} == classes
     assert not base_moe.hf.is_applied(model)
     assert not any(hasattr(m, "_base_moe") for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_norm_before_the_block_runs_the_op_with_hfs_bits(family, dtype):
+    """The Llama-style norm before each patched block runs ops.rms_norm while the budget is on (its model's bits on
+    the CPU), its own forward when the budget is off; GPT-OSS's norm (another formula) is left alone."""
+    model = fresh(family, dtype=dtype)
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
+    for layout in moe_layouts(model):
+        norm = layout.block._base_moe.norm
+        if family == "gpt_oss":
+            assert norm is None
+            continue
+        own = type(norm)._base_moe_original_class
+        assert type(norm) is not own and isinstance(norm, own)
+        x = (torch.randn(3, 2, layout.hidden_size) * 4.0).to(dtype)
+        with mock.patch.object(base_moe.ops, "rms_norm", wraps=base_moe.ops.rms_norm) as op:
+            out = norm(x)
+            assert op.call_count == 1
+            base_moe.configure(model, budget=None)
+            assert torch.equal(norm(x), out) and op.call_count == 1
+            base_moe.configure(model, budget=2)
+        assert torch.equal(out, own.forward(norm, x))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -271,6 +271,20 @@ def test_experts_all_slots_dropped_gives_zero(device):
 
 
 # ---------------------------------------------------------------------------------------------
+# rms_norm (its CUDA kernel: tests/test_norm_cuda.py)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 7), (33, 2048), (2, 0)])
+def test_rms_norm_matches_reference_on_cpu(dtype, T, H):
+    gen = torch.Generator().manual_seed(T * 1000 + H)
+    hidden = (torch.randn(T, H, generator=gen) * 3.0).to(dtype)
+    weight = (torch.rand(H, generator=gen) + 0.5).to(dtype)
+    out = ops.rms_norm(hidden, weight, 1e-6)
+    assert out.dtype == dtype and out.shape == (T, H)
+    torch.testing.assert_close(out, ref.rms_norm(hidden, weight, 1e-6), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
 # opcheck: schema, fake tensor and autograd registration of every op
 # ---------------------------------------------------------------------------------------------
 def opcheck_cases(device):
@@ -297,6 +311,7 @@ def opcheck_cases(device):
                                                       int(Cost.FREQUENCY), 3, int(Fill.DROP))
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down)
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down, 2)
+    yield torch.ops.base_moe.rms_norm.default, (hidden, torch.rand(64, device=device) + 0.5, 1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -333,6 +348,13 @@ def test_bad_arguments_raise_clear_errors(device):
                                     predictor_weight=torch.randn(16, 32, device=device)), "together"),
         (lambda: ops.experts(*random_expert_problem(3, 64, 64, 4, 2, device, torch.bfloat16), max_active_experts=0),
          "max_active_experts"),
+        (lambda: ops.rms_norm(torch.randn(4, 32, device=device), torch.ones(31, device=device), 1e-6),
+         "weight must have shape"),
+        (lambda: ops.rms_norm(torch.randn(4, 32, device=device), torch.ones(32, device=device).half(), 1e-6),
+         "weight must have hidden's dtype"),
+        (lambda: ops.rms_norm(torch.randn(4, 32, device=device), torch.ones(32, device=device), -1.0), "eps"),
+        (lambda: ops.rms_norm(torch.randn(4, 32, 2, device=device)[..., 0], torch.ones(32, device=device), 1e-6),
+         "contiguous"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
@@ -368,4 +390,5 @@ def test_ops_carry_no_autograd_history():
     x, ids, w, gate_up, down = random_expert_problem(5, 64, 32, 4, 2, "cpu", torch.float32)
     out = ops.experts(x.requires_grad_(), ids, w, gate_up.requires_grad_(), down)
     logits, _ = ops.router_predict(x, torch.randn(8, 64, requires_grad=True))
-    assert out.grad_fn is None and logits.grad_fn is None
+    normed = ops.rms_norm(x, torch.ones(64, requires_grad=True), 1e-6)
+    assert out.grad_fn is None and logits.grad_fn is None and normed.grad_fn is None

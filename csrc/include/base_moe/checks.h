@@ -31,6 +31,9 @@ void check_budget_fill(int64_t budget, int64_t fill);
 // select_experts: the BASE cost needs the predictor's rows.
 void check_select_experts(const OptTensor& predictor_weight, int64_t cost);
 
+// rms_norm: hidden [T, H] contiguous float, weight [H] of hidden's dtype on its device, eps >= 0.
+void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps);
+
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts);
 

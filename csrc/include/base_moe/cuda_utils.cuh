@@ -32,6 +32,22 @@ __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
 
+// float to T, rounding to nearest even (torch's extensions build without the implicit half / bfloat16 conversions)
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
 // 16-byte read-only global load (the pointer must be 16-byte aligned).
 __device__ __forceinline__ uint4 load16(const void* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));

@@ -53,16 +53,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
+using cuda::from_float;
 
 // SiLU(gate) * up for the gate_up epilogues (csrc/experts.cu, csrc/experts_ws.cu). __fdividef instead of IEEE
 // division: the division's slow-path branch kept ptxas from interleaving a thread's 16-64 epilogue values, and with

@@ -1,0 +1,21 @@
+// Host interface of the RMSNorm kernel (csrc/rms_norm.cu), called by csrc/rms_norm_cuda.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace base_moe {
+
+enum class NormDtype : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
+
+struct RmsNormParams {
+  const void* hidden;  // [T, H], contiguous
+  const void* weight;  // [H], hidden's dtype
+  void* out;           // [T, H]
+  int64_t T;           // rows, 1 <= T < 2^31
+  int H;               // 1 <= H < 2^30
+  float eps;
+};
+
+void rms_norm_launch(const RmsNormParams& p, NormDtype dtype, int device);
+
+}  // namespace base_moe

@@ -1,0 +1,81 @@
+// The decoder layer's RMSNorm before the MoE block (op rms_norm), on CUDA: one CTA per token row, fp32 inside, as
+// Hugging Face writes it for the Llama-style families: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype).
+// Its point is the launch that follows: the kernel lets its dependents start at once (programmatic dependent launch),
+// so a selection kernel launched with PDL right after it (select_experts, router_predict) stages its weights while
+// the norm runs instead of after it; they read the norm's output only after their griddepcontrol.wait, which waits
+// for this whole grid and its writes. torch's own norm kernel gives no such signal, and behind it select_experts took
+// ~4.8 us more than behind another selection (device_runs/session24.txt).
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "base_moe/cuda_utils.cuh"
+#include "base_moe/launch.cuh"
+#include "base_moe/norm_kernels.h"
+
+namespace base_moe {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// Sum over the CTA in a fixed order (each warp's butterfly, then the warps' sums in warp order): every thread gets
+// the same bits, and a row gets the same bits on every call.
+__device__ __forceinline__ float block_sum(float v, float* warp_sums) {
+  v = cuda::warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
+  return total;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
+                                                            T* __restrict__ out, int H, float inv_h, float eps) {
+  // The kernel after this one may launch now: a PDL launch reads this kernel's output only after its
+  // griddepcontrol.wait, which returns once this whole grid has finished and its writes are visible.
+  cuda::pdl_launch_dependents();
+  __shared__ float warp_sums[kWarps];
+  const int64_t row = blockIdx.x;
+  const T* x = hidden + row * H;
+  float squares = 0.0f;
+  for (int j = threadIdx.x; j < H; j += kThreads) {
+    const float v = cuda::to_float(x[j]);
+    squares += v * v;
+  }
+  // rsqrtf, as torch.rsqrt on CUDA; the mean and the eps added with a rounding each, as torch does (not one FMA)
+  const float scale = rsqrtf(__fadd_rn(__fmul_rn(block_sum(squares, warp_sums), inv_h), eps));
+  T* y = out + row * H;
+  for (int j = threadIdx.x; j < H; j += kThreads) {
+    const T normed = cuda::from_float<T>(cuda::to_float(x[j]) * scale);  // .to(input dtype)
+    y[j] = cuda::from_float<T>(cuda::to_float(weight[j]) * cuda::to_float(normed));
+  }
+}
+
+template <typename T>
+void launch(const RmsNormParams& p, cudaStream_t stream) {
+  // launched without PDL itself: the kernel before it (attention's output projection, a residual add) is torch's
+  cuda::launch({dim3(static_cast<unsigned>(p.T)), dim3(kThreads), 0, stream}, rms_norm_kernel<T>,
+               static_cast<const T*>(p.hidden), static_cast<const T*>(p.weight), static_cast<T*>(p.out), p.H,
+               1.0f / static_cast<float>(p.H), p.eps);
+}
+
+}  // namespace
+
+void rms_norm_launch(const RmsNormParams& p, NormDtype dtype, int device) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+  if (dtype == NormDtype::kBFloat16) {
+    launch<__nv_bfloat16>(p, stream);
+  } else if (dtype == NormDtype::kHalf) {
+    launch<__half>(p, stream);
+  } else {
+    launch<float>(p, stream);
+  }
+}
+
+}  // namespace base_moe

@@ -1,0 +1,38 @@
+// CUDA registration of rms_norm: the argument checks (host-compiled, so errors surface as Python exceptions) and the
+// call into csrc/rms_norm.cu. Empty in CPU-only builds.
+#ifdef BASE_MOE_WITH_CUDA
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "base_moe/checks.h"
+#include "base_moe/norm_kernels.h"
+
+namespace base_moe {
+namespace {
+
+Tensor rms_norm_cuda(const Tensor& hidden, const Tensor& weight, double eps) {
+  check_rms_norm(hidden, weight, eps);
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  // rows are the grid (below 2^31); a row's elements an int loop stepping by the block size
+  BASE_MOE_CHECK(T < (int64_t{1} << 31) && H < (int64_t{1} << 30), "rms_norm on CUDA: hidden shape ", hidden.sizes(),
+              " is too large (tokens must be below 2^31, hidden_size below 2^30)");
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  Tensor out = at::empty_like(hidden);
+  if (T == 0 || H == 0) return out;
+  const auto dtype = hidden.scalar_type();
+  const NormDtype kernel_dtype = dtype == at::kFloat  ? NormDtype::kFloat
+                                 : dtype == at::kHalf ? NormDtype::kHalf
+                                                      : NormDtype::kBFloat16;
+  const RmsNormParams p{hidden.data_ptr(), weight.data_ptr(), out.data_ptr(), T, static_cast<int>(H),
+                        static_cast<float>(eps)};
+  rms_norm_launch(p, kernel_dtype, hidden.get_device());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(base_moe, CUDA, m) { m.impl("rms_norm", &rms_norm_cuda); }
+
+}  // namespace base_moe
+#endif  // BASE_MOE_WITH_CUDA
