@@ -70,6 +70,23 @@ def test_rms_norm_zero_rows_and_empty_batch():
     assert ops.rms_norm(hidden[:0], weight, 1e-6).shape == (0, 256)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("H", [2048, 1000])
+def test_rms_norm_same_bits_whatever_the_alignment(dtype, H):
+    """Rows that are not 16-byte aligned take the kernel's element-wise path, which adds the squares in the same order
+    as its 16-byte path: the same bits for the same values."""
+    T = 5
+    hidden, weight = random_inputs(T, H, dtype, seed=H + 11)
+    shifted_hidden = torch.empty(T * H + 1, device=hidden.device, dtype=dtype)[1:].view(T, H)
+    shifted_weight = torch.empty(H + 1, device=hidden.device, dtype=dtype)[1:]
+    shifted_hidden.copy_(hidden)
+    shifted_weight.copy_(weight)
+    assert shifted_hidden.data_ptr() % 16 != 0 and shifted_weight.data_ptr() % 16 != 0
+    want = ops.rms_norm(hidden, weight, 1e-6)
+    assert torch.equal(ops.rms_norm(shifted_hidden, weight, 1e-6), want)
+    assert torch.equal(ops.rms_norm(hidden, shifted_weight, 1e-6), want)
+
+
 def norm_then_select(hidden, weight, Wr, Wp, bp):
     """The decode order: the norm, then select_experts launched behind it (PDL), on the norm's output. A sleep kernel
     first holds the GPU until both are queued, so that they run back to back as in a decode step (launched from an
