@@ -43,10 +43,13 @@ __all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "select
 _UNSET = object()
 _GROUP_BY = ("batch", "position")
 _EXPERTS = ("auto", "base_moe", "hf")
+_NORMS = ("auto", "model")
 _OPTIONS = {
     "group_by": "'batch' (a decode call's tokens form one batch) or 'position' (each position is one batch)",
     "dense_positions": "with group_by='position': leading positions that run the model's own routing",
     "experts": "'auto', 'base_moe' (base_moe.ops.experts) or 'hf' (the model's own experts module)",
+    "norm": "'auto' (base_moe.ops.rms_norm for the Llama-style norm before each block while the budget is on) or "
+    "'model' (the model's own norm module always)",
     "record": "keep each block's last Selection (read it with base_moe.hf.selections(model))",
 }
 
@@ -61,6 +64,7 @@ class Settings:
     group_by: str = "batch"
     dense_positions: int = 0
     experts: str = "auto"
+    norm: str = "auto"
     record: bool = False
 
     @property
@@ -78,7 +82,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     ``predictors``: a ``base_moe.Predictors`` or the path of a saved one (needed by ``base`` and
     ``static_energy``). ``budget``: experts kept per layer and decode batch (None: the model's own routing).
     ``policy``: a name from ``base_moe.policies.available_policies()``. ``fill``: ``backfill``, ``drop`` or
-    ``drop_renorm``. Options: ``group_by``, ``dense_positions``, ``experts``, ``record`` (see ``_OPTIONS``).
+    ``drop_renorm``. Options: ``group_by``, ``dense_positions``, ``experts``, ``norm``, ``record`` (see
+    ``_OPTIONS``).
     """
     if is_applied(model):
         raise ValueError(
@@ -188,6 +193,8 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
         raise ValueError(f"dense_positions must be an int >= 0, got {s.dense_positions!r}")
     if s.experts not in _EXPERTS:
         raise ValueError(f"experts must be one of {_EXPERTS}, got {s.experts!r}")
+    if s.norm not in _NORMS:
+        raise ValueError(f"norm must be one of {_NORMS}, got {s.norm!r}")
     if s.experts == "base_moe":
         for layout in found:
             if not layout.fused:
@@ -288,10 +295,12 @@ def _norm_before(model: nn.Module, layout: MoELayout) -> nn.Module | None:
 
 class _BaseMoENorm:
     """Mixed into the Llama-style RMSNorm before a patched block: ``ops.rms_norm`` while the budget is on (on CUDA
-    its kernel lets the block's selection kernel start during the norm), the model's own norm otherwise."""
+    its kernel lets the block's selection kernel start during the norm) unless ``norm='model'``, the model's own norm
+    otherwise."""
 
     def forward(self, hidden_states):
-        if not self._base_moe.settings.active or hidden_states.dtype != self.weight.dtype:
+        s = self._base_moe.settings
+        if not s.active or s.norm == "model" or hidden_states.dtype != self.weight.dtype:
             return super().forward(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).contiguous()

@@ -19,7 +19,8 @@ Compared in the same run, per batch size:
   * ``base_moe_dense``: base_moe's kernels (router GEMV, selection, expert kernel) with no effective budget
     (budget = E, which reproduces the model's own routing exactly);
   * ``base_M{10,16,32}``: BASE with budget M (predictors are random: quality is not measured here, and the
-    predictor GEMV costs the same whatever its values).
+    predictor GEMV costs the same whatever its values), the norm before each block as ``base_moe.ops.rms_norm``;
+    ``base_M16_model_norm`` (in ``--variants``) keeps the model's own norm (``apply``'s ``norm='model'``).
 The share of a step spent in MoE layers is 1 - (time of the same step with MoE blocks skipped) / (step time).
 
     python benchmarks/bench_e2e.py --json benchmarks/results/bench_e2e.json
@@ -195,9 +196,10 @@ def configure_variant(model, name: str, predictors) -> None:
     if not base_moe.hf.is_applied(model):
         base_moe.apply(model, predictors=predictors, budget=E, policy="router_sum", experts="base_moe")
     if name == "base_moe_dense":
-        base_moe.configure(model, budget=E, policy="router_sum")
+        base_moe.configure(model, budget=E, policy="router_sum", norm="auto")
     else:
-        base_moe.configure(model, budget=int(name.removeprefix("base_M")), policy="base")
+        budget, _, norm = name.removeprefix("base_M").partition("_")
+        base_moe.configure(model, budget=int(budget), policy="base", norm="model" if norm == "model_norm" else "auto")
 
 
 VARIANTS = ("hf_grouped_mm", "hf_grouped_mm_compiled", "base_moe_dense")

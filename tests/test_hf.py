@@ -262,8 +262,18 @@ def test_norm_before_the_block_runs_the_op_with_hfs_bits(family, dtype):
             assert op.call_count == 1
             base_moe.configure(model, budget=None)
             assert torch.equal(norm(x), out) and op.call_count == 1
-            base_moe.configure(model, budget=2)
+            base_moe.configure(model, budget=2, norm="model")  # the model's own norm with the budget on
+            assert torch.equal(norm(x), own.forward(norm, x)) and op.call_count == 1
+            base_moe.configure(model, norm="auto")
         assert torch.equal(out, own.forward(norm, x))
+
+
+def test_norm_option_is_checked():
+    model = fresh("qwen3_moe")
+    with pytest.raises(ValueError, match="norm must be one of"):
+        base_moe.apply(model, budget=2, policy="router_sum", norm="ours")
+    base_moe.apply(model, budget=2, policy="router_sum", norm="model")
+    assert moe_layouts(model)[0].block._base_moe.settings.norm == "model"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
