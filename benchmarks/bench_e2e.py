@@ -198,8 +198,10 @@ def configure_variant(model, name: str, predictors) -> None:
     if name == "base_moe_dense":
         base_moe.configure(model, budget=E, policy="router_sum", norm="auto")
     else:
-        budget, _, norm = name.removeprefix("base_M").partition("_")
-        base_moe.configure(model, budget=int(budget), policy="base", norm="model" if norm == "model_norm" else "auto")
+        budget, _, suffix = name.removeprefix("base_M").partition("_")
+        if not name.startswith("base_M") or not budget.isdigit() or suffix not in ("", "model_norm"):
+            raise ValueError(f"unknown variant {name!r}: base_M<budget> or base_M<budget>_model_norm")
+        base_moe.configure(model, budget=int(budget), policy="base", norm="model" if suffix else "auto")
 
 
 VARIANTS = ("hf_grouped_mm", "hf_grouped_mm_compiled", "base_moe_dense")
