@@ -40,3 +40,21 @@ def test_decode_loop_matches_model_forward(compile_attention, compile_moe):
         torch.testing.assert_close(logits, model(sequence).logits[:, -1], rtol=1e-5, atol=1e-5)
         sequence = torch.cat([sequence, loop.tokens[:, None]], 1)
     assert int(loop.position) == prompt_len + decode_len - 1
+
+
+def test_configure_variant_sets_budget_and_norm():
+    import base_moe
+
+    model = tiny_model()
+    predictors = bench_e2e.random_predictors(model)
+
+    def settings():
+        return base_moe.hf.moe_layouts(model)[0].block._base_moe.settings
+
+    bench_e2e.configure_variant(model, "base_M4_model_norm", predictors)
+    assert (settings().budget, settings().norm) == (4, "model")
+    bench_e2e.configure_variant(model, "base_M3", predictors)
+    assert (settings().budget, settings().norm) == (3, "auto")
+    for name in ("base_M4_ours", "base_Mx", "base_M"):
+        with pytest.raises(ValueError, match="unknown variant"):
+            bench_e2e.configure_variant(model, name, predictors)
