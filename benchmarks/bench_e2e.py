@@ -186,8 +186,25 @@ def time_decode(model, batch: int, prompt_len: int, decode_len: int, repeats: in
     return sorted(per_step)[len(per_step) // 2]
 
 
+VARIANTS = ("hf_grouped_mm", "hf_grouped_mm_compiled", "base_moe_dense")
+
+
+def parse_base_variant(name: str) -> tuple[int, str] | None:
+    """(budget, norm option) of a BASE variant name (base_M<budget>, base_M<budget>_model_norm); None for the
+    baselines. Raises on any other name."""
+    if name in VARIANTS:
+        return None
+    budget, _, suffix = name.removeprefix("base_M").partition("_")
+    if not name.startswith("base_M") or not budget.isdigit() or suffix not in ("", "model_norm"):
+        raise ValueError(
+            f"unknown variant {name!r}: {', '.join(VARIANTS)}, base_M<budget> or base_M<budget>_model_norm"
+        )
+    return int(budget), "model" if suffix else "auto"
+
+
 def configure_variant(model, name: str, predictors) -> None:
-    if name.startswith("hf_grouped_mm"):
+    base = parse_base_variant(name)
+    if name in ("hf_grouped_mm", "hf_grouped_mm_compiled"):
         if base_moe.hf.is_applied(model):
             base_moe.restore(model)
         model.set_experts_implementation("grouped_mm")
@@ -195,16 +212,10 @@ def configure_variant(model, name: str, predictors) -> None:
     E = model.config.num_experts
     if not base_moe.hf.is_applied(model):
         base_moe.apply(model, predictors=predictors, budget=E, policy="router_sum", experts="base_moe")
-    if name == "base_moe_dense":
+    if base is None:  # base_moe_dense
         base_moe.configure(model, budget=E, policy="router_sum", norm="auto")
     else:
-        budget, _, suffix = name.removeprefix("base_M").partition("_")
-        if not name.startswith("base_M") or not budget.isdigit() or suffix not in ("", "model_norm"):
-            raise ValueError(f"unknown variant {name!r}: base_M<budget> or base_M<budget>_model_norm")
-        base_moe.configure(model, budget=int(budget), policy="base", norm="model" if suffix else "auto")
-
-
-VARIANTS = ("hf_grouped_mm", "hf_grouped_mm_compiled", "base_moe_dense")
+        base_moe.configure(model, budget=base[0], policy="base", norm=base[1])
 
 
 def main() -> None:
@@ -212,7 +223,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--budgets", default="10,16,32")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="baselines to run (BASE rows: --budgets)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="baselines to run, and BASE rows such as base_M16_model_norm (BASE rows: --budgets)")
     parser.add_argument("--non-moe", choices=("compiled", "eager"), default="compiled",
                         help="run the non-MoE part of each decode step through torch.compile, or eagerly")
     parser.add_argument("--prompt", type=int, default=128)
@@ -223,13 +235,15 @@ def main() -> None:
     if not base_moe.cuda_available():
         sys.exit("bench_e2e needs a CUDA GPU and base_moe built with its CUDA kernels")
     torch._dynamo.config.recompile_limit = 64  # one graph per batch size and per first/other layer
+    variants = [v for v in args.variants.split(",") if v] + [f"base_M{m}" for m in args.budgets.split(",") if m]
+    for name in variants:
+        parse_base_variant(name)  # a misspelt name fails here, not after building the model
 
     t0 = time.time()
     model = build_model(args.layers)
     print(f"model: {args.layers} layers, {sum(p.numel() for p in model.parameters()) * 2 / 1e9:.1f} GB bf16, "
           f"built in {time.time() - t0:.0f} s", flush=True)
     predictors = random_predictors(model)
-    variants = [v for v in args.variants.split(",") if v] + [f"base_M{m}" for m in args.budgets.split(",") if m]
     compile_attention = args.non_moe == "compiled"
     rows = []
     for batch in map(int, args.batches.split(",")):

@@ -14,7 +14,7 @@ namespace {
 Tensor rms_norm_cuda(const Tensor& hidden, const Tensor& weight, double eps) {
   check_rms_norm(hidden, weight, eps);
   const int64_t T = hidden.size(0), H = hidden.size(1);
-  // rows are the grid (below 2^31); a row's elements an int loop stepping by the block size
+  // rows are the grid (below 2^31); a row's chunks an int loop stepping by the block size
   BASE_MOE_CHECK(T < (int64_t{1} << 31) && H < (int64_t{1} << 30), "rms_norm on CUDA: hidden shape ", hidden.sizes(),
               " is too large (tokens must be below 2^31, hidden_size below 2^30)");
   const c10::cuda::CUDAGuard guard(hidden.device());

@@ -55,6 +55,6 @@ def test_configure_variant_sets_budget_and_norm():
     assert (settings().budget, settings().norm) == (4, "model")
     bench_e2e.configure_variant(model, "base_M3", predictors)
     assert (settings().budget, settings().norm) == (3, "auto")
-    for name in ("base_M4_ours", "base_Mx", "base_M"):
+    for name in ("base_M4_ours", "base_Mx", "base_M", "hf_grouped_mm_compile"):
         with pytest.raises(ValueError, match="unknown variant"):
             bench_e2e.configure_variant(model, name, predictors)

@@ -274,6 +274,9 @@ def test_norm_option_is_checked():
         base_moe.apply(model, budget=2, policy="router_sum", norm="ours")
     base_moe.apply(model, budget=2, policy="router_sum", norm="model")
     assert moe_layouts(model)[0].block._base_moe.settings.norm == "model"
+    with pytest.raises(ValueError, match="norm must be one of"):
+        base_moe.configure(model, norm="ours")
+    assert moe_layouts(model)[0].block._base_moe.settings.norm == "model"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
