@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -80,6 +80,10 @@ for step in "$@"; do
     normsan) for tool in memcheck racecheck; do timeout 150 compute-sanitizer --tool $tool python3 tests/test_norm_cuda.py sanitize > $OUT/norm_$tool.log 2>&1; tail -2 $OUT/norm_$tool.log; done;;
     selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;
     e2e) timeout 200 python3 benchmarks/bench_e2e.py --repeats 2 --json $OUT/bench_e2e.json > $OUT/e2e.log 2>&1; tail -25 $OUT/e2e.log;;
+    # BASE M=16 with base_moe's residual add + norm against the model's own (norm='model'), batch 16 and 64; the
+    # recompile count says whether dynamo compiled the non-MoE function again for the second variant (it must)
+    e2enorm) TORCH_LOGS=recompiles timeout 200 python3 benchmarks/bench_e2e.py --batches 16,64 --variants base_M16_model_norm --budgets 16 --repeats 2 --json $OUT/bench_e2e_norm.json > $OUT/e2enorm.log 2>&1; echo "recompile lines: $(grep -ci recompil $OUT/e2enorm.log)"; grep -v -i "warn\|recompil" $OUT/e2enorm.log | tail -7;;
+    e2eeager) timeout 300 python3 benchmarks/bench_e2e.py --non-moe eager --batches 16 --variants base_M16_model_norm --budgets 16 --repeats 2 --json $OUT/bench_e2e_norm_eager.json > $OUT/e2eeager.log 2>&1; tail -5 $OUT/e2eeager.log;;
     *) echo "unknown step $step";;
   esac
   echo "== $step $((SECONDS-s)) s"
