@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -76,6 +76,9 @@ for step in "$@"; do
     wsn) timeout 300 python3 notes/ws_window.py --columns > $OUT/ws_n.log 2>&1; cat $OUT/ws_n.log;;
     floor) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/select_floor.cu -o /tmp/select_floor && /tmp/select_floor > $OUT/floor.log 2>&1; cat $OUT/floor.log;;
     micro) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/route_token.cu -o /tmp/route_token && /tmp/route_token > $OUT/micro.log 2>&1; cat $OUT/micro.log;;
+    # the HF and bench_e2e tests, CPU ones included, against this machine's transformers (the patched decoder layers
+    # re-implement its forwards; CI's CPU run has another version)
+    thf) timeout 300 python3 -m pytest tests/test_hf.py tests/test_bench_e2e.py -q -x -p no:cacheprovider > $OUT/pytest_hf.log 2>&1; tail -3 $OUT/pytest_hf.log;;
     tnorm) timeout 200 python3 -m pytest -m cuda tests/test_norm_cuda.py -q -x > $OUT/pytest_norm.log 2>&1; tail -5 $OUT/pytest_norm.log;;
     normsan) for tool in memcheck racecheck; do timeout 150 compute-sanitizer --tool $tool python3 tests/test_norm_cuda.py sanitize > $OUT/norm_$tool.log 2>&1; tail -2 $OUT/norm_$tool.log; done;;
     selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;
