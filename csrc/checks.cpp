@@ -129,6 +129,11 @@ void check_select_experts(const OptTensor& predictor_weight, int64_t cost) {
               "cost=0 (base) needs the predicted log-norms: pass predictor_weight and predictor_bias");
 }
 
+FloatDtype float_dtype(const Tensor& t) {
+  const auto dtype = t.scalar_type();
+  return dtype == at::kFloat ? FloatDtype::kFloat : dtype == at::kHalf ? FloatDtype::kHalf : FloatDtype::kBFloat16;
+}
+
 void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
   BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
   BASE_MOE_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",

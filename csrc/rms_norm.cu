@@ -108,8 +108,6 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
   }
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 template <typename T>
 void launch(const RmsNormParams& p, cudaStream_t stream) {
   const bool wide = p.H % kChunk<T> == 0 && aligned16(p.hidden) && aligned16(p.weight) && aligned16(p.out);
@@ -121,11 +119,11 @@ void launch(const RmsNormParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-void rms_norm_launch(const RmsNormParams& p, NormDtype dtype, int device) {
+void rms_norm_launch(const RmsNormParams& p, FloatDtype dtype, int device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
-  if (dtype == NormDtype::kBFloat16) {
+  if (dtype == FloatDtype::kBFloat16) {
     launch<__nv_bfloat16>(p, stream);
-  } else if (dtype == NormDtype::kHalf) {
+  } else if (dtype == FloatDtype::kHalf) {
     launch<__half>(p, stream);
   } else {
     launch<float>(p, stream);

@@ -20,13 +20,9 @@ Tensor rms_norm_cuda(const Tensor& hidden, const Tensor& weight, double eps) {
   const c10::cuda::CUDAGuard guard(hidden.device());
   Tensor out = at::empty_like(hidden);
   if (T == 0 || H == 0) return out;
-  const auto dtype = hidden.scalar_type();
-  const NormDtype kernel_dtype = dtype == at::kFloat  ? NormDtype::kFloat
-                                 : dtype == at::kHalf ? NormDtype::kHalf
-                                                      : NormDtype::kBFloat16;
   const RmsNormParams p{hidden.data_ptr(), weight.data_ptr(), out.data_ptr(), T, static_cast<int>(H),
                         static_cast<float>(eps)};
-  rms_norm_launch(p, kernel_dtype, hidden.get_device());
+  rms_norm_launch(p, float_dtype(hidden), hidden.get_device());
   return out;
 }
 

@@ -210,20 +210,20 @@ void launch_tiles(const GemvParams& p, bool clusters, cudaStream_t stream) {
 
 }  // namespace
 
-void router_predict_launch(GemvParams p, GemvDtype dtype, bool vectorised, int device) {
+void router_predict_launch(GemvParams p, FloatDtype dtype, bool vectorised, int device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   const bool clusters = cuda::device_has_clusters(device);
   p.k_per_cta = p.H;
   p.cluster = 1;
-  if (vectorised && dtype == GemvDtype::kBFloat16) {
+  if (vectorised && dtype == FloatDtype::kBFloat16) {
     launch_tiles<__nv_bfloat16>(p, clusters, stream);
-  } else if (vectorised && dtype == GemvDtype::kHalf) {
+  } else if (vectorised && dtype == FloatDtype::kHalf) {
     launch_tiles<__half>(p, clusters, stream);
   } else {
     const dim3 grid((p.R + 7) / 8, (p.T + 15) / 16);
-    if (dtype == GemvDtype::kFloat) {
+    if (dtype == FloatDtype::kFloat) {
       router_predict_simple_kernel<float><<<grid, 256, 0, stream>>>(p);
-    } else if (dtype == GemvDtype::kHalf) {
+    } else if (dtype == FloatDtype::kHalf) {
       router_predict_simple_kernel<__half><<<grid, 256, 0, stream>>>(p);
     } else {
       router_predict_simple_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(p);

@@ -17,15 +17,6 @@
 namespace base_moe {
 namespace {
 
-bool aligned16(const void* ptr) {
-  return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
-
-GemvDtype gemv_dtype(const Tensor& hidden) {
-  const auto dtype = hidden.scalar_type();
-  return dtype == at::kFloat ? GemvDtype::kFloat : dtype == at::kHalf ? GemvDtype::kHalf : GemvDtype::kBFloat16;
-}
-
 // The GEMV's operands and outputs (logits [T, E], log_norms [T, E] or [T, 0]) for the kernels.
 GemvParams make_gemv_params(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
                             const OptTensor& predictor_weight, const OptTensor& predictor_bias, const Tensor& logits,
@@ -63,7 +54,7 @@ std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tenso
                                       logits, log_norms);
   const bool vectorised = H % 8 == 0 && aligned16(p.hidden) && aligned16(p.router_weight) &&
                           aligned16(p.predictor_weight);
-  router_predict_launch(p, gemv_dtype(hidden), vectorised, hidden.get_device());
+  router_predict_launch(p, float_dtype(hidden), vectorised, hidden.get_device());
   return {logits, log_norms};
 }
 
@@ -227,7 +218,7 @@ SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& rout
     f.sel = make_params(logits, correction_bias, r, num_groups);
     set_cost(f.sel, predict ? OptTensor(log_norms) : std::nullopt, cost);  // the kernel keeps log-norms on chip
     auto [ids, weights, kept, counts, D] = selection_outputs(f.sel, logits, top_k, num_groups, budget, fill);
-    if (select_experts_launch(f, gemv_dtype(hidden), static_cast<int>(num_groups), hidden.get_device())) {
+    if (select_experts_launch(f, float_dtype(hidden), static_cast<int>(num_groups), hidden.get_device())) {
       return {logits, log_norms, ids, weights, kept, counts, D};
     }
   }

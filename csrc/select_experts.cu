@@ -510,11 +510,11 @@ bool launch_by_experts(const FusedSelectParams& f, int groups, int device, cudaS
 
 }  // namespace
 
-bool select_experts_launch(const FusedSelectParams& f, GemvDtype dtype, int groups, int device) {
+bool select_experts_launch(const FusedSelectParams& f, FloatDtype dtype, int groups, int device) {
   if (!cuda::device_has_clusters(device)) return false;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
-  if (dtype == GemvDtype::kBFloat16) return launch_by_experts<__nv_bfloat16>(f, groups, device, stream);
-  if (dtype == GemvDtype::kHalf) return launch_by_experts<__half>(f, groups, device, stream);
+  if (dtype == FloatDtype::kBFloat16) return launch_by_experts<__nv_bfloat16>(f, groups, device, stream);
+  if (dtype == FloatDtype::kHalf) return launch_by_experts<__half>(f, groups, device, stream);
   return false;
 }
 

@@ -6,6 +6,7 @@
 #include <c10/util/Optional.h>
 
 #include "base_moe/check.h"
+#include "base_moe/float_dtype.h"
 #include "base_moe/routing.h"
 
 namespace base_moe {
@@ -33,6 +34,9 @@ void check_select_experts(const OptTensor& predictor_weight, int64_t cost);
 
 // rms_norm: hidden [T, H] contiguous float, weight [H] of hidden's dtype on its device, eps >= 0.
 void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps);
+
+// The kernels' enum for a tensor that the checks above accepted (float32, float16 or bfloat16).
+FloatDtype float_dtype(const Tensor& t);
 
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts);

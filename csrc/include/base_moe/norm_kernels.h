@@ -3,9 +3,9 @@
 
 #include <cstdint>
 
-namespace base_moe {
+#include "base_moe/float_dtype.h"
 
-enum class NormDtype : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
+namespace base_moe {
 
 struct RmsNormParams {
   const void* hidden;  // [T, H], contiguous
@@ -16,6 +16,6 @@ struct RmsNormParams {
   float eps;
 };
 
-void rms_norm_launch(const RmsNormParams& p, NormDtype dtype, int device);
+void rms_norm_launch(const RmsNormParams& p, FloatDtype dtype, int device);
 
 }  // namespace base_moe

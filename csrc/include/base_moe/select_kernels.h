@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "base_moe/float_dtype.h"
+
 namespace base_moe {
 
 struct GemvParams {
@@ -60,12 +62,10 @@ struct FusedSelectParams {
   int k_slices;         // warps splitting H in the GEMV
 };
 
-enum class GemvDtype : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
-
 // Launch on the current CUDA stream of `device` (the caller holds a device guard).
-void router_predict_launch(GemvParams p, GemvDtype dtype, bool vectorised, int device);
+void router_predict_launch(GemvParams p, FloatDtype dtype, bool vectorised, int device);
 void route_select_launch(SelectParams p, int groups, int device);
 // False (nothing launched) when the shape does not fit the fused kernel: the caller runs the two kernels instead.
-bool select_experts_launch(const FusedSelectParams& f, GemvDtype dtype, int groups, int device);
+bool select_experts_launch(const FusedSelectParams& f, FloatDtype dtype, int groups, int device);
 
 }  // namespace base_moe
