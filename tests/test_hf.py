@@ -296,8 +296,11 @@ def test_save_pretrained_round_trip(family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("hooks_first", [False, True])
 def test_output_router_logits(family, hooks_first):
-    model = fresh(family)
     step = decode_ids()
+    with torch.no_grad():  # a separate model: asking for router logits installs HF's recording hooks
+        if not hasattr(fresh(family)(step, output_router_logits=True), "router_logits"):
+            pytest.skip(f"{family} of transformers {transformers.__version__} returns no router logits")
+    model = fresh(family)
     if hooks_first:  # HF installs its recording hooks on the first call that asks for router logits
         with torch.no_grad():
             model(step, output_router_logits=True)
