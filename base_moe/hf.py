@@ -27,6 +27,7 @@ lets the block's selection kernel start copying its weights while the norm runs.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, replace
 
@@ -38,7 +39,7 @@ from .layouts import MoELayout, find_moe_layouts
 from .policies import DecodeStep, Policy, Selection, get_policy, has_kernel, parse_fill
 from .routing import Fill
 
-__all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections"]
+__all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections", "post_attention"]
 
 _UNSET = object()
 _GROUP_BY = ("batch", "position")
@@ -48,8 +49,8 @@ _OPTIONS = {
     "group_by": "'batch' (a decode call's tokens form one batch) or 'position' (each position is one batch)",
     "dense_positions": "with group_by='position': leading positions that run the model's own routing",
     "experts": "'auto', 'base_moe' (base_moe.ops.experts) or 'hf' (the model's own experts module)",
-    "norm": "'auto' (base_moe.ops.rms_norm for the Llama-style norm before each block while the budget is on) or "
-    "'model' (the model's own norm module always)",
+    "norm": "'auto' (while the budget is on, base_moe.ops.add_rms_norm for the Llama-style decoder layer's residual "
+    "add and norm before each block, or ops.rms_norm for the norm alone) or 'model' (the model's own modules always)",
     "record": "keep each block's last Selection (read it with base_moe.hf.selections(model))",
 }
 
@@ -114,6 +115,11 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
         if state.norm is not None:
             state.norm.__class__ = _patched_class(_BaseMoENorm, type(state.norm))
             state.norm._base_moe = state
+        state.decoder_layer = _decoder_layer_of(model, layout, state.norm)
+        if state.decoder_layer is not None:
+            state.decoder_parameters = _named_parameters_after_hidden_states(type(state.decoder_layer))
+            state.decoder_layer.__class__ = _patched_class(_BaseMoEDecoderLayer, type(state.decoder_layer))
+            state.decoder_layer._base_moe = state
     model._base_moe_layouts = found
     return model
 
@@ -140,12 +146,14 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
 
 
 def restore(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: every MoE block, router and norm gets its original class back; returns ``model``."""
+    """Undo :func:`apply`: every MoE block, router, norm and decoder layer gets its original class back; returns
+    ``model``."""
     for layout in moe_layouts(model):
-        norm = layout.block._base_moe.norm
-        if norm is not None:
-            norm.__class__ = type(norm)._base_moe_original_class
-            del norm._base_moe
+        state = layout.block._base_moe
+        for module in (state.norm, state.decoder_layer):
+            if module is not None:
+                module.__class__ = type(module)._base_moe_original_class
+                del module._base_moe
         layout.block.__class__ = type(layout.block)._base_moe_original_class
         layout.router.__class__ = layout.router_class
         del layout.block._base_moe
@@ -293,18 +301,101 @@ def _norm_before(model: nn.Module, layout: MoELayout) -> nn.Module | None:
     return norm
 
 
+def _runs_base_moe_norm(state: _BlockState, hidden_states: torch.Tensor, norm: nn.Module) -> bool:
+    """Whether base_moe's norm op replaces ``norm``: while the budget is on with norm='auto', except where that would
+    drop something the module call gives: autograd (the ops have no backward; with add_rms_norm the whole residual
+    stream would lose its history) and the norm's hooks (user hooks, accelerate's offload)."""
+    s = state.settings
+    if not (s.active and s.norm == "auto" and hidden_states.dtype == norm.weight.dtype):
+        return False
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or norm.weight.requires_grad):
+        return False
+    return not (norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__)
+
+
 class _BaseMoENorm:
     """Mixed into the Llama-style RMSNorm before a patched block: ``ops.rms_norm`` while the budget is on (on CUDA
     its kernel lets the block's selection kernel start during the norm) unless ``norm='model'``, the model's own norm
     otherwise."""
 
     def forward(self, hidden_states):
-        s = self._base_moe.settings
-        if not s.active or s.norm == "model" or hidden_states.dtype != self.weight.dtype:
+        if not _runs_base_moe_norm(self._base_moe, hidden_states, self):
             return super().forward(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).contiguous()
         return ops.rms_norm(x, self.weight, self.variance_epsilon).view(shape)
+
+
+# Decoder layers whose forward is input norm, attention, ``residual + attention``, post-attention norm, MoE block,
+# residual add, with the attention called as ``self_attn(hidden_states=..., <the forward's other arguments>)``
+# (transformers 5.x): base_moe may run their residual add and norm as one op
+_LLAMA_STYLE_DECODER_LAYERS = frozenset(
+    {"Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "OlmoeDecoderLayer", "MixtralDecoderLayer",
+     "DeepseekV3DecoderLayer"}
+)
+
+
+def _decoder_layer_of(model: nn.Module, layout: MoELayout, norm: nn.Module | None) -> nn.Module | None:
+    """The decoder layer holding ``layout``'s block after ``norm``, if it is a Llama-style one (above)."""
+    if norm is None:
+        return None
+    layer = model.get_submodule(layout.name.rpartition(".")[0])
+    if type(layer).__name__ not in _LLAMA_STYLE_DECODER_LAYERS or "forward" in layer.__dict__:
+        return None
+    if getattr(layer, "post_attention_layernorm", None) is not norm or getattr(layer, "mlp", None) is not layout.block:
+        return None
+    return layer
+
+
+def post_attention(layer: nn.Module, residual: torch.Tensor, attention_output: torch.Tensor):
+    """What a decoder layer does between its attention and its MoE block: ``residual + attention_output`` and the
+    post-attention norm of it; returns ``(normed, residual + attention_output)``. For a layer that
+    :func:`apply` patched (a Llama-style one) one ``ops.add_rms_norm`` while the budget is on (so that on CUDA the
+    block's selection kernel starts during it), else the model's own addition and norm module. For decode loops that
+    call a layer's modules themselves (``benchmarks/bench_e2e.py``)."""
+    state = getattr(layer, "_base_moe", None)
+    norm = layer.post_attention_layernorm
+    if (state is None or not _runs_base_moe_norm(state, attention_output, norm)
+            or residual.dtype != attention_output.dtype or residual.shape != attention_output.shape):
+        total = residual + attention_output
+        return norm(total), total
+    shape = attention_output.shape
+    normed, total = ops.add_rms_norm(attention_output.reshape(-1, shape[-1]).contiguous(),
+                                     residual.reshape(-1, shape[-1]).contiguous(), norm.weight,
+                                     norm.variance_epsilon)
+    return normed.view(shape), total.view(shape)
+
+
+def _named_parameters_after_hidden_states(cls: type) -> tuple[tuple[str, object], ...]:
+    """(name, default) of the parameters of ``cls.forward`` after ``hidden_states`` that are not ``*``/``**`` (read
+    once, at apply: inspect has no place inside a compiled forward)."""
+    params = list(inspect.signature(cls.forward).parameters.values())[2:]  # self, hidden_states
+    return tuple((p.name, p.default) for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+_RENAMED_ARGUMENTS = frozenset({"past_key_values", "cache"})
+
+
+class _BaseMoEDecoderLayer:
+    """Mixed into a Llama-style decoder layer before a patched block: the layer's own steps, with the residual add
+    and the post-attention norm as one ``ops.add_rms_norm`` (:func:`post_attention`) while the budget is on with
+    ``norm='auto'``; the layer's own forward otherwise. The attention gets the arguments the layer's own forward would
+    pass it: every named parameter of that forward (its default when not given) and the extra keyword arguments."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if not _runs_base_moe_norm(self._base_moe, hidden_states, self.post_attention_layernorm):
+            return super().forward(hidden_states, *args, **kwargs)
+        named = self._base_moe.decoder_parameters
+        # the layer's own forward where its decorators would rename an argument (past_key_values -> cache after 5.17)
+        renamed = (_RENAMED_ARGUMENTS & kwargs.keys()) - {name for name, _ in named}
+        if len(args) > len(named) or renamed:
+            return super().forward(hidden_states, *args, **kwargs)
+        call = {name: default for name, default in named if default is not inspect.Parameter.empty}
+        call.update(zip((name for name, _ in named), args))
+        call.update(kwargs)
+        attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **call)
+        normed, residual = post_attention(self, hidden_states, attention_output)
+        return residual + self.mlp(normed)
 
 
 class _BaseMoEBlock:
@@ -356,6 +447,8 @@ class _BlockState:
         self.mean_log_norm: torch.Tensor | None = None
         self.last: tuple[Selection, int] | None = None
         self.norm: nn.Module | None = None  # the decoder layer's norm before the block, when base_moe runs it
+        self.decoder_layer: nn.Module | None = None  # the decoder layer, when base_moe runs its residual add + norm
+        self.decoder_parameters: tuple[tuple[str, object], ...] = ()  # its forward's named parameters and defaults
         self._router_bias_fp32: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
 
     def set_predictors(self, predictors) -> None:

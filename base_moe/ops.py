@@ -110,6 +110,18 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return _ops.rms_norm(hidden, weight, eps)
 
 
+def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layer's residual add and the norm after it in one op: ``sum = residual + hidden`` (in their dtype,
+    as the decoder layer adds them) and ``rms_norm(sum, weight, eps)``; returns ``(normed, sum)``. ``hidden`` and
+    ``residual`` are ``[T, H]`` of one dtype.
+
+    On CUDA one kernel with ``rms_norm``'s launch signal, so that the selection op after it starts at once: with the
+    add in a kernel of its own (torch's, or one that torch.compile fuses with its own norm) nothing would signal it.
+    ``normed`` is bit for bit ``rms_norm(sum, weight, eps)``; ``sum`` is torch's addition's."""
+    return _ops.add_rms_norm(hidden, residual, weight, eps)
+
+
 def experts(
     hidden: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -182,6 +194,11 @@ def _select_experts_fake(hidden, router_weight, router_bias, predictor_weight, p
 @torch.library.register_fake("base_moe::rms_norm")
 def _rms_norm_fake(hidden, weight, eps):
     return torch.empty_like(hidden)
+
+
+@torch.library.register_fake("base_moe::add_rms_norm")
+def _add_rms_norm_fake(hidden, residual, weight, eps):
+    return torch.empty_like(hidden), torch.empty_like(hidden)
 
 
 @torch.library.register_fake("base_moe::experts")

@@ -300,6 +300,13 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * x.to(hidden.dtype)
 
 
+def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layer's ``residual + hidden`` and the norm of it: ``(rms_norm(sum), sum)``."""
+    total = residual + hidden
+    return rms_norm(total, weight, eps), total
+
+
 # ---------------------------------------------------------------------------------------------
 # Stage 4: routed experts
 # ---------------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ Compared in the same run, per batch size:
   * ``base_moe_dense``: base_moe's kernels (router GEMV, selection, expert kernel) with no effective budget
     (budget = E, which reproduces the model's own routing exactly);
   * ``base_M{10,16,32}``: BASE with budget M (predictors are random: quality is not measured here, and the
-    predictor GEMV costs the same whatever its values), the norm before each block as ``base_moe.ops.rms_norm``;
-    ``base_M16_model_norm`` (in ``--variants``) keeps the model's own norm (``apply``'s ``norm='model'``).
+    predictor GEMV costs the same whatever its values), the residual add and norm before each block as one
+    ``base_moe.ops.add_rms_norm`` (``base_moe.hf.post_attention``, what the patched decoder layers run);
+    ``base_M16_model_norm`` (in ``--variants``) keeps the model's own add and norm (``apply``'s ``norm='model'``).
 The share of a step spent in MoE layers is 1 - (time of the same step with MoE blocks skipped) / (step time).
 
     python benchmarks/bench_e2e.py --json benchmarks/results/bench_e2e.json
@@ -92,8 +93,9 @@ def attention_block(layer, h, moe_out, cos, sin, positions, mask, k_cache, v_cac
     k_cache.index_copy_(2, positions[0], k)
     v_cache.index_copy_(2, positions[0], v)
     o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-    h = h + attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
-    return h, layer.post_attention_layernorm(h)
+    # the residual add and the post-attention norm as the layer runs them: one base_moe op once applied
+    normed, h = base_moe.hf.post_attention(layer, h, attn.o_proj(o.transpose(1, 2).reshape(B, S, -1)))
+    return h, normed
 
 
 def moe_block(layer, x):

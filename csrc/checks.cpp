@@ -149,6 +149,16 @@ void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
   BASE_MOE_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
 }
 
+void check_add_rms_norm(const Tensor& hidden, const Tensor& residual, const Tensor& weight, double eps) {
+  check_rms_norm(hidden, weight, eps);
+  BASE_MOE_CHECK(residual.sizes() == hidden.sizes(), "residual must have hidden's shape ", hidden.sizes(), ", got ",
+              residual.sizes());
+  BASE_MOE_CHECK(residual.scalar_type() == hidden.scalar_type(), "residual must have hidden's dtype (",
+              hidden.scalar_type(), "), got ", residual.scalar_type());
+  BASE_MOE_CHECK(residual.is_contiguous(), "residual must be contiguous");
+  check_same_device(residual, hidden, "residual", "hidden");
+}
+
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts) {
   BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());

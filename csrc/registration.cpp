@@ -36,6 +36,9 @@ TORCH_LIBRARY(base_moe, m) {
   // DeepSeek): weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), fp32 inside. On CUDA it lets the selection kernel
   // after it start (programmatic dependent launch), so select_experts stages its weights while the norm runs.
   m.def("rms_norm(Tensor hidden, Tensor weight, float eps) -> Tensor");
+  // The same norm of residual + hidden, with that sum (the decoder layer's residual add fused into the norm, so that
+  // no kernel without the PDL signal runs between the attention and the selection): (normed, sum).
+  m.def("add_rms_norm(Tensor hidden, Tensor residual, Tensor weight, float eps) -> (Tensor normed, Tensor sum)");
   // Stage 4: the routed experts' output for the final ids and weights (SiLU-gated, HF v5 layout).
   // max_active_experts: an upper bound on the distinct experts in expert_ids that the caller knows (a budget);
   // the CUDA kernels size their grid by it and pick their tile configuration with it (any value gives a correct
@@ -52,6 +55,7 @@ TORCH_LIBRARY_IMPL(base_moe, CPU, m) {
   m.impl("route_select", &base_moe::route_select_cpu);
   m.impl("select_experts", &base_moe::select_experts_cpu);
   m.impl("rms_norm", &base_moe::rms_norm_cpu);
+  m.impl("add_rms_norm", &base_moe::add_rms_norm_cpu);
   m.impl("experts", &base_moe::experts_cpu);
 }
 
@@ -59,7 +63,7 @@ TORCH_LIBRARY_IMPL(base_moe, CPU, m) {
 // autograd history, whatever the inputs.
 TORCH_LIBRARY_IMPL(base_moe, Autograd, m) {
   for (const char* op : {"router_predict", "route_cost", "select_fill", "route_select", "select_experts", "rms_norm",
-                          "experts"}) {
+                          "add_rms_norm", "experts"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

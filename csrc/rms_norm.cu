@@ -1,5 +1,5 @@
-// The decoder layer's RMSNorm before the MoE block (op rms_norm), on CUDA: one CTA per token row, fp32 inside, as
-// Hugging Face writes it for the Llama-style families: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype).
+// The decoder layer's RMSNorm before the MoE block (ops rms_norm and add_rms_norm), on CUDA: one CTA per token row,
+// fp32 inside, as Hugging Face writes it for the Llama-style families: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype).
 // Its point is the launch that follows: the kernel lets its dependents start at once (programmatic dependent launch),
 // so a selection kernel launched with PDL right after it (select_experts, router_predict) stages its weights while
 // the norm runs instead of after it; they read the norm's output only after their griddepcontrol.wait, which waits
@@ -74,19 +74,30 @@ __device__ __forceinline__ void store_chunk(T* row, int c, int H, const Chunk<T>
   }
 }
 
-template <typename T, bool WIDE>
-__global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
-                                                            T* __restrict__ out, int H, float inv_h, float eps) {
+// ADD (op add_rms_norm): the row normalised is residual + hidden, rounded to T as torch's addition rounds it, and
+// that sum is written to `sum` as well (each thread reads back only the chunks it wrote, so `sum` alone is not
+// __restrict__).
+template <typename T, bool WIDE, bool ADD>
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_kernel(const T* __restrict__ hidden, const T* __restrict__ residual, const T* __restrict__ weight,
+                    T* __restrict__ out, T* sum, int H, float inv_h, float eps) {
   // The kernel after this one may launch now: a PDL launch reads this kernel's output only after its
   // griddepcontrol.wait, which returns once this whole grid has finished and its writes are visible.
   cuda::pdl_launch_dependents();
   __shared__ float warp_sums[kWarps];
   const int64_t row = blockIdx.x;
   const int chunks = (H + kChunk<T> - 1) / kChunk<T>;
-  const T* x = hidden + row * H;
   float squares = 0.0f;
   for (int c = threadIdx.x; c < chunks; c += kThreads) {
-    const Chunk<T> xc = load_chunk<T, WIDE>(x, c, H);
+    Chunk<T> xc = load_chunk<T, WIDE>(hidden + row * H, c, H);
+    if constexpr (ADD) {
+      const Chunk<T> rc = load_chunk<T, WIDE>(residual + row * H, c, H);
+#pragma unroll
+      for (int i = 0; i < kChunk<T>; ++i) {
+        xc.v[i] = cuda::from_float<T>(cuda::to_float(rc.v[i]) + cuda::to_float(xc.v[i]));
+      }
+      store_chunk<T, WIDE>(sum + row * H, c, H, xc);
+    }
 #pragma unroll
     for (int i = 0; i < kChunk<T>; ++i) {
       const float v = cuda::to_float(xc.v[i]);
@@ -97,7 +108,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
   const float scale = rsqrtf(__fadd_rn(__fmul_rn(block_sum(squares, warp_sums), inv_h), eps));
   T* y = out + row * H;
   for (int c = threadIdx.x; c < chunks; c += kThreads) {
-    const Chunk<T> xc = load_chunk<T, WIDE>(x, c, H), wc = load_chunk<T, WIDE>(weight, c, H);
+    // the row normalised: the sum this thread wrote above, or the hidden states
+    const Chunk<T> xc = ADD ? load_chunk<T, WIDE>(sum + row * H, c, H) : load_chunk<T, WIDE>(hidden + row * H, c, H);
+    const Chunk<T> wc = load_chunk<T, WIDE>(weight, c, H);
     Chunk<T> yc;
 #pragma unroll
     for (int i = 0; i < kChunk<T>; ++i) {
@@ -108,13 +121,24 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
   }
 }
 
-template <typename T>
+template <typename T, bool ADD>
 void launch(const RmsNormParams& p, cudaStream_t stream) {
-  const bool wide = p.H % kChunk<T> == 0 && aligned16(p.hidden) && aligned16(p.weight) && aligned16(p.out);
+  const bool wide = p.H % kChunk<T> == 0 && aligned16(p.hidden) && aligned16(p.residual) && aligned16(p.weight) &&
+                    aligned16(p.out) && aligned16(p.sum);
   // launched without PDL itself: the kernel before it (attention's output projection, a residual add) is torch's
   cuda::launch({dim3(static_cast<unsigned>(p.T)), dim3(kThreads), 0, stream},
-               wide ? rms_norm_kernel<T, true> : rms_norm_kernel<T, false>, static_cast<const T*>(p.hidden),
-               static_cast<const T*>(p.weight), static_cast<T*>(p.out), p.H, 1.0f / static_cast<float>(p.H), p.eps);
+               wide ? rms_norm_kernel<T, true, ADD> : rms_norm_kernel<T, false, ADD>, static_cast<const T*>(p.hidden),
+               static_cast<const T*>(p.residual), static_cast<const T*>(p.weight), static_cast<T*>(p.out),
+               static_cast<T*>(p.sum), p.H, 1.0f / static_cast<float>(p.H), p.eps);
+}
+
+template <typename T>
+void launch(const RmsNormParams& p, cudaStream_t stream) {
+  if (p.residual != nullptr) {
+    launch<T, true>(p, stream);
+  } else {
+    launch<T, false>(p, stream);
+  }
 }
 
 }  // namespace

@@ -24,10 +24,17 @@ def tiny_model() -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("compile_attention,compile_moe", [(False, False), (True, True)])
+@pytest.mark.parametrize("compile_attention,compile_moe,patched", [(False, False, False), (True, True, False),
+                                                                   (False, False, True), (True, False, True)])
 @torch.no_grad()
-def test_decode_loop_matches_model_forward(compile_attention, compile_moe):
+def test_decode_loop_matches_model_forward(compile_attention, compile_moe, patched):
+    """Patched: base_moe applied with a budget that does not bind, so the loop's post_attention and the patched
+    decoder layers both run add_rms_norm."""
     model = tiny_model()
+    if patched:
+        import base_moe
+
+        base_moe.apply(model, budget=model.config.num_experts, policy="router_sum")
     batch, prompt_len, decode_len = 3, 5, 4
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
     loop = bench_e2e.DecodeLoop(model, batch, prompt_len + decode_len, compile_attention=compile_attention,

@@ -257,7 +257,7 @@ def test_norm_before_the_block_runs_the_op_with_hfs_bits(family, dtype):
         own = type(norm)._base_moe_original_class
         assert type(norm) is not own and isinstance(norm, own)
         x = (torch.randn(3, 2, layout.hidden_size) * 4.0).to(dtype)
-        with mock.patch.object(base_moe.ops, "rms_norm", wraps=base_moe.ops.rms_norm) as op:
+        with mock.patch.object(base_moe.ops, "rms_norm", wraps=base_moe.ops.rms_norm) as op, torch.no_grad():
             out = norm(x)
             assert op.call_count == 1
             base_moe.configure(model, budget=None)
@@ -266,6 +266,59 @@ def test_norm_before_the_block_runs_the_op_with_hfs_bits(family, dtype):
             assert torch.equal(norm(x), own.forward(norm, x)) and op.call_count == 1
             base_moe.configure(model, norm="auto")
         assert torch.equal(out, own.forward(norm, x))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # past_key_values: renamed after 5.17
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_layer_runs_its_residual_add_and_norm_as_one_op(family, dtype):
+    """While the budget is on, each Llama-style decoder layer before a patched block runs its residual add and norm
+    as ops.add_rms_norm (torch's operations on the CPU: the same logits as the model's own modules, norm='model'),
+    prefill and cached decode alike; GPT-OSS's layers are left alone."""
+    model = fresh(family, dtype=dtype)
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
+    layers = [layout.block._base_moe.decoder_layer for layout in moe_layouts(model)]
+    if family == "gpt_oss":
+        assert layers == [None] * len(layers)
+        return
+    assert all(type(layer) is not type(layer)._base_moe_original_class for layer in layers)
+    prompt, step = prompt_ids(), decode_ids(batch=4)
+
+    def prefill_and_step():
+        with torch.no_grad():
+            out = model(prompt, use_cache=True)
+            return out.logits, model(step, past_key_values=out.past_key_values).logits
+
+    with mock.patch.object(base_moe.ops, "add_rms_norm", wraps=base_moe.ops.add_rms_norm) as op:
+        fused = prefill_and_step()
+        assert op.call_count == 2 * len(layers)
+        base_moe.configure(model, norm="model")
+        own = prefill_and_step()
+        assert op.call_count == 2 * len(layers)
+    assert all(torch.equal(a, b) for a, b in zip(fused, own))
+
+
+def test_budget_keeps_the_residual_streams_gradients():
+    """With gradients enabled base_moe's norm ops (they have no backward) leave the norms to the model, so the
+    residual stream keeps its history: the embeddings still get a gradient through a budgeted decode step."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
+    with mock.patch.object(base_moe.ops, "add_rms_norm", wraps=base_moe.ops.add_rms_norm) as op:
+        model(decode_ids()).logits.sum().backward()
+    assert op.call_count == 0 and model.model.embed_tokens.weight.grad is not None
+
+
+def test_hooked_norm_runs_as_the_model_module():
+    """A forward hook on a post-attention norm (a user's, or accelerate's) keeps that layer on the model's own add and
+    norm, so the hook fires; the other layers still fuse them."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
+    layouts = moe_layouts(model)
+    seen = []
+    layouts[0].block._base_moe.norm.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with mock.patch.object(base_moe.ops, "add_rms_norm", wraps=base_moe.ops.add_rms_norm) as op, torch.no_grad():
+        model(decode_ids())
+    assert len(seen) == 1 and op.call_count == len(layouts) - 1
 
 
 def test_norm_option_is_checked():

@@ -1,4 +1,4 @@
-"""CUDA rms_norm against base_moe.reference, and the selection kernel that starts while it runs.
+"""CUDA rms_norm and add_rms_norm against base_moe.reference, and the selection kernel that starts while they run.
 
 The kernel adds the fp32 squares in another order than torch, so its output may differ from torch's in the last places;
 as in flash-attention's tests, its error against a float64 computation must stay within twice the error of torch's
@@ -87,20 +87,41 @@ def test_rms_norm_same_bits_whatever_the_alignment(dtype, H):
     assert torch.equal(ops.rms_norm(hidden, shifted_weight, 1e-6), want)
 
 
-def norm_then_select(hidden, weight, Wr, Wp, bp):
-    """The decode order: the norm, then select_experts launched behind it (PDL), on the norm's output. A sleep kernel
-    first holds the GPU until both are queued, so that they run back to back as in a decode step (launched from an
-    idle GPU, the norm would finish before the host had launched the selection)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T,H", SHAPES)
+def test_add_rms_norm_is_torchs_add_then_our_norm(dtype, T, H):
+    """The sum is torch's residual + hidden bit for bit, and the norm of it rms_norm's bit for bit (same kernel, same
+    order), whichever load path the alignment picks."""
+    hidden, weight = random_inputs(T, H, dtype, seed=T * 31 + H)
+    residual, _ = random_inputs(T, H, dtype, seed=T * 37 + H + 1)
+    normed, total = ops.add_rms_norm(hidden, residual, weight, 1e-6)
+    assert torch.equal(total, residual + hidden)
+    assert torch.equal(normed, ops.rms_norm(total, weight, 1e-6))
+    shifted = torch.empty(T * H + 1, device=hidden.device, dtype=dtype)[1:].view(T, H)
+    shifted.copy_(residual)
+    again, again_total = ops.add_rms_norm(hidden, shifted, weight, 1e-6)
+    assert torch.equal(again, normed) and torch.equal(again_total, total)
+
+
+def norm_then_select(hidden, weight, Wr, Wp, bp, residual=None):
+    """The decode order: the norm (of residual + hidden, with a residual), then select_experts launched behind it
+    (PDL), on the norm's output. A sleep kernel first holds the GPU until both are queued, so that they run back to
+    back as in a decode step (launched from an idle GPU, the norm would finish before the host had launched the
+    selection)."""
     routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
     if DEVICE == "cuda":
         torch.cuda._sleep(2_000_000)  # ~1 ms
-    normed = ops.rms_norm(hidden, weight, 1e-6)
+    if residual is None:
+        normed = ops.rms_norm(hidden, weight, 1e-6)
+    else:
+        normed, _ = ops.add_rms_norm(hidden, residual, weight, 1e-6)
     out = ops.select_experts(normed, Wr, routing, budget=16, num_groups=1, cost=Cost.BASE, fill=Fill.BACKFILL,
                              predictor_weight=Wp, predictor_bias=bp)
     return normed, out
 
 
-def test_select_experts_behind_the_norm_reads_its_finished_output():
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_select_experts_behind_the_norm_reads_its_finished_output(with_residual):
     """select_experts starts while the norm runs; what it computes must be what it computes on the norm's output
     once the norm has finished, for inputs that change every call. A smoke test: the guarantee is the kernels'
     structure (select_experts touches only its weights before its griddepcontrol.wait, which waits for the whole
@@ -113,7 +134,8 @@ def test_select_experts_behind_the_norm_reads_its_finished_output():
     for T in (1, 4, 16, 64):
         inputs = [random_inputs(T, H, torch.bfloat16, seed=100 * T + i) for i in range(20)]
         for hidden, weight in inputs:
-            normed, fused = norm_then_select(hidden, weight, Wr, Wp, bp)
+            residual = torch.randn_like(hidden) if with_residual else None
+            normed, fused = norm_then_select(hidden, weight, Wr, Wp, bp, residual)
             synchronize()
             again = ops.select_experts(normed.clone(), Wr, Routing(8, Scoring.SOFTMAX, renormalize=True), budget=16,
                                        num_groups=1, cost=Cost.BASE, fill=Fill.BACKFILL, predictor_weight=Wp,
@@ -128,6 +150,7 @@ def sanitize() -> None:
         for T, H in ((1, 7), (5, 2048), (3, 4097)):
             hidden, weight = random_inputs(T, H, dtype, seed=T + H)
             ops.rms_norm(hidden, weight, 1e-6)
+            ops.add_rms_norm(hidden, torch.randn_like(hidden), weight, 1e-6)
     H, E = 2048, 128
     Wr = (torch.randn(E, H) / H**0.5).to(DEVICE, torch.bfloat16)
     Wp = (torch.randn(E, H) / H**0.5).to(DEVICE, torch.bfloat16)
@@ -135,6 +158,7 @@ def sanitize() -> None:
     for T in (1, 16):
         hidden, weight = random_inputs(T, H, torch.bfloat16, seed=T)
         norm_then_select(hidden, weight, Wr, Wp, bp)
+        norm_then_select(hidden, weight, Wr, Wp, bp, residual=torch.randn_like(hidden))
     synchronize()
     print("sanitize: done")
 

@@ -271,7 +271,7 @@ def test_experts_all_slots_dropped_gives_zero(device):
 
 
 # ---------------------------------------------------------------------------------------------
-# rms_norm (its CUDA kernel: tests/test_norm_cuda.py)
+# rms_norm and add_rms_norm (their CUDA kernel: tests/test_norm_cuda.py)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,H", [(1, 64), (5, 7), (33, 2048), (2, 0)])
@@ -282,6 +282,18 @@ def test_rms_norm_matches_reference_on_cpu(dtype, T, H):
     out = ops.rms_norm(hidden, weight, 1e-6)
     assert out.dtype == dtype and out.shape == (T, H)
     torch.testing.assert_close(out, ref.rms_norm(hidden, weight, 1e-6), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 7), (33, 2048), (2, 0)])
+def test_add_rms_norm_matches_reference_on_cpu(dtype, T, H):
+    gen = torch.Generator().manual_seed(T * 1000 + H + 1)
+    hidden, residual = ((torch.randn(T, H, generator=gen) * 3.0).to(dtype) for _ in range(2))
+    weight = (torch.rand(H, generator=gen) + 0.5).to(dtype)
+    normed, total = ops.add_rms_norm(hidden, residual, weight, 1e-6)
+    want_normed, want_total = ref.add_rms_norm(hidden, residual, weight, 1e-6)
+    assert normed.dtype == total.dtype == dtype and normed.shape == total.shape == (T, H)
+    assert torch.equal(total, want_total) and torch.equal(normed, want_normed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,6 +324,8 @@ def opcheck_cases(device):
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down)
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down, 2)
     yield torch.ops.base_moe.rms_norm.default, (hidden, torch.rand(64, device=device) + 0.5, 1e-6)
+    yield torch.ops.base_moe.add_rms_norm.default, (hidden, torch.randn(8, 64, device=device),
+                                                    torch.rand(64, device=device) + 0.5, 1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -355,6 +369,14 @@ def test_bad_arguments_raise_clear_errors(device):
         (lambda: ops.rms_norm(torch.randn(4, 32, device=device), torch.ones(32, device=device), -1.0), "eps"),
         (lambda: ops.rms_norm(torch.randn(4, 32, 2, device=device)[..., 0], torch.ones(32, device=device), 1e-6),
          "contiguous"),
+        (lambda: ops.add_rms_norm(torch.randn(4, 32, device=device), torch.randn(4, 31, device=device),
+                                  torch.ones(32, device=device), 1e-6), "residual must have hidden's shape"),
+        (lambda: ops.add_rms_norm(torch.randn(4, 32, device=device), torch.randn(4, 32, device=device).half(),
+                                  torch.ones(32, device=device), 1e-6), "residual must have hidden's dtype"),
+        (lambda: ops.add_rms_norm(torch.randn(4, 32, device=device), torch.randn(32, 4, device=device).t(),
+                                  torch.ones(32, device=device), 1e-6), "residual must be contiguous"),
+        (lambda: ops.add_rms_norm(torch.randn(4, 32, device=device), torch.randn(4, 32, device=device),
+                                  torch.ones(31, device=device), 1e-6), "weight must have shape"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
@@ -391,4 +413,6 @@ def test_ops_carry_no_autograd_history():
     out = ops.experts(x.requires_grad_(), ids, w, gate_up.requires_grad_(), down)
     logits, _ = ops.router_predict(x, torch.randn(8, 64, requires_grad=True))
     normed = ops.rms_norm(x, torch.ones(64, requires_grad=True), 1e-6)
+    added, total = ops.add_rms_norm(x, torch.randn(5, 64, requires_grad=True), torch.ones(64), 1e-6)
     assert out.grad_fn is None and logits.grad_fn is None and normed.grad_fn is None
+    assert added.grad_fn is None and total.grad_fn is None

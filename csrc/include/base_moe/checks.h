@@ -34,6 +34,8 @@ void check_select_experts(const OptTensor& predictor_weight, int64_t cost);
 
 // rms_norm: hidden [T, H] contiguous float, weight [H] of hidden's dtype on its device, eps >= 0.
 void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps);
+// add_rms_norm: as rms_norm, and residual of hidden's shape, dtype and device, contiguous.
+void check_add_rms_norm(const Tensor& hidden, const Tensor& residual, const Tensor& weight, double eps);
 
 // The kernels' enum for a tensor that the checks above accepted (float32, float16 or bfloat16).
 FloatDtype float_dtype(const Tensor& t);

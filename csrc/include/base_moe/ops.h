@@ -39,6 +39,8 @@ SelectExpertsResult select_experts_cpu(const Tensor& hidden, const Tensor& route
                                        double scaling, int64_t cost, int64_t budget, int64_t fill);
 
 Tensor rms_norm_cpu(const Tensor& hidden, const Tensor& weight, double eps);
+std::tuple<Tensor, Tensor> add_rms_norm_cpu(const Tensor& hidden, const Tensor& residual, const Tensor& weight,
+                                            double eps);
 
 Tensor experts_cpu(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts);
