@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -87,6 +87,8 @@ for step in "$@"; do
     # recompile count says whether dynamo compiled the non-MoE function again for the second variant (it must)
     e2enorm) TORCH_LOGS=recompiles timeout 200 python3 benchmarks/bench_e2e.py --batches 16,64 --variants base_M16_model_norm --budgets 16 --repeats 2 --json $OUT/bench_e2e_norm.json > $OUT/e2enorm.log 2>&1; echo "recompile lines: $(grep -ci recompil $OUT/e2enorm.log)"; grep -v -i "warn\|recompil" $OUT/e2enorm.log | tail -7;;
     e2eeager) timeout 300 python3 benchmarks/bench_e2e.py --non-moe eager --batches 16 --variants base_M16_model_norm --budgets 16 --repeats 2 --json $OUT/bench_e2e_norm_eager.json > $OUT/e2eeager.log 2>&1; tail -5 $OUT/e2eeager.log;;
+    # README's main job on the GPU (the testbed through HF's forward with base_moe's CUDA ops; quality table)
+    quick) timeout 400 python3 examples/quickstart.py --device cuda --json $OUT/quickstart_cuda.json > $OUT/quickstart_cuda.log 2>&1; echo "rc $?"; grep -v -i warn $OUT/quickstart_cuda.log | tail -24;;
     *) echo "unknown step $step";;
   esac
   echo "== $step $((SECONDS-s)) s"
