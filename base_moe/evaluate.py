@@ -27,6 +27,7 @@ on CUDA), one line per policy, and ``python -m base_moe eval`` runs it all from 
 from __future__ import annotations
 
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -41,7 +42,9 @@ import torch.nn.functional as F
 from . import hf, reference
 from .policies import Policy, get_policy, parse_fill
 
-__all__ = ["evaluate", "format_table", "plot", "make_batches", "budgets_between", "dense_union", "machine_info"]
+__all__ = [
+    "evaluate", "format_table", "plot", "make_batches", "budgets_between", "dense_union", "machine_info", "git_commit",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,14 +472,22 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     }
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    info["git_commit"] = git_commit()
+    return info
+
+
+def git_commit() -> str | None:
+    """The commit measured: $BASE_MOE_COMMIT where set (a copy of the tree whose .git does not follow the commits, as on
+    a lent GPU machine), else the source tree's git HEAD, else None."""
+    if os.environ.get("BASE_MOE_COMMIT"):
+        return os.environ["BASE_MOE_COMMIT"]
     try:
-        info["git_commit"] = subprocess.run(
+        return subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=__file__.rsplit("/", 2)[0],
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         ).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = None
-    return info
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

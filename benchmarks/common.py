@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import torch
+
+from base_moe import evaluate
 
 
 def graph_time_us(calls, replays: int = 25, rounds: int = 1) -> list[float]:
@@ -66,14 +67,8 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 15, warmup_s: float = 0
 
 
 def git_commit() -> str:
-    """The commit measured: $BASE_MOE_COMMIT (the device machine gets a copy of the tree without .git), else git."""
-    if os.environ.get("BASE_MOE_COMMIT"):
-        return os.environ["BASE_MOE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """The commit measured (base_moe.evaluate.git_commit: $BASE_MOE_COMMIT, else git), "unknown" without either."""
+    return evaluate.git_commit() or "unknown"
 
 
 def run_metadata(**extra) -> dict:

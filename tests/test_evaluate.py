@@ -19,6 +19,7 @@ from base_moe.evaluate import (
     dense_union,
     evaluate,
     format_table,
+    machine_info,
     make_batches,
     plot,
 )
@@ -226,3 +227,13 @@ def test_cuda_timing():
                  progress=False, repeats=5)
     assert r["dense"]["time_us"] > 0 and r["results"][0]["time_us"] > 0
     assert set(r["results"][0]["time_us_per_layer"]) == {str(i) for i in r["model"]["moe_layers"]}
+
+
+def test_git_commit_names_the_measured_tree(monkeypatch):
+    """Result files name $BASE_MOE_COMMIT where set (a copy of the tree on a lent GPU machine, whose .git does not
+    follow the commits), else the source tree's HEAD."""
+    monkeypatch.setenv("BASE_MOE_COMMIT", "abc123 + notes/some.patch")
+    assert machine_info()["git_commit"] == "abc123 + notes/some.patch"
+    monkeypatch.delenv("BASE_MOE_COMMIT")
+    head = machine_info()["git_commit"]
+    assert head is None or (len(head) == 40 and all(c in "0123456789abcdef" for c in head))
