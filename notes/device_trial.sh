@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq layerqnp ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -47,6 +47,8 @@ for step in "$@"; do
       done;;
     layer) timeout 400 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
     layerq) timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --out $OUT/bench_layer_q.json > $OUT/bench_layer_q.log 2>&1; grep -E "^qwen3.* (1|4|16|64|256) +(16|None) " $OUT/bench_layer_q.log;;
+    # the same with WS's GEMMs one CTA per item (notes/ws_pair.patch's BASE_MOE_WS_PAIR=0), budgets 16 and 32
+    layerqnp) BASE_MOE_WS_PAIR=0 timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --out $OUT/bench_layer_q_nopair.json > $OUT/bench_layer_q_nopair.log 2>&1; grep -E "^qwen3.* (64|256) +(16|32) " $OUT/bench_layer_q_nopair.log;;
     layertwo) timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --select two --out $OUT/bench_layer_two.json > $OUT/bench_layer_two.log 2>&1; tail -22 $OUT/bench_layer_two.log;;
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --hidden hot --out $OUT/bench_select_hot.json > $OUT/bench_select_hot.log 2>&1; tail -8 $OUT/bench_select_hot.log;;
@@ -89,6 +91,11 @@ for step in "$@"; do
     e2eeager) timeout 300 python3 benchmarks/bench_e2e.py --non-moe eager --batches 16 --variants base_M16_model_norm --budgets 16 --repeats 2 --json $OUT/bench_e2e_norm_eager.json > $OUT/e2eeager.log 2>&1; tail -5 $OUT/e2eeager.log;;
     # README's main job on the GPU (the testbed through HF's forward with base_moe's CUDA ops; quality table)
     quick) timeout 400 python3 examples/quickstart.py --device cuda --json $OUT/quickstart_cuda.json > $OUT/quickstart_cuda.log 2>&1; echo "rc $?"; grep -v -i warn $OUT/quickstart_cuda.log | tail -24;;
+    # WS's GEMMs as CTA pairs (notes/ws_pair.patch): ncu's launch statistics of the WS kernels at b256/M16 (cluster
+    # size 2 where paired: both Qwen3 GEMMs), then the same with BASE_MOE_WS_PAIR=0
+    wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 ncu --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
+    # the WS plan kernel alone under ncu at b256/M16 and M32 (duration, L2 bytes, issue activity; and its SASS hot spots)
+    ncuplan) for m in 16 32; do timeout 60 ncu --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
     *) echo "unknown step $step";;
   esac
   echo "== $step $((SECONDS-s)) s"
