@@ -33,8 +33,9 @@ for step in "$@"; do
          done; tail -3 $OUT/ncu1.log; cat $OUT/sel1_err.txt | head; (cd $OUT && tar czf ncu.tgz sel*_sass.csv sel*_cuda.csv sel*_details.txt && rm -f sel*); ls -la $OUT | head -30;;
     ncuexp) # the expert kernels' stall reasons (cycles per issued instruction, by reason) at b64/M16 and b256/M16
       for pt in "64 16" "256 16"; do read -r b m <<< "$pt"
-        timeout 150 ncu --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:expert_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch $b --budget $m --calls 3 > $OUT/ncuexp_b${b}_m${m}.txt 2>&1
-        echo "b$b/M$m"; stall_lines $OUT/ncuexp_b${b}_m${m}.txt expert_gemm
+        # (b256 runs WS: its ws_gemm_kernel instances; their producer thread and consumer warps stall apart)
+        timeout 150 ncu --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:"expert_gemm|ws_gemm" --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch $b --budget $m --calls 3 > $OUT/ncuexp_b${b}_m${m}.txt 2>&1
+        echo "b$b/M$m"; stall_lines $OUT/ncuexp_b${b}_m${m}.txt "expert_gemm|ws_gemm"
       done;;
     ncuicache) # select_experts' stall reasons after another selection (--op select) and after the expert kernels
       # (--op layer), caches not flushed: is it bound by instruction fetches in a decode step? (session 15's hypothesis)
