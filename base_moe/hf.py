@@ -22,7 +22,9 @@ What a patched block does with a call:
 The decoder layer's norm just before a patched block (``post_attention_layernorm``) is re-classed too where it is
 Hugging Face's Llama-style RMSNorm (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3; not GPT-OSS's): while the
 budget is on it runs ``base_moe.ops.rms_norm``, torch's computation bit for bit on the CPU, and on CUDA a kernel that
-lets the block's selection kernel start copying its weights while the norm runs.
+lets the block's selection kernel start copying its weights while the norm runs. Where the decoder layer itself is
+one of those families' (by class name), it is re-classed as well, so that its residual add and that norm run as one
+``base_moe.ops.add_rms_norm`` (:func:`post_attention` does the same for loops that call a layer's modules).
 """
 
 from __future__ import annotations
