@@ -74,8 +74,8 @@ def main() -> None:
     pad = tokenizer.pad_token_id
     start = time.perf_counter()
     with torch.inference_mode():
-        # use_cache: decode steps of one new token each, where the budget applies (the bundled testbed's generation
-        # config turns the cache off, and without it every step re-runs the whole sequence as a dense prefill)
+        # use_cache: decode steps of one new token each, where the budget applies (without the cache every step
+        # re-runs the whole sequence as a dense prefill)
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad,
                              use_cache=True)
     seconds = time.perf_counter() - start

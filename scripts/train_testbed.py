@@ -334,6 +334,7 @@ def main(argv=None) -> int:
 
     model.config.output_router_logits = False  # training only: inference does not need the router logits
     model.config.use_cache = True
+    model.generation_config.use_cache = True  # else generate() runs without a KV cache: no decode steps to budget
     model = model.to(torch.bfloat16)
     model.save_pretrained(os.path.join(args.out, "testbed"))
     heldout_bpb_bf16 = bits_per_byte(model, heldout, args.seq, args.batch, False, cap)
