@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq layerqnp ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq layerqnp ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -97,6 +97,13 @@ for step in "$@"; do
     wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 ncu --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
     # the WS plan kernel alone under ncu at b256/M16 and M32 (duration, L2 bytes, issue activity; and its SASS hot spots)
     ncuplan) for m in 16 32; do timeout 60 ncu --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
+    # WS per-CTA stamps (needs notes/ws_pair.patch + notes/diag_ws_stamps_on_pair.patch): plan entry / exit and, per
+    # GEMM, entry / init / pdl / first stage landed / first and last k loop done / last epilogue / exit, min/median/max
+    # us from the plan's first entry, paired then BASE_MOE_WS_PAIR=0
+    wsstamps) for pt in ${POINTS:-256:16 256:32}; do b=${pt%:*}; m=${pt#*:}; for pair in 1 0; do
+        echo "wsstamps b$b/M$m pair=$pair"
+        BASE_MOE_WS_PAIR=$pair BASE_MOE_DIAG=64 timeout 60 python3 benchmarks/profile_layer.py --op experts --calls 4 --batch $b --budget $m 2>&1 | grep -E "^ws " | tail -3
+      done; done;;
     *) echo "unknown step $step";;
   esac
   echo "== $step $((SECONDS-s)) s"
