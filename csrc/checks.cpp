@@ -24,6 +24,22 @@ void check_fp32_vector(const OptTensor& t, int64_t size, const Tensor& primary, 
   check_same_device(*t, primary, name, "the first argument");
 }
 
+// hidden states [tokens, hidden_size]: the first operand of router_predict, select_experts, the norms and experts
+void check_hidden(const Tensor& hidden) {
+  BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
+  BASE_MOE_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
+              hidden.scalar_type());
+  BASE_MOE_CHECK(hidden.is_contiguous(), "hidden must be contiguous");
+}
+
+// An operand read together with hidden (a weight, the residual): hidden's dtype, contiguous, on hidden's device
+void check_like_hidden(const Tensor& t, const Tensor& hidden, const char* name) {
+  BASE_MOE_CHECK(t.scalar_type() == hidden.scalar_type(), name, " must have hidden's dtype (", hidden.scalar_type(),
+              "), got ", t.scalar_type());
+  BASE_MOE_CHECK(t.is_contiguous(), name, " must be contiguous");
+  check_same_device(t, hidden, name, "hidden");
+}
+
 void check_logits(const Tensor& logits) {
   BASE_MOE_CHECK(logits.dim() == 2, "logits must be 2-D [tokens, experts], got shape ", logits.sizes());
   BASE_MOE_CHECK(logits.scalar_type() == at::kFloat, "logits must be float32, got ", logits.scalar_type());
@@ -42,17 +58,11 @@ void check_num_groups(int64_t num_groups, int64_t tokens) {
 
 void check_router_predict(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
                           const OptTensor& predictor_weight, const OptTensor& predictor_bias) {
-  BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
-  BASE_MOE_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
-              hidden.scalar_type());
-  BASE_MOE_CHECK(hidden.is_contiguous(), "hidden must be contiguous");
+  check_hidden(hidden);
   const int64_t H = hidden.size(1);
   BASE_MOE_CHECK(router_weight.dim() == 2 && router_weight.size(1) == H,
               "router_weight must have shape [experts, ", H, "] to match hidden, got ", router_weight.sizes());
-  BASE_MOE_CHECK(router_weight.scalar_type() == hidden.scalar_type(), "router_weight must have hidden's dtype (",
-              hidden.scalar_type(), "), got ", router_weight.scalar_type());
-  BASE_MOE_CHECK(router_weight.is_contiguous(), "router_weight must be contiguous");
-  check_same_device(router_weight, hidden, "router_weight", "hidden");
+  check_like_hidden(router_weight, hidden, "router_weight");
   const int64_t E = router_weight.size(0);
   BASE_MOE_CHECK(E >= 1 && E <= kMaxExperts, "router_weight must have 1 to ", kMaxExperts, " experts, got ", E);
   check_fp32_vector(router_bias, E, hidden, "router_bias");
@@ -61,10 +71,7 @@ void check_router_predict(const Tensor& hidden, const Tensor& router_weight, con
   if (!predictor_weight.has_value()) return;
   BASE_MOE_CHECK(predictor_weight->sizes() == router_weight.sizes(), "predictor_weight must have router_weight's shape ",
               router_weight.sizes(), ", got ", predictor_weight->sizes());
-  BASE_MOE_CHECK(predictor_weight->scalar_type() == hidden.scalar_type(), "predictor_weight must have hidden's dtype (",
-              hidden.scalar_type(), "), got ", predictor_weight->scalar_type());
-  BASE_MOE_CHECK(predictor_weight->is_contiguous(), "predictor_weight must be contiguous");
-  check_same_device(*predictor_weight, hidden, "predictor_weight", "hidden");
+  check_like_hidden(*predictor_weight, hidden, "predictor_weight");
   check_fp32_vector(predictor_bias, E, hidden, "predictor_bias");
 }
 
@@ -135,17 +142,11 @@ FloatDtype float_dtype(const Tensor& t) {
 }
 
 void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
-  BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
-  BASE_MOE_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
-              hidden.scalar_type());
-  BASE_MOE_CHECK(hidden.is_contiguous(), "hidden must be contiguous");
+  check_hidden(hidden);
   const int64_t H = hidden.size(1);
   BASE_MOE_CHECK(weight.dim() == 1 && weight.size(0) == H, "weight must have shape [", H, "] to match hidden, got ",
               weight.sizes());
-  BASE_MOE_CHECK(weight.scalar_type() == hidden.scalar_type(), "weight must have hidden's dtype (",
-              hidden.scalar_type(), "), got ", weight.scalar_type());
-  BASE_MOE_CHECK(weight.is_contiguous(), "weight must be contiguous");
-  check_same_device(weight, hidden, "weight", "hidden");
+  check_like_hidden(weight, hidden, "weight");
   BASE_MOE_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
 }
 
@@ -153,18 +154,12 @@ void check_add_rms_norm(const Tensor& hidden, const Tensor& residual, const Tens
   check_rms_norm(hidden, weight, eps);
   BASE_MOE_CHECK(residual.sizes() == hidden.sizes(), "residual must have hidden's shape ", hidden.sizes(), ", got ",
               residual.sizes());
-  BASE_MOE_CHECK(residual.scalar_type() == hidden.scalar_type(), "residual must have hidden's dtype (",
-              hidden.scalar_type(), "), got ", residual.scalar_type());
-  BASE_MOE_CHECK(residual.is_contiguous(), "residual must be contiguous");
-  check_same_device(residual, hidden, "residual", "hidden");
+  check_like_hidden(residual, hidden, "residual");
 }
 
 void check_experts(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts) {
-  BASE_MOE_CHECK(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got shape ", hidden.sizes());
-  BASE_MOE_CHECK(is_float_dtype(hidden.scalar_type()), "hidden must be float32, float16 or bfloat16, got ",
-              hidden.scalar_type());
-  BASE_MOE_CHECK(hidden.is_contiguous(), "hidden must be contiguous");
+  check_hidden(hidden);
   const int64_t T = hidden.size(0), H = hidden.size(1);
   BASE_MOE_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == T, "expert_ids must have shape [", T,
               ", top_k], got ", expert_ids.sizes());
