@@ -113,11 +113,12 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
         layout.block.__class__ = _patched_class(_BaseMoEBlock, type(layout.block))
         layout.router.__class__ = _patched_class(_BaseMoERouter, layout.router_class)
         layout.block._base_moe = state
-        state.norm = _norm_before(model, layout)
+        layer = model.get_submodule(layout.name.rpartition(".")[0])  # the decoder layer holding the block
+        state.norm = _norm_before(layer)
         if state.norm is not None:
             state.norm.__class__ = _patched_class(_BaseMoENorm, type(state.norm))
             state.norm._base_moe = state
-        state.decoder_layer = _decoder_layer_of(model, layout, state.norm)
+        state.decoder_layer = _llama_style_decoder_layer(layer, layout) if state.norm is not None else None
         if state.decoder_layer is not None:
             state.decoder_parameters = _named_parameters_after_hidden_states(type(state.decoder_layer))
             state.decoder_layer.__class__ = _patched_class(_BaseMoEDecoderLayer, type(state.decoder_layer))
@@ -294,10 +295,9 @@ _LLAMA_STYLE_NORMS = frozenset(
 )
 
 
-def _norm_before(model: nn.Module, layout: MoELayout) -> nn.Module | None:
-    """The decoder layer's norm just before ``layout``'s block, if it is one ``ops.rms_norm`` computes."""
-    layer_name = layout.name.rpartition(".")[0]
-    norm = getattr(model.get_submodule(layer_name), "post_attention_layernorm", None)
+def _norm_before(layer: nn.Module) -> nn.Module | None:
+    """The decoder layer's norm just before its MoE block, if it is one ``ops.rms_norm`` computes."""
+    norm = getattr(layer, "post_attention_layernorm", None)
     if type(norm).__name__ not in _LLAMA_STYLE_NORMS or "forward" in norm.__dict__:
         return None
     return norm
@@ -337,16 +337,11 @@ _LLAMA_STYLE_DECODER_LAYERS = frozenset(
 )
 
 
-def _decoder_layer_of(model: nn.Module, layout: MoELayout, norm: nn.Module | None) -> nn.Module | None:
-    """The decoder layer holding ``layout``'s block after ``norm``, if it is a Llama-style one (above)."""
-    if norm is None:
-        return None
-    layer = model.get_submodule(layout.name.rpartition(".")[0])
+def _llama_style_decoder_layer(layer: nn.Module, layout: MoELayout) -> nn.Module | None:
+    """``layer`` if it is a Llama-style decoder layer (above) whose ``mlp`` is ``layout``'s block, else None."""
     if type(layer).__name__ not in _LLAMA_STYLE_DECODER_LAYERS or "forward" in layer.__dict__:
         return None
-    if getattr(layer, "post_attention_layernorm", None) is not norm or getattr(layer, "mlp", None) is not layout.block:
-        return None
-    return layer
+    return layer if getattr(layer, "mlp", None) is layout.block else None
 
 
 def post_attention(layer: nn.Module, residual: torch.Tensor, attention_output: torch.Tensor):
