@@ -19,6 +19,7 @@
 // and are not stored. Every output element is computed by one thread in a fixed order: deterministic.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/detail/IntegerDivider.cuh>
 
 #include <algorithm>
 #include <atomic>
@@ -80,6 +81,9 @@ struct PlanParams {
   const int32_t* ids;
   const float* weights;
   int tk, top_k, E, H;
+  // a pair's token (pair / top_k) and a row's chunk (v / (H / 8), v % (H / 8)) by multiply and shift: the kernel's
+  // copy indexing ran a 32-bit division per chunk
+  at::cuda::detail::IntDivider<unsigned> per_token, per_row;
   const void* hidden;  // [T, H]
   void* xp;            // [tk, H]: the slots' hidden rows, expert-sorted
   int* slot_origin;    // [tk]: each expert-sorted slot's pair t * k + j
@@ -91,23 +95,68 @@ struct PlanParams {
   int chunk;  // slots per work item at most: the GEMMs' N
 };
 
+// hidden row chunks v0, v0 + kPlanThreads, ... (kCopyBatch of them) of this CTA's pairs p0.. (chunks per row each);
+// a sentinel pair's row is loaded too (it exists), never stored
+template <int kCopyBatch>
+__device__ __forceinline__ void load_pair_rows(const PlanParams& p, int p0, int chunks, int n, int v0,
+                                               uint4 (&row)[kCopyBatch]) {
+  const uint4* src = static_cast<const uint4*>(p.hidden);
+#pragma unroll
+  for (int b = 0; b < kCopyBatch; ++b) {
+    const int v = v0 + b * kPlanThreads;
+    if (v < n) {
+      const auto at = p.per_row.divmod(v);
+      row[b] = src[static_cast<int64_t>(p.per_token.div(p0 + at.div)) * chunks + at.mod];
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams p) {
   constexpr int kWarps = kPlanThreads / 32;
+  // ids per thread per round trip of the count, and 16-byte chunks per thread in flight in the copy (at H <= 2048 one
+  // batch is all of a CTA's rows)
+  constexpr int kCountBatch = 8, kCopyBatch = 8;
   __shared__ int s_count[kMaxE];
   __shared__ int s_base[kMaxE];  // first sorted position of expert e's slots among this CTA's (after the scan)
   __shared__ int s_pos[kSlotsPerPlanCta];
   __shared__ int s_scan[kWarps];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, E = p.E;
   const int p0 = blockIdx.x * kSlotsPerPlanCta, p1 = min(p.tk, p0 + kSlotsPerPlanCta);
-  cuda::pdl_wait();  // ids and weights come from the selection
-  cuda::pdl_launch_dependents();
   for (int e = tid; e < E; e += kPlanThreads) s_count[e] = s_base[e] = 0;
   __syncthreads();
-  for (int i = tid; i < p.tk; i += kPlanThreads) {
-    const int u = p.ids[i];
-    if (static_cast<unsigned>(u) < static_cast<unsigned>(E)) {
-      atomicAdd(&s_count[u], 1);
-      if (i < p0) atomicAdd(&s_base[u], 1);
+  cuda::pdl_wait();  // ids, weights and hidden come from the kernels before
+  cuda::pdl_launch_dependents();
+  // Every global read the kernel needs before its stores goes out here, in one round trip: the first batch of ids to
+  // count, warp 0's own pairs' ids and weights, the first batch of hidden-row chunks (a load after a shared atomic
+  // waits for it: the compiler cannot tell a generic pointer from shared memory). With the warp-aggregated count
+  // below, ncu at b256 (session 27): 12.83 -> 10.40 us (M16), 12.54 -> 11.39 (M32) against one round trip per count
+  // batch and phase and an atomic per id.
+  const int pair = p0 + lane;
+  const bool own = warp == 0 && pair < p1;
+  const int own_id = own ? p.ids[pair] : -1;
+  const float own_weight = own ? p.weights[pair] : 0.0f;
+  const int chunks = p.H / 8, n = (p1 - p0) * chunks;
+  uint4 row[kCopyBatch];
+  load_pair_rows<kCopyBatch>(p, p0, chunks, n, tid, row);
+  // The count: one shared atomic per distinct (expert, before this CTA's pairs) among a warp's 32 ids (a token's k
+  // slots and its neighbours' share experts at decode budgets, and atomics on one address serialise). The loop bound
+  // is uniform over the warp, as __match_any_sync needs.
+  for (int w0 = warp * 32; w0 < p.tk; w0 += kPlanThreads * kCountBatch) {
+    int u[kCountBatch];
+#pragma unroll
+    for (int b = 0; b < kCountBatch; ++b) {
+      const int i = w0 + lane + b * kPlanThreads;
+      u[b] = i < p.tk ? p.ids[i] : -1;
+    }
+#pragma unroll
+    for (int b = 0; b < kCountBatch; ++b) {
+      const bool valid = static_cast<unsigned>(u[b]) < static_cast<unsigned>(E);
+      const bool before = w0 + lane + b * kPlanThreads < p0;
+      const unsigned peers = __match_any_sync(cuda::kFullMask, valid ? 2 * u[b] + before : -1);
+      if (valid && lane == __ffs(peers) - 1) {
+        atomicAdd(&s_count[u[b]], __popc(peers));
+        if (before) atomicAdd(&s_base[u[b]], __popc(peers));
+      }
     }
   }
   __syncthreads();
@@ -125,40 +174,28 @@ __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams 
   __syncthreads();
   // this CTA's pairs in order: a pair's position is its expert's base + the earlier pairs of the same expert here
   if (warp == 0) {
-    const int pair = p0 + lane;
-    const bool in = pair < p1;
-    const int u = in ? p.ids[pair] : -1;
-    const bool valid = in && static_cast<unsigned>(u) < static_cast<unsigned>(E);
-    const unsigned peers = __match_any_sync(cuda::kFullMask, valid ? u : -1);
-    if (in) s_pos[lane] = valid ? s_base[u] + __popc(peers & ((1u << lane) - 1u)) : -1;
+    const bool valid = own && static_cast<unsigned>(own_id) < static_cast<unsigned>(E);
+    const unsigned peers = __match_any_sync(cuda::kFullMask, valid ? own_id : -1);
+    const int pos = valid ? s_base[own_id] + __popc(peers & ((1u << lane) - 1u)) : -1;
+    if (own) s_pos[lane] = pos;
+    if (pos >= 0) {
+      p.slot_origin[pos] = pair;
+      p.slot_weight[pos] = own_weight;
+    }
   }
   __syncthreads();
-  for (int j = tid; j < p1 - p0; j += kPlanThreads) {
-    const int pos = s_pos[j];
-    if (pos >= 0) {
-      p.slot_origin[pos] = p0 + j;
-      p.slot_weight[pos] = p.weights[p0 + j];
-    }
-  }
-  // each pair's hidden row to its sorted position, kCopyBatch 16-byte chunks per thread in flight: a batch's loads
-  // all go out before its stores (a store to xp might alias hidden for all the compiler knows, so a loop of one chunk
-  // per iteration issued each load after the previous store). The kernel's span did not shrink measurably with it
-  // (session 21's timelines at b256/M16: 7.4 us before, 8.0 after, on different machines of the same kind).
-  constexpr int kCopyBatch = 8;
-  const int chunks = p.H / 8, n = (p1 - p0) * chunks;
-  const uint4* src = static_cast<const uint4*>(p.hidden);
+  // each pair's hidden row to its sorted position, a batch's stores after all of its loads
   uint4* dst = static_cast<uint4*>(p.xp);
   for (int v0 = tid; v0 < n; v0 += kPlanThreads * kCopyBatch) {
-    uint4 row[kCopyBatch];
+    if (v0 != tid) load_pair_rows<kCopyBatch>(p, p0, chunks, n, v0, row);
 #pragma unroll
     for (int b = 0; b < kCopyBatch; ++b) {
-      const int v = v0 + b * kPlanThreads;  // a sentinel pair's row is loaded too (it exists), never stored
-      if (v < n) row[b] = src[static_cast<int64_t>((p0 + v / chunks) / p.top_k) * chunks + v % chunks];
-    }
-#pragma unroll
-    for (int b = 0; b < kCopyBatch; ++b) {
-      const int v = v0 + b * kPlanThreads, pos = v < n ? s_pos[v / chunks] : -1;
-      if (pos >= 0) dst[static_cast<int64_t>(pos) * chunks + v % chunks] = row[b];
+      const int v = v0 + b * kPlanThreads;
+      if (v < n) {
+        const auto at = p.per_row.divmod(v);
+        const int pos = s_pos[at.div];
+        if (pos >= 0) dst[static_cast<int64_t>(pos) * chunks + at.mod] = row[b];
+      }
     }
   }
   if (blockIdx.x != 0) return;
@@ -537,6 +574,8 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   plan.top_k = static_cast<int>(k);
   plan.E = static_cast<int>(E);
   plan.H = static_cast<int>(H);
+  plan.per_token = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(k));
+  plan.per_row = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(H / 8));
   plan.hidden = hidden.data_ptr();
   plan.xp = xp.data_ptr();
   plan.slot_origin = slot_origin.data_ptr<int>();

@@ -133,6 +133,17 @@ def test_configs(config, T, shape, used, monkeypatch):
     check_accuracy(T, shape, torch.bfloat16, used=used, drop=0.1, seed=T)
 
 
+@pytest.mark.parametrize("T,H", [(601, 2560), (131, 4160)])
+def test_ws_plan_in_batches(T, H, monkeypatch):
+    """WS's plan kernel counts the ids in batches of 512 x 8 and copies a CTA's hidden rows in batches of 512 x 8
+    16-byte chunks: more pairs (T k = 4808) and longer rows (H > 2048) than one batch of either, and a last plan CTA
+    with fewer than its 16 pairs (T odd)."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
+    names = launched_kernels(
+        lambda: check_accuracy(T, dict(H=H, I=128, E=8, k=8), torch.bfloat16, used=8, drop=0.1, seed=H))
+    assert ws_kernels_ran(names), names
+
+
 @pytest.mark.parametrize("config", ["T16", "W128"])
 def test_pass_splits_same_bits(config, monkeypatch):
     """Passes split over several CTAs give the bits of one CTA taking them in a row (one expert, 300 tokens: several
