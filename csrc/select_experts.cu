@@ -336,9 +336,20 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     const int rows = f.experts_per_cta * (f.predict ? 2 : 1), chunks = f.gemv.H / 8;
     const int stride = weight_row_stride(f.gemv.H);
     char* weights = reinterpret_cast<char*>(smem + L.weights);
-    for (int i = tid; i < rows * chunks; i += kThreads) {
-      const T* row = gemv_row<T>(f, rg, i / chunks);
-      if (row != nullptr) cuda::cp_async16(weights + (i / chunks) * stride + (i % chunks) * 16, row + (i % chunks) * 8);
+    // chunk c of row r for the flat index r * chunks + c = tid, tid + kThreads, ...: (r, c) steps by (kThreads /
+    // chunks, kThreads % chunks) with one carry, not a division per chunk (16 chunks per thread at Qwen3's H 2048).
+    // H = 0: no chunks, nothing to copy.
+    const int dr = chunks > 0 ? kThreads / chunks : 0, dc = kThreads - dr * chunks;
+    int r = chunks > 0 ? tid / chunks : rows, c = tid - r * chunks;
+    while (r < rows) {
+      const T* row = gemv_row<T>(f, rg, r);
+      if (row != nullptr) cuda::cp_async16(weights + r * stride + c * 16, row + c * 8);
+      r += dr;
+      c += dc;
+      if (c >= chunks) {
+        c -= chunks;
+        ++r;
+      }
     }
     cuda::cp_async_commit();
   }

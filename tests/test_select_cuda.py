@@ -347,6 +347,7 @@ FUSED_CASES = [
     (2, 5, 1000, 32, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # a token group past the batch
     (1, 2, 512, 129, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # a row group past the experts
     (2, 9, 204, 64, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # H % 8 != 0: two kernels
+    (1, 4, 0, 16, 4, "softmax_renorm", torch.bfloat16, True, True, False),  # H = 0: the logits are the biases
     (1, 16, 512, 64, 4, "softmax_renorm", torch.float32, True, True, False),  # fp32: two kernels
 ]
 
