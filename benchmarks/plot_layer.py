@@ -76,11 +76,19 @@ def plot(result: dict[str, Any], path: str) -> None:
         share_ax.grid(True, alpha=0.3)
         share_ax.legend(fontsize=8)
     fig.suptitle(f"{result.get('machine', '?')}, torch {result.get('torch', '?')}, commit "
-                 f"{str(result.get('git_commit', '?'))[:12]}, {result.get('date', '?')}; copy "
+                 f"{short_commit(result.get('git_commit', '?'))}, {result.get('date', '?')}; copy "
                  f"{result.get('copy_bandwidth_TBps', float('nan')):.2f} TB/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def short_commit(commit: str) -> str:
+    """The commit's first 12 digits, and how many patches the measured tree had on top of it (benchmarks' git_commit
+    reads "SHA + a.patch b.patch" for a tree with patches applied)."""
+    sha, _, patches = str(commit).partition(" + ")
+    n = len(patches.split())
+    return sha[:12] + (f" + {n} patch{'es' if n > 1 else ''}" if n else "")
 
 
 def main(argv: list[str] | None = None) -> int:

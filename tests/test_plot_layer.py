@@ -56,3 +56,13 @@ def test_writes_a_png(tmp_path):
 def test_refuses_a_result_without_rows(tmp_path):
     with pytest.raises(ValueError, match="no rows"):
         plot_layer.plot({"rows": []}, str(tmp_path / "x.png"))
+
+
+@pytest.mark.parametrize("commit,expected", [
+    ("0123456789abcdef0123", "0123456789ab"),
+    ("0123456789abcdef0123 + notes/a.patch", "0123456789ab + 1 patch"),
+    ("0123456789abcdef0123 + notes/a.patch notes/b.patch", "0123456789ab + 2 patches"),
+    ("?", "?"),
+])
+def test_short_commit_names_the_patches_on_top(commit, expected):
+    assert plot_layer.short_commit(commit) == expected
