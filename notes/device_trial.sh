@@ -5,7 +5,13 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
 s=$SECONDS
+# The synced tree keeps this machine's mtimes, older than a warm machine's objects: after compare_variants reverted a
+# variant's patches, ninja rebuilt nothing and session 27's call 6 ran the variant's library. Whenever csrc differs
+# from what the last build here compiled, every source is touched, so all of it is rebuilt.
+csrc_sums=$(find csrc -type f | sort | xargs md5sum | md5sum)
+[ "$csrc_sums" = "$(cat build/.csrc_sums 2>/dev/null)" ] || find csrc -type f -exec touch {} +
 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > $OUT/build.log 2>&1 || { tail -50 $OUT/build.log; exit 1; }
+mkdir -p build && echo "$csrc_sums" > build/.csrc_sums
 # a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13, call 11): name what it compiled
 echo "build $((SECONDS-s)) s; compiled: $(grep -o 'csrc/[a-z_]*\.cu' $OUT/build.log | sort -u | tr '\n' ' ')"
 # ncu --metrics output FILE: the kernel name lines (KERNEL, a regex), duration, issue activity and the stall ratios of
