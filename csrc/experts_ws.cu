@@ -80,7 +80,7 @@ int64_t weight_tiles(int64_t rows) {
 struct PlanParams {
   const int32_t* ids;
   const float* weights;
-  int tk, top_k, E, H;
+  int tk, E, H;
   // a pair's token (pair / top_k) and a row's chunk (v / (H / 8), v % (H / 8)) by multiply and shift: the kernel's
   // copy indexing ran a 32-bit division per chunk
   at::cuda::detail::IntDivider<unsigned> per_token, per_row;
@@ -571,7 +571,6 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   plan.ids = expert_ids.data_ptr<int32_t>();
   plan.weights = expert_weights.data_ptr<float>();
   plan.tk = static_cast<int>(tk);
-  plan.top_k = static_cast<int>(k);
   plan.E = static_cast<int>(E);
   plan.H = static_cast<int>(H);
   plan.per_token = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(k));
