@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq layerqnp ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq layero layerqnp ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -54,6 +54,8 @@ for step in "$@"; do
       done;;
     layer) timeout 400 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
     layerq) timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --out $OUT/bench_layer_q.json > $OUT/bench_layer_q.log 2>&1; grep -E "^qwen3.* (1|4|16|64|256) +(16|None) " $OUT/bench_layer_q.log;;
+    # OLMoE's rows (I 1024: 11 gate_up tiles, so b256/M16's 176 WS items take a short second round)
+    layero) timeout 200 python3 benchmarks/bench_layer.py --models olmoe-1b-7b --no-hf --no-variants --out $OUT/bench_layer_o.json > $OUT/bench_layer_o.log 2>&1; grep -E "^olmoe.* (1|16|64|256) +(16|32|None) " $OUT/bench_layer_o.log;;
     # the same with WS's GEMMs one CTA per item (notes/ws_pair.patch's BASE_MOE_WS_PAIR=0), budgets 16 and 32
     layerqnp) BASE_MOE_WS_PAIR=0 timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --out $OUT/bench_layer_q_nopair.json > $OUT/bench_layer_q_nopair.log 2>&1; grep -E "^qwen3.* (64|256) +(16|32) " $OUT/bench_layer_q_nopair.log;;
     layertwo) timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --select two --out $OUT/bench_layer_two.json > $OUT/bench_layer_two.log 2>&1; tail -22 $OUT/bench_layer_two.log;;
@@ -62,7 +64,7 @@ for step in "$@"; do
     bselwhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --weights hot --out $OUT/bench_select_whot.json > $OUT/bench_select_whot.log 2>&1; tail -8 $OUT/bench_select_whot.log;;
     sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 200 compute-sanitizer --tool synccheck python3 benchmarks/sanitize_experts.py > $OUT/synccheck.log 2>&1; tail -6 $OUT/synccheck.log;;
     timeline) for pt in ${POINTS:-1:0 16:16 64:16 256:16}; do b=${pt%:*}; m=${pt#*:}; [ "$m" = 0 ] && m=; for op in experts layer; do
-           timeout 60 python3 benchmarks/profile_layer.py --timeline --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning |
+           timeout 60 python3 benchmarks/profile_layer.py --timeline --model ${MODEL:-qwen3-30b-a3b} --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning |
              tee -a $OUT/timeline.log; done; done;;
     stamps) # per-CTA phase stamps of the expert GEMMs (needs notes/diag_stamps_main.patch, or one like it, applied)
       for pt in ${POINTS:-64:16 16:16 1:0 256:16}; do b=${pt%:*}; m=${pt#*:}; [ "$m" = 0 ] && m=
