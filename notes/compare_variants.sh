@@ -54,9 +54,8 @@ export VARIANTS=${VARIANTS:-default} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 run() {  # NAME STEP...
   local name=$1
   shift
-  # A warm machine keeps build outputs, and the synced tree keeps this machine's older mtimes: ninja skipped a changed
-  # file in session 13 and a reverted .cpp in session 20, so every source is touched and rebuilt.
-  find csrc -type f -exec touch {} +
+  # (device_trial.sh rebuilds all of csrc whenever its checksum differs from its last build's: a warm machine's
+  # ninja skipped a changed file in session 13 and a reverted .cpp in session 20)
   echo "### $name: experts.cu $(md5sum csrc/experts.cu | cut -c1-8)"
   local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|== |^qwen3|^olmoe|^\\| qwen3|^select_experts after|stalled_|gpu__time_duration|issue_active|^batch +[0-9]+ |^recompile lines|^\\| |^rc |^BASE_MOE_WS_PAIR|[Cc]luster|^M(16|32)$|lts__t|^ws |^wsstamps"
   bash notes/device_trial.sh "$@" | grep -E "$keep"

@@ -21,6 +21,13 @@ stall_lines() {
   grep -E "$2|duration|issue_active|stalled" "$1" | awk -v k="$2" '$NF+0 >= 0.2 || $0 ~ k || /duration|issue_active\.avg/' |
     cut -c1-140
 }
+# TAG MODEL PATTERN: one model's layer table without HF's rows or the variants (bench_layer_TAG.json / .log under
+# $OUT); prints the rows matching PATTERN
+layer_rows() {
+  timeout 200 python3 benchmarks/bench_layer.py --models "$2" --no-hf --no-variants --out "$OUT/bench_layer_$1.json" \
+    > "$OUT/bench_layer_$1.log" 2>&1
+  grep -E "$3" "$OUT/bench_layer_$1.log"
+}
 for step in "$@"; do
   s=$SECONDS
   case $step in
@@ -53,11 +60,11 @@ for step in "$@"; do
         echo "select_experts after: $op"; stall_lines $OUT/ncuicache_$op.txt select_experts
       done;;
     layer) timeout 400 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
-    layerq) timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --out $OUT/bench_layer_q.json > $OUT/bench_layer_q.log 2>&1; grep -E "^qwen3.* (1|4|16|64|256) +(16|None) " $OUT/bench_layer_q.log;;
+    layerq) layer_rows q qwen3-30b-a3b "^qwen3.* (1|4|16|64|256) +(16|None) ";;
     # OLMoE's rows (I 1024: 11 gate_up tiles, so b256/M16's 176 WS items take a short second round)
-    layero) timeout 200 python3 benchmarks/bench_layer.py --models olmoe-1b-7b --no-hf --no-variants --out $OUT/bench_layer_o.json > $OUT/bench_layer_o.log 2>&1; grep -E "^olmoe.* (1|16|64|256) +(16|32|None) " $OUT/bench_layer_o.log;;
-    # the same with WS's GEMMs one CTA per item (notes/ws_pair.patch's BASE_MOE_WS_PAIR=0), budgets 16 and 32
-    layerqnp) BASE_MOE_WS_PAIR=0 timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --out $OUT/bench_layer_q_nopair.json > $OUT/bench_layer_q_nopair.log 2>&1; grep -E "^qwen3.* (64|256) +(16|32) " $OUT/bench_layer_q_nopair.log;;
+    layero) layer_rows o olmoe-1b-7b "^olmoe.* (1|16|64|256) +(16|32|None) ";;
+    # Qwen3 with WS's GEMMs one CTA per item (notes/ws_pair.patch's BASE_MOE_WS_PAIR=0), budgets 16 and 32
+    layerqnp) BASE_MOE_WS_PAIR=0 layer_rows q_nopair qwen3-30b-a3b "^qwen3.* (64|256) +(16|32) ";;
     layertwo) timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --select two --out $OUT/bench_layer_two.json > $OUT/bench_layer_two.log 2>&1; tail -22 $OUT/bench_layer_two.log;;
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --hidden hot --out $OUT/bench_select_hot.json > $OUT/bench_select_hot.log 2>&1; tail -8 $OUT/bench_select_hot.log;;
