@@ -3,15 +3,16 @@
 // (benchmarks/micro/ws_experts.cu; notes/ws_experts_plan.md). Three launches before the op's slot sum, chained with
 // programmatic dependent launch:
 //   1. plan: the slots in expert-sorted order (each CTA recomputes the expert counts and offsets from the ids, so no
-//      grid-wide sync is needed, then ranks its 16 slots stably), each slot's hidden row copied to that order (xp),
-//      its yslot row (t * k + j) and routing weight; CTA 0 writes the GEMMs' work items: per active expert, chunks of
-//      at most N of its slots x weight tiles (N = 64, 80, 128 or 160: csrc/experts.cu pick_config).
+//      grid-wide sync is needed, then ranks its 16 slots stably): each sorted slot's pair t * k + j and routing
+//      weight; CTA 0 writes the GEMMs' work items: per active expert, chunks of at most N of its slots x weight tiles
+//      (N = 64, 80, 128 or 160: csrc/experts.cu pick_config).
 //   2. gate_up: act[slot, i] = SiLU(gate_i . x) * (up_i . x) for the items' 96-intermediate tiles.
 //   3. down:    yslot[t * k + j, h] = w * (down_h . act[slot]) for 128-row tiles, rounded to the input dtype.
-// Both GEMMs: one persistent CTA per SM; thread 0 of warpgroup 0 loads, per 64-wide k step, one TMA box of 64 weight
-// rows per consumer warpgroup and one box of the item's N token rows into a ring of stages (full / empty mbarriers);
+// Both GEMMs: one persistent CTA per SM; warpgroup 0 loads, per 64-wide k step, one TMA box of 64 weight rows per
+// consumer warpgroup and the item's N token rows (down: one TMA box of act rows from thread 0; gate_up: all of
+// warpgroup 0 gathers the slots' hidden rows with cp.async) into a ring of stages (full / empty mbarriers);
 // each consumer warpgroup runs four m64nNk16 wgmmas per stage on its 64 rows, keeps one stage in flight and releases
-// the one before. down's loader issues its first item's first weight stages before its PDL wait (produce), so the
+// the one before. down's loader issues its first item's first weight stages before its PDL wait (produce_down), so the
 // weights stream on the SMs gate_up frees first while gate_up's last items finish. gate_up's weight box is 5-D (h,
 // row in a group of 8, gate | up, group, expert): consumer c's 64 rows are 4 groups of [8 gate rows, the same 8 up
 // rows], so each thread's two accumulator rows (lane / 4 and + 8) are the gate and up of one intermediate and SiLU *
@@ -42,6 +43,7 @@ constexpr int kBox = 64 * 128;        // one consumer's 64 weight rows of a stag
 constexpr int kPlanThreads = 512;
 constexpr int kSlotsPerPlanCta = 16;  // <= 32: one warp ranks them in one round
 constexpr int kMaxSharedBytes = 227 * 1024;  // shared memory per CTA on sm_90 (static + dynamic)
+constexpr int kGatherThreads = 128;          // gate_up: warpgroup 0 gathers the token rows
 
 struct alignas(16) WsItem {
   int expert, tile, slot0, cols;  // cols: the chunk's slots (<= N), expert-sorted slots slot0..
@@ -80,12 +82,7 @@ int64_t weight_tiles(int64_t rows) {
 struct PlanParams {
   const int32_t* ids;
   const float* weights;
-  int tk, E, H;
-  // a pair's token (pair / top_k) and a row's chunk (v / (H / 8), v % (H / 8)) by multiply and shift: the kernel's
-  // copy indexing ran a 32-bit division per chunk
-  at::cuda::detail::IntDivider<unsigned> per_token, per_row;
-  const void* hidden;  // [T, H]
-  void* xp;            // [tk, H]: the slots' hidden rows, expert-sorted
+  int tk, E;
   int* slot_origin;    // [tk]: each expert-sorted slot's pair t * k + j
   float* slot_weight;  // [tk]
   WsItem* gate_up_items;
@@ -95,49 +92,26 @@ struct PlanParams {
   int chunk;  // slots per work item at most: the GEMMs' N
 };
 
-// hidden row chunks v0, v0 + kPlanThreads, ... (kCopyBatch of them) of this CTA's pairs p0.. (chunks per row each);
-// a sentinel pair's row is loaded too (it exists), never stored
-template <int kCopyBatch>
-__device__ __forceinline__ void load_pair_rows(const PlanParams& p, int p0, int chunks, int n, int v0,
-                                               uint4 (&row)[kCopyBatch]) {
-  const uint4* src = static_cast<const uint4*>(p.hidden);
-#pragma unroll
-  for (int b = 0; b < kCopyBatch; ++b) {
-    const int v = v0 + b * kPlanThreads;
-    if (v < n) {
-      const auto at = p.per_row.divmod(v);
-      row[b] = src[static_cast<int64_t>(p.per_token.div(p0 + at.div)) * chunks + at.mod];
-    }
-  }
-}
-
 __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams p) {
   constexpr int kWarps = kPlanThreads / 32;
-  // ids per thread per round trip of the count, and 16-byte chunks per thread in flight in the copy (at H <= 2048 one
-  // batch is all of a CTA's rows)
-  constexpr int kCountBatch = 8, kCopyBatch = 8;
+  constexpr int kCountBatch = 8;  // ids per thread per round trip of the count
   __shared__ int s_count[kMaxE];
   __shared__ int s_base[kMaxE];  // first sorted position of expert e's slots among this CTA's (after the scan)
-  __shared__ int s_pos[kSlotsPerPlanCta];
   __shared__ int s_scan[kWarps];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, E = p.E;
   const int p0 = blockIdx.x * kSlotsPerPlanCta, p1 = min(p.tk, p0 + kSlotsPerPlanCta);
   for (int e = tid; e < E; e += kPlanThreads) s_count[e] = s_base[e] = 0;
   __syncthreads();
-  cuda::pdl_wait();  // ids, weights and hidden come from the kernels before
+  cuda::pdl_wait();  // ids and weights come from the kernels before
   cuda::pdl_launch_dependents();
   // Every global read the kernel needs before its stores goes out here, in one round trip: the first batch of ids to
-  // count, warp 0's own pairs' ids and weights, the first batch of hidden-row chunks (a load after a shared atomic
-  // waits for it: the compiler cannot tell a generic pointer from shared memory). With the warp-aggregated count
-  // below, ncu at b256 (session 27): 12.83 -> 10.40 us (M16), 12.54 -> 11.39 (M32) against one round trip per count
-  // batch and phase and an atomic per id.
+  // count, warp 0's own pairs' ids and weights (a load after a shared atomic waits for it: the compiler cannot tell a
+  // generic pointer from shared memory). With the warp-aggregated count below, ncu at b256 (session 27): 12.83 ->
+  // 10.40 us (M16), 12.54 -> 11.39 (M32) against one round trip per count batch and phase and an atomic per id.
   const int pair = p0 + lane;
   const bool own = warp == 0 && pair < p1;
   const int own_id = own ? p.ids[pair] : -1;
   const float own_weight = own ? p.weights[pair] : 0.0f;
-  const int chunks = p.H / 8, n = (p1 - p0) * chunks;
-  uint4 row[kCopyBatch];
-  load_pair_rows<kCopyBatch>(p, p0, chunks, n, tid, row);
   // The count: one shared atomic per distinct (expert, before this CTA's pairs) among a warp's 32 ids (a token's k
   // slots and its neighbours' share experts at decode budgets, and atomics on one address serialise). The loop bound
   // is uniform over the warp, as __match_any_sync needs.
@@ -177,25 +151,9 @@ __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams 
     const bool valid = own && static_cast<unsigned>(own_id) < static_cast<unsigned>(E);
     const unsigned peers = __match_any_sync(cuda::kFullMask, valid ? own_id : -1);
     const int pos = valid ? s_base[own_id] + __popc(peers & ((1u << lane) - 1u)) : -1;
-    if (own) s_pos[lane] = pos;
     if (pos >= 0) {
       p.slot_origin[pos] = pair;
       p.slot_weight[pos] = own_weight;
-    }
-  }
-  __syncthreads();
-  // each pair's hidden row to its sorted position, a batch's stores after all of its loads
-  uint4* dst = static_cast<uint4*>(p.xp);
-  for (int v0 = tid; v0 < n; v0 += kPlanThreads * kCopyBatch) {
-    if (v0 != tid) load_pair_rows<kCopyBatch>(p, p0, chunks, n, v0, row);
-#pragma unroll
-    for (int b = 0; b < kCopyBatch; ++b) {
-      const int v = v0 + b * kPlanThreads;
-      if (v < n) {
-        const auto at = p.per_row.divmod(v);
-        const int pos = s_pos[at.div];
-        if (pos >= 0) dst[static_cast<int64_t>(pos) * chunks + at.mod] = row[b];
-      }
     }
   }
   if (blockIdx.x != 0) return;
@@ -226,8 +184,10 @@ struct WsGemmParams {
   int rows_out;               // I (gate_up) or H (down): rows past it belong to a partial last tile
   void* act;                  // gate_up: [tk, I], expert-sorted slot rows
   void* yslot;                // down: [tk, H] in the input dtype, row t * k + j
-  const int* slot_origin;     // down: each expert-sorted slot's yslot row
+  const int* slot_origin;     // each expert-sorted slot's pair t * k + j (down: its yslot row)
   const float* slot_weight;   // down: its routing weight
+  const void* hidden;         // gate_up: [T, H], whose rows its producer warpgroup gathers
+  at::cuda::detail::IntDivider<unsigned> per_token;  // gate_up: a pair's token (pair / top_k) by multiply and shift
 };
 
 // gate_up: rows (l / 4, l / 4 + 8) of warp w are the gate and up of intermediate 8 w + l / 4 of consumer c's 32.
@@ -266,7 +226,8 @@ __device__ __forceinline__ void load_weight_stage(const WsGemmParams& p, const C
   using S = WsShape<GATED, N>;
   const int first_row = item.tile * S::TILE, rows_per_consumer = GATED ? 32 : 64;
   const int live = min(S::CONSUMERS, (p.rows_out - first_row + rows_per_consumer - 1) / rows_per_consumer);
-  tma::mbar_arrive_expect_tx(bar, S::STAGE_BYTES - (S::CONSUMERS - live) * kBox);
+  // the weight boxes, and down's token box (gate_up's token rows arrive by cp.async, counted as arrivals)
+  tma::mbar_arrive_expect_tx(bar, live * kBox + (GATED ? 0 : N * 128));
   for (int c = 0; c < live; ++c) {
     if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
       tma::load_5d(stage + c * kBox, &weights, ks * kStep, 0, 0, (first_row + 32 * c) / 8, item.expert, bar);
@@ -276,31 +237,90 @@ __device__ __forceinline__ void load_weight_stage(const WsGemmParams& p, const C
 }
 
 // An item as the plan kernel wrote it, read through L2 (ld.global.cg): down's producer reads its first item before
-// its PDL wait, and L2 is where the plan kernel's writes are visible then (see produce).
+// its PDL wait, and L2 is where the plan kernel's writes are visible then (see produce_down).
 __device__ __forceinline__ WsItem load_item_l2(const WsItem* item) {
   const int4 v = __ldcg(reinterpret_cast<const int4*>(item));
   return WsItem{v.x, v.y, v.z, v.w};
 }
 
-// The producer (thread 0 of warpgroup 0): per item and k step, the weight boxes and the token box into the ring.
-// gate_up waits for the plan kernel first. down issues the weights of its first item's first STAGES k steps before
-// its PDL wait: its items come from the plan kernel, which completed before any gate_up CTA passed its own wait, and a
-// down CTA runs only after every gate_up CTA has (PDL launches a grid's dependents once all its CTAs triggered, and
-// gate_up triggers after its wait); only the act boxes, which gate_up writes, wait. So a down CTA that lands on an SM
-// freed early by gate_up streams its first stages while the rest of gate_up finishes.
-template <bool GATED, int N>
-__device__ __forceinline__ void produce(const WsGemmParams& p, const CUtensorMap& weights, const CUtensorMap& tokens,
-                                        uint32_t ring, uint32_t full0, uint32_t empty0, int nk) {
-  using S = WsShape<GATED, N>;
+// gate_up's producer (warpgroup 0): per item and k step, thread 0 loads the weight boxes with TMA and the warpgroup
+// gathers the item's token rows straight from hidden with cp.async (8 threads per 128-byte row segment, in the
+// 128-byte swizzle wgmma reads), each thread's copies arriving on the stage's full barrier when they land
+// (cp.async.mbarrier.arrive.noinc: the barrier counts kGatherThreads of them besides the TMA's). Columns past the
+// item's slots are zero-filled. This replaces the plan kernel's copy of every slot's hidden row in expert order, one
+// TMA box per stage (8 MB written and read back at b256). H200, session 28 (device_runs/session28.txt), with the
+// token list in shared memory and every thread polling (branch wip/ws-gather's first commit): the plan kernel 7.1 ->
+// 4.8 us at b256/M16, the op 97.6-98.0 -> 92.5-93.1 us at Qwen3 b256/M32 and 170.2 -> 164.1 at M64, M16 unchanged
+// (65.0: gate_up ends with its weight stream), but OLMoE b256/M16 90.8 -> 101.4 (not diagnosed). Gathered by one
+// warp, 40 copies per thread and stage at N = 160, gate_up took twice as long (b256/M16 104.5 us).
+template <int N>
+__device__ __forceinline__ void produce_gate_up(const WsGemmParams& p, const CUtensorMap& weights, uint32_t ring,
+                                                uint32_t full0, uint32_t empty0, int nk, int tid) {
+  using S = WsShape<true, N>;
+  // thread tid copies chunk tid % 8 of the item's columns tid / 8 + kRowStep i; kRowStep is a multiple of the
+  // swizzle's 8 rows, so column kRowStep i + r lands at column r's offset + kRowStep i rows (an immediate)
+  constexpr int kRowStep = kGatherThreads / 8, kRows = N / kRowStep;
+  static_assert(N % kRowStep == 0 && kRowStep % 8 == 0, "every gathering thread takes the same rows of each stage");
+  static_assert(kGatherThreads == 128, "the gatherers are warpgroup 0 (ws_gemm_kernel), counted by the full barriers");
+  cuda::pdl_wait();
+  cuda::pdl_launch_dependents();  // never before the wait (see produce_down)
+  const int n_items = *p.n_items;
+  const char* hidden = static_cast<const char*>(p.hidden);
+  const int64_t row_bytes = static_cast<int64_t>(p.K) * 2;
+  const int sub = tid >> 3, ch = tid & 7, lane = tid & 31;
+  const uint32_t chunk_offset = swz128(sub, ch);
+  int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
+  for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+    const WsItem item = p.items[it];
+    int origin[kRows];  // loaded here, used after the item's first weight boxes went out
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int col = kRowStep * i + sub;
+      origin[i] = col < item.cols ? p.slot_origin[item.slot0 + col] : -1;
+    }
+    const char* src[kRows] = {};  // set at the item's first k step (nk >= 1: H and I are multiples of 64)
+    for (int ks = 0; ks < nk; ++ks, ++g) {
+      const int s = g % S::STAGES;
+      const uint32_t stage = ring + s * S::STAGE_BYTES, bar = full0 + 8 * s;
+      // one lane per warp polls the slot's release (the consumers' wgmmas have read it); the warp follows it
+      if (g >= S::STAGES && lane == 0) tma::mbar_wait(empty0 + 8 * s, (g / S::STAGES - 1) & 1);
+      __syncwarp();
+      if (tid == 0) load_weight_stage<true, N>(p, weights, item, ks, stage, bar);
+      if (ks == 0) {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+          src[i] = hidden + (origin[i] >= 0 ? p.per_token.div(origin[i]) * row_bytes : 0) + ch * 16;
+      }
+      const uint32_t tokens = stage + S::A_BYTES + chunk_offset;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i)
+        cp_async16_zfill(tokens + i * kRowStep * 128, src[i] + ks * 128, origin[i] >= 0);
+      tma::cp_async_mbar_arrive_noinc(bar);
+    }
+  }
+  // none of this thread's copies outlives it (wait_group counts committed groups only: commit them first)
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
+// down's producer (thread 0 of warpgroup 0): per item and k step, the weight boxes and the act box into the ring. It
+// issues the weights of its first item's first STAGES k steps before its PDL wait: its items come from the plan
+// kernel, which completed before any gate_up CTA passed its own wait, and a down CTA runs only after every gate_up CTA
+// has (PDL launches a grid's dependents once all its CTAs triggered, and gate_up triggers after its wait); only the
+// act boxes, which gate_up writes, wait. So a down CTA that lands on an SM freed early by gate_up streams its first
+// stages while the rest of gate_up finishes.
+template <int N>
+__device__ __forceinline__ void produce_down(const WsGemmParams& p, const CUtensorMap& weights,
+                                             const CUtensorMap& act, uint32_t ring, uint32_t full0, uint32_t empty0,
+                                             int nk) {
+  using S = WsShape<false, N>;
   int early = 0;  // k steps of the first item whose weights went out before the wait
   WsItem first{};
-  if constexpr (!GATED) {
-    if (static_cast<int>(blockIdx.x) < __ldcg(p.n_items)) {
-      first = load_item_l2(p.items + blockIdx.x);
-      early = min(S::STAGES, nk);
-      for (int ks = 0; ks < early; ++ks)
-        load_weight_stage<GATED, N>(p, weights, first, ks, ring + ks * S::STAGE_BYTES, full0 + 8 * ks);
-    }
+  if (static_cast<int>(blockIdx.x) < __ldcg(p.n_items)) {
+    first = load_item_l2(p.items + blockIdx.x);
+    early = min(S::STAGES, nk);
+    for (int ks = 0; ks < early; ++ks)
+      load_weight_stage<false, N>(p, weights, first, ks, ring + ks * S::STAGE_BYTES, full0 + 8 * ks);
   }
   cuda::pdl_wait();
   cuda::pdl_launch_dependents();  // never before the wait: down's producer reads the plan's items before its own
@@ -317,9 +337,9 @@ __device__ __forceinline__ void produce(const WsGemmParams& p, const CUtensorMap
       const uint32_t stage = ring + s * S::STAGE_BYTES, bar = full0 + 8 * s;
       if (g >= early) {
         if (g >= S::STAGES) tma::mbar_wait(empty0 + 8 * s, (g / S::STAGES - 1) & 1);
-        load_weight_stage<GATED, N>(p, weights, item, ks, stage, bar);
+        load_weight_stage<false, N>(p, weights, item, ks, stage, bar);
       }
-      tma::load_2d(stage + S::A_BYTES, &tokens, ks * kStep, item.slot0, bar);
+      tma::load_2d(stage + S::A_BYTES, &act, ks * kStep, item.slot0, bar);
     }
   }
 }
@@ -327,7 +347,7 @@ __device__ __forceinline__ void produce(const WsGemmParams& p, const CUtensorMap
 template <typename T, bool GATED, int N>
 __global__ void __launch_bounds__(WsShape<GATED, N>::THREADS, 1)
     ws_gemm_kernel(const WsGemmParams p, const __grid_constant__ CUtensorMap weights,
-                   const __grid_constant__ CUtensorMap tokens) {
+                   const __grid_constant__ CUtensorMap act) {  // act: down's token rows (gate_up reads none)
   using S = WsShape<GATED, N>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[S::STAGES], empty[S::STAGES];
@@ -340,19 +360,24 @@ __global__ void __launch_bounds__(WsShape<GATED, N>::THREADS, 1)
   const uint32_t ring = smem_addr(smem), full0 = smem_addr(full), empty0 = smem_addr(empty);
   if (tid == 0) {
     for (int s = 0; s < S::STAGES; ++s) {
-      tma::mbar_init(full0 + 8 * s, 1);
+      tma::mbar_init(full0 + 8 * s, GATED ? 1 + kGatherThreads : 1);  // gate_up: + its gathers' cp.async arrivals
       tma::mbar_init(empty0 + 8 * s, S::CONSUMERS * 4);  // every consumer warp releases
     }
     tma::fence_mbarrier_init();
   }
   __syncthreads();
   const int nk = p.K / kStep;
-  if (wg == 0 && tid == 0) {
-    produce<GATED, N>(p, weights, tokens, ring, full0, empty0, nk);
+  if constexpr (GATED) {
+    if (wg == 0) {
+      produce_gate_up<N>(p, weights, ring, full0, empty0, nk, tid);
+      return;
+    }
+  } else if (tid == 0) {
+    produce_down<N>(p, weights, act, ring, full0, empty0, nk);
     return;
   }
   cuda::pdl_wait();  // the items, token rows and (down) act come from the kernels before
-  cuda::pdl_launch_dependents();  // never before the wait (see produce)
+  cuda::pdl_launch_dependents();  // never before the wait (see produce_down)
   if (wg == 0) return;
   const int n_items = *p.n_items;
   const int c = wg - 1;
@@ -374,6 +399,7 @@ __global__ void __launch_bounds__(WsShape<GATED, N>::THREADS, 1)
     for (int ks = 0; ks < nk; ++ks, ++g) {
       const int s = g % S::STAGES;
       tma::mbar_wait(full0 + 8 * s, (g / S::STAGES) & 1);
+      if constexpr (GATED) fence_proxy_async_shared();  // the gathered token rows, for wgmma's async-proxy reads
       const uint32_t stage = ring + s * S::STAGE_BYTES;
       const uint64_t da = wgmma_desc(stage + c * kBox), db = wgmma_desc(stage + S::A_BYTES);
       fence_registers<N / 2>(d);
@@ -492,30 +518,30 @@ bool allow_shared_memory() {
 }
 
 template <typename T, bool GATED, int N>
-void launch_ws_gemm(const WsGemmParams& p, const CUtensorMap& weights, const CUtensorMap& tokens, cudaStream_t stream,
+void launch_ws_gemm(const WsGemmParams& p, const CUtensorMap& weights, const CUtensorMap& act, cudaStream_t stream,
                     bool pdl) {
   using S = WsShape<GATED, N>;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   cuda::launch({dim3(sms), dim3(S::THREADS), S::SMEM_BYTES, stream, 0, pdl}, ws_gemm_kernel<T, GATED, N>, p, weights,
-               tokens);
+               act);
 }
 
 // false, having launched nothing, where a GEMM's shared memory cannot be had
 template <typename T, int N>
 bool launch_all(const PlanParams& plan, const WsGemmParams& gate_up, const WsGemmParams& down,
-                const CUtensorMap (&maps)[4], cudaStream_t stream, bool pdl) {
+                const CUtensorMap (&maps)[3], cudaStream_t stream, bool pdl) {
   if (!allow_shared_memory<T, true, N>() || !allow_shared_memory<T, false, N>()) return false;
   const int plan_ctas = (plan.tk + kSlotsPerPlanCta - 1) / kSlotsPerPlanCta;
   cuda::launch({dim3(plan_ctas), dim3(kPlanThreads), 0, stream, 0, pdl}, ws_plan_kernel, plan);
-  launch_ws_gemm<T, true, N>(gate_up, maps[0], maps[1], stream, pdl);
-  launch_ws_gemm<T, false, N>(down, maps[2], maps[3], stream, pdl);
+  launch_ws_gemm<T, true, N>(gate_up, maps[0], maps[2], stream, pdl);  // (gate_up reads no token map)
+  launch_ws_gemm<T, false, N>(down, maps[1], maps[2], stream, pdl);
   return true;
 }
 
 // Both dtypes' instances of one N.
 template <int N>
 bool launch_all_n(at::ScalarType dtype, const PlanParams& plan, const WsGemmParams& gate_up, const WsGemmParams& down,
-                  const CUtensorMap (&maps)[4], cudaStream_t stream, bool pdl) {
+                  const CUtensorMap (&maps)[3], cudaStream_t stream, bool pdl) {
   return dtype == at::kBFloat16 ? launch_all<__nv_bfloat16, N>(plan, gate_up, down, maps, stream, pdl)
                                 : launch_all<__half, N>(plan, gate_up, down, maps, stream, pdl);
 }
@@ -542,13 +568,12 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   // the sum over experts of ceil(count / columns) at most
   const int64_t chunks_bound = (tk + columns - 1) / columns + std::min(E, tk);
   const auto ints = hidden.options().dtype(at::kInt);
-  at::Tensor xp = at::empty({tk, H}, hidden.options());
   at::Tensor slot_origin = at::empty({tk}, ints);
   at::Tensor slot_weight = at::empty({tk}, hidden.options().dtype(at::kFloat));
   at::Tensor items = at::empty({chunks_bound * (gate_up_tiles + down_tiles), 4}, ints);
   at::Tensor counts = at::empty({2}, ints);
 
-  CUtensorMap maps[4];  // gate_up weights, xp, down weights, act
+  CUtensorMap maps[3];  // gate_up weights, down weights, act
   // gate_up [E, 2I, H] as (h, intermediate in its group of 8, gate | up, group of 8, expert): a box of 64 h x 8 rows
   // x both halves x 4 groups lands as [group][gate | up][8 rows][64 h]
   const cuuint64_t g_dims[5] = {static_cast<cuuint64_t>(H), 8, 2, static_cast<cuuint64_t>(I / 8),
@@ -561,9 +586,8 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   const cuuint64_t d_strides[2] = {static_cast<cuuint64_t>(I) * 2, static_cast<cuuint64_t>(H * I) * 2};
   const cuuint32_t d_box[3] = {kStep, 64, 1};
   if (!encode(maps[0], hidden.scalar_type(), gate_up_proj.data_ptr(), 5, g_dims, g_strides, g_box) ||
-      !encode_tokens(maps[1], xp, columns) ||
-      !encode(maps[2], hidden.scalar_type(), down_proj.data_ptr(), 3, d_dims, d_strides, d_box) ||
-      !encode_tokens(maps[3], act, columns))
+      !encode(maps[1], hidden.scalar_type(), down_proj.data_ptr(), 3, d_dims, d_strides, d_box) ||
+      !encode_tokens(maps[2], act, columns))
     return false;
 
   WsItem* item_ptr = reinterpret_cast<WsItem*>(items.data_ptr<int>());
@@ -572,11 +596,6 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   plan.weights = expert_weights.data_ptr<float>();
   plan.tk = static_cast<int>(tk);
   plan.E = static_cast<int>(E);
-  plan.H = static_cast<int>(H);
-  plan.per_token = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(k));
-  plan.per_row = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(H / 8));
-  plan.hidden = hidden.data_ptr();
-  plan.xp = xp.data_ptr();
   plan.slot_origin = slot_origin.data_ptr<int>();
   plan.slot_weight = slot_weight.data_ptr<float>();
   plan.gate_up_items = item_ptr;
@@ -591,6 +610,9 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   gate_up.K = static_cast<int>(H);
   gate_up.rows_out = static_cast<int>(I);
   gate_up.act = act.data_ptr();
+  gate_up.slot_origin = plan.slot_origin;
+  gate_up.hidden = hidden.data_ptr();
+  gate_up.per_token = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(k));
   WsGemmParams down{};
   down.items = plan.down_items;
   down.n_items = plan.item_counts + 1;

@@ -32,6 +32,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   BASE_MOE_SM90("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+// One arrival when all of this thread's earlier cp.async copies have landed (noinc: the arrival counts against the
+// barrier's expected count, which must include it).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  BASE_MOE_SM90("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 // Spins until the phase with parity `parity` has completed. CLUSTER: the wait acquires at cluster scope, for bytes
 // that other CTAs' threads pushed (cuda::inbox_push); the TMA unit's copies into this CTA need only its own scope.
 template <bool CLUSTER = false>
