@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq layero layerqnp ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -65,6 +65,11 @@ for step in "$@"; do
     layero) layer_rows o olmoe-1b-7b "^olmoe.* (1|16|64|256) +(16|32|None) ";;
     # Qwen3 with WS's GEMMs one CTA per item (notes/ws_pair.patch's BASE_MOE_WS_PAIR=0), budgets 16 and 32
     layerqnp) BASE_MOE_WS_PAIR=0 layer_rows q_nopair qwen3-30b-a3b "^qwen3.* (64|256) +(16|32) ";;
+    # Qwen3's BASE layer at each select_experts L2 prefetch size of $PF (MB; needs notes/select_prefetch.patch)
+    layerpf) for mb in ${PF:-0 8 32}; do echo "prefetch $mb MB"
+               timeout 120 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --prefetch-mb $mb \
+                 --out $OUT/bench_layer_pf$mb.json > $OUT/bench_layer_pf$mb.log 2>&1
+               grep -E "^qwen3.* (1|4|16|64|256) +(None|8|16|32) " $OUT/bench_layer_pf$mb.log; done;;
     layertwo) timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --select two --out $OUT/bench_layer_two.json > $OUT/bench_layer_two.log 2>&1; tail -22 $OUT/bench_layer_two.log;;
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --hidden hot --out $OUT/bench_select_hot.json > $OUT/bench_select_hot.log 2>&1; tail -8 $OUT/bench_select_hot.log;;
