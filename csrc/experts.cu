@@ -426,6 +426,10 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
   const int t = static_cast<int>(idx / h8), h = static_cast<int>(idx % h8) * 8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   cuda::pdl_wait();
+  // The next kernel may be scheduled while the sum runs (it reads y only after its own griddepcontrol.wait, which
+  // waits for this whole grid): the next layer's select_experts copies its weights meanwhile. Not before the wait:
+  // the down GEMM triggers at its start, so a dependent launched then would hold SM slots for the whole GEMM.
+  cuda::pdl_launch_dependents();
   // Every slot's row is loaded at once (rows of empty slots exist, unwritten): no load waits for the previous id.
   // An empty slot adds +0, which leaves the sum's bits unchanged (a sum that starts at +0 is never -0), so the
   // result equals skipping it.
