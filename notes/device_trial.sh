@@ -32,7 +32,9 @@ for step in "$@"; do
   s=$SECONDS
   case $step in
     wssmoke) for shape in qwen3 h320 i64 fp16; do { timeout 60 python3 notes/ws_smoke.py $shape 2>&1; echo "$shape: rc $?"; } | tail -4; done;;
-    # per-CTA stamps of the BASE layer's kernels (needs notes/diag_layer_stamps.patch); LSTAMPS: OP:BATCH:BUDGET ...
+    # per-CTA stamps of the BASE layer's kernels (needs notes/diag_layer_stamps.patch: select_experts' phases and the
+    # GEMV's / routing warp's sub-phases, the expert GEMMs' prologue / first stage / k loop, the slot sum);
+    # LSTAMPS: OP:BATCH:BUDGET ...
     # EXPERIMENT notes/early_kept_v2.patch: the layer rows and the stamps with BASE_MOE_EARLY_KEPT=1, and its bit check
     layerqek) BASE_MOE_EARLY_KEPT=1 layer_rows qek qwen3-30b-a3b "^qwen3.* (1|4|16|64) +(16|None) ";;
     lstampsek) BASE_MOE_EARLY_KEPT=1 timeout 200 python3 notes/diag_layer_stamps.py ${LSTAMPS:-layer:16:16} > $OUT/lstamps_ek.log 2>&1; tail -12 $OUT/lstamps_ek.log;;
