@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -35,10 +35,6 @@ for step in "$@"; do
     # per-CTA stamps of the BASE layer's kernels (needs notes/diag_layer_stamps.patch: select_experts' phases and the
     # GEMV's / routing warp's sub-phases, the expert GEMMs' prologue / first stage / k loop, the slot sum);
     # LSTAMPS: OP:BATCH:BUDGET ...
-    # EXPERIMENT notes/early_kept_v2.patch: the layer rows and the stamps with BASE_MOE_EARLY_KEPT=1, and its bit check
-    layerqek) BASE_MOE_EARLY_KEPT=1 layer_rows qek qwen3-30b-a3b "^qwen3.* (1|4|16|64) +(16|None) ";;
-    lstampsek) BASE_MOE_EARLY_KEPT=1 timeout 200 python3 notes/diag_layer_stamps.py ${LSTAMPS:-layer:16:16} > $OUT/lstamps_ek.log 2>&1; tail -12 $OUT/lstamps_ek.log;;
-    ekcheck) timeout 120 python3 notes/early_check.py 2>&1 | tail -8;;
     lstamps) timeout 200 python3 notes/diag_layer_stamps.py ${LSTAMPS:-layer:16:16 experts:16:16} > $OUT/lstamps.log 2>&1; tail -30 $OUT/lstamps.log;;
     phases) timeout 60 python3 benchmarks/micro/select_phases.py > $OUT/phases.log 2>&1; tail -40 $OUT/phases.log;;
     texp) timeout 150 python3 -m pytest -m cuda tests/test_experts_cuda.py -q -x > $OUT/pytest_experts.log 2>&1; tail -15 $OUT/pytest_experts.log;;
