@@ -26,6 +26,11 @@
 //      memory after phase 3's pushes, and a CTA leaves only once all pushes to it have landed, so no barrier closes
 //      the kernel. Global writes before a barrier make its fence wait for them: only the counts' zeroing precedes
 //      one, with the GEMV in between.
+// Code size is latency here: each CTA runs each phase once, so most instructions are fetched cold (in the layer, after
+// the expert kernels' weights went through L2). The strided loops that run at most a pass or two at decode sizes
+// carry `#pragma unroll 1`: without it ptxas unrolled them into ~1.1k of the Qwen3 instance's 5.4k instructions, and
+// the call took 0.4 us longer (one call 7.64 / 8.85 / 9.73 / 14.62 -> 7.18 / 8.49 / 9.31 / 14.18 us at T = 1 / 4 /
+// 16 / 64; the BASE layer b16/M16 55.7 -> 55.0; device_runs/session33.txt, call 4).
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
 // does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
 // the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
@@ -121,6 +126,7 @@ __device__ __forceinline__ const T* gemv_row(const FusedSelectParams& f, int rg,
 // for only before its epilogue: their load overlaps the GEMV's instead of preceding it.
 __device__ __forceinline__ void stage_biases(const FusedSelectParams& f, int rg, float* bias) {
   const int EC = f.experts_per_cta, rows = EC * (f.predict ? 2 : 1);
+  #pragma unroll 1
   for (int r = threadIdx.x; r < rows; r += kThreads) {
     const int u = rg * EC + r % EC;
     const float* b = r < EC ? f.gemv.router_bias : f.gemv.predictor_bias;
@@ -222,6 +228,7 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
   const float* bias = smem + L.bias;
   const bool single_tile = units == 1;
   const int items = single_tile ? 16 * 16 : rows * tokens_here;
+  #pragma unroll 1
   for (int idx = threadIdx.x; idx < items; idx += kThreads) {
     int r, i;
     if (single_tile) {
@@ -250,6 +257,7 @@ __device__ __forceinline__ void write_gemv_tile(const FusedSelectParams& f, int 
                                                 const FusedLayout& L) {
   const int B = f.sel.B, E = f.sel.E, EC = f.experts_per_cta, TC = f.tokens_per_cta;
   const int tokens_here = min(TC, B - tg * TC);
+  #pragma unroll 1
   for (int idx = threadIdx.x; idx < tokens_here * EC; idx += kThreads) {
     const int i = idx / EC, e = idx % EC, u = rg * EC + e;
     if (u >= E) continue;
@@ -294,6 +302,7 @@ __device__ __forceinline__ void rank_candidates(const uint32_t* rank_key, int E,
     const int v = lane + 32 * j;
     mine[j] = v < E ? (static_cast<uint64_t>(rank_key[v]) << 32) | (~static_cast<uint32_t>(v)) : 0u;
   }
+#pragma unroll 1
   for (int u = warp; u < E; u += kWarps) {
     const uint32_t ku = rank_key[u];
     if (ku == 0u) continue;  // not a candidate (the same for the whole warp)
@@ -353,13 +362,18 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     }
     cuda::cp_async_commit();
   }
+  #pragma unroll 1
   for (int i = tid; i < EO * B; i += kThreads) own[i] = 0.0f;
+  #pragma unroll 1
   for (int i = tid; i < EO; i += kThreads) flags[i] = 0;
+  #pragma unroll 1
   for (int i = tid; i < E; i += kThreads) kept_flag[i] = 0;
+  #pragma unroll 1
   for (int i = tid; i < W; i += kThreads) kept[i] = E;
   if (tid == 0) cuda::inbox_init(inbox, 4u * static_cast<uint32_t>(E));  // every expert's rank key, from its owner
   cuda::pdl_wait();
   int32_t* group_counts = p.counts + static_cast<int64_t>(group) * E;
+  #pragma unroll 1
   for (int e = tid; e < EO; e += kThreads) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u < E) group_counts[u] = 0;
@@ -395,6 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   cuda::cluster_sync();
 
   // ---- 3. batch cost of the owned experts, in token order; the ranking keys to every CTA ----
+  #pragma unroll 1
   for (int e = warp; e < EO; e += kWarps) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u >= E) break;
@@ -432,11 +447,13 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     p.weights[t * k + final_slot] = final_weight;
   }
   write_gemv_tile(f, group, tg, rg, smem, L);
+  #pragma unroll 1
   for (int e = tid; e < EO; e += kThreads) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u < E) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = own_cost[e];
   }
   if (rank == 0) {
+    #pragma unroll 1
     for (int j = tid; j < W; j += kThreads) p.kept[static_cast<int64_t>(group) * W + j] = kept[j];
   }
 }
