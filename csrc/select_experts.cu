@@ -30,7 +30,8 @@
 // the expert kernels' weights went through L2). The strided loops that run at most a pass or two at decode sizes
 // carry `#pragma unroll 1`: without it ptxas unrolled them into ~1.1k of the Qwen3 instance's 5.4k instructions, and
 // the call took 0.4 us longer (one call 7.64 / 8.85 / 9.73 / 14.62 -> 7.18 / 8.49 / 9.31 / 14.18 us at T = 1 / 4 /
-// 16 / 64; the BASE layer b16/M16 55.7 -> 55.0; device_runs/session33.txt, call 4).
+// 16 / 64; the BASE layer b16/M16 55.7 -> 55.0; device_runs/session33.txt, call 4), and a model without DeepSeek's
+// group limit runs an instance without its code (3488 instructions; b16/M16 55.3 -> 54.9, call 5).
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
 // does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
 // the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
@@ -126,7 +127,7 @@ __device__ __forceinline__ const T* gemv_row(const FusedSelectParams& f, int rg,
 // for only before its epilogue: their load overlaps the GEMV's instead of preceding it.
 __device__ __forceinline__ void stage_biases(const FusedSelectParams& f, int rg, float* bias) {
   const int EC = f.experts_per_cta, rows = EC * (f.predict ? 2 : 1);
-  #pragma unroll 1
+#pragma unroll 1
   for (int r = threadIdx.x; r < rows; r += kThreads) {
     const int u = rg * EC + r % EC;
     const float* b = r < EC ? f.gemv.router_bias : f.gemv.predictor_bias;
@@ -228,7 +229,7 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
   const float* bias = smem + L.bias;
   const bool single_tile = units == 1;
   const int items = single_tile ? 16 * 16 : rows * tokens_here;
-  #pragma unroll 1
+#pragma unroll 1
   for (int idx = threadIdx.x; idx < items; idx += kThreads) {
     int r, i;
     if (single_tile) {
@@ -257,7 +258,7 @@ __device__ __forceinline__ void write_gemv_tile(const FusedSelectParams& f, int 
                                                 const FusedLayout& L) {
   const int B = f.sel.B, E = f.sel.E, EC = f.experts_per_cta, TC = f.tokens_per_cta;
   const int tokens_here = min(TC, B - tg * TC);
-  #pragma unroll 1
+#pragma unroll 1
   for (int idx = threadIdx.x; idx < tokens_here * EC; idx += kThreads) {
     const int i = idx / EC, e = idx % EC, u = rg * EC + e;
     if (u >= E) continue;
@@ -318,7 +319,7 @@ __device__ __forceinline__ void rank_candidates(const uint32_t* rank_key, int E,
   }
 }
 
-template <typename T, int EPL>
+template <typename T, int EPL, bool GROUPED>
 __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const FusedSelectParams f) {
   extern __shared__ __align__(16) float smem[];
   const SelectParams& p = f.sel;
@@ -362,18 +363,18 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     }
     cuda::cp_async_commit();
   }
-  #pragma unroll 1
+#pragma unroll 1
   for (int i = tid; i < EO * B; i += kThreads) own[i] = 0.0f;
-  #pragma unroll 1
+#pragma unroll 1
   for (int i = tid; i < EO; i += kThreads) flags[i] = 0;
-  #pragma unroll 1
+#pragma unroll 1
   for (int i = tid; i < E; i += kThreads) kept_flag[i] = 0;
-  #pragma unroll 1
+#pragma unroll 1
   for (int i = tid; i < W; i += kThreads) kept[i] = E;
   if (tid == 0) cuda::inbox_init(inbox, 4u * static_cast<uint32_t>(E));  // every expert's rank key, from its owner
   cuda::pdl_wait();
   int32_t* group_counts = p.counts + static_cast<int64_t>(group) * E;
-  #pragma unroll 1
+#pragma unroll 1
   for (int e = tid; e < EO; e += kThreads) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u < E) group_counts[u] = 0;
@@ -395,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   Token<EPL> s;
   if (has_token) {
     gather_token<EPL>(f, tg, i, lane, smem + L.logit, smem + L.log_norm, base_cost, s);
-    score_token<EPL>(p, lane, my_scratch, my_scratch + E, s);
+    score_token<EPL, GROUPED>(p, lane, my_scratch, my_scratch + E, s);
     float w, log_norm;
     int32_t id;
     route_token<EPL>(p, s, lane, id, w, log_norm);
@@ -409,7 +410,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   cuda::cluster_sync();
 
   // ---- 3. batch cost of the owned experts, in token order; the ranking keys to every CTA ----
-  #pragma unroll 1
+#pragma unroll 1
   for (int e = warp; e < EO; e += kWarps) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u >= E) break;
@@ -447,24 +448,24 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     p.weights[t * k + final_slot] = final_weight;
   }
   write_gemv_tile(f, group, tg, rg, smem, L);
-  #pragma unroll 1
+#pragma unroll 1
   for (int e = tid; e < EO; e += kThreads) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u < E) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = own_cost[e];
   }
   if (rank == 0) {
-    #pragma unroll 1
+#pragma unroll 1
     for (int j = tid; j < W; j += kThreads) p.kept[static_cast<int64_t>(group) * W + j] = kept[j];
   }
 }
 
 // Largest cluster the device can co-schedule for this kernel (16 needs the non-portable opt-in), 0 if none.
-template <typename T, int EPL>
+template <typename T, int EPL, bool GROUPED>
 int max_cluster(size_t smem, int device) {
   static int cached[64] = {0};
   if (device < 0 || device >= 64) return 0;
   if (cached[device] != 0) return cached[device];
-  auto kernel = select_experts_kernel<T, EPL>;
+  auto kernel = select_experts_kernel<T, EPL, GROUPED>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
   int best = 1;
@@ -515,25 +516,34 @@ bool plan(FusedSelectParams& f, int max_c) {
   return true;
 }
 
-template <typename T, int EPL>
+template <typename T, int EPL, bool GROUPED>
 bool launch_fused(FusedSelectParams f, int groups, int device, cudaStream_t stream) {
-  const int max_c = max_cluster<T, EPL>(64 * 1024, device);
+  const int max_c = max_cluster<T, EPL, GROUPED>(64 * 1024, device);
   if (max_c < 1 || !plan(f, max_c)) return false;
   const size_t smem = static_cast<size_t>(fused_layout(f).total) * 4;
   if (smem > static_cast<size_t>(kMaxSmemBytes)) return false;
   const int C = f.token_groups * f.row_groups;
-  cuda::launch({dim3(groups * C), dim3(kThreads), smem, stream, C, cuda::selection_pdl()}, select_experts_kernel<T, EPL>, f);
+  cuda::launch({dim3(groups * C), dim3(kThreads), smem, stream, C, cuda::selection_pdl()},
+               select_experts_kernel<T, EPL, GROUPED>, f);
   return true;
 }
 
-template <typename T>
+// One instance per (experts per lane, group limit or not): the group limit's code would lengthen every other model's
+// instance (the header's note on code size).
+template <typename T, bool GROUPED>
 bool launch_by_experts(const FusedSelectParams& f, int groups, int device, cudaStream_t stream) {
   const int epl = (f.sel.E + 31) / 32;
-  if (epl <= 1) return launch_fused<T, 1>(f, groups, device, stream);
-  if (epl <= 2) return launch_fused<T, 2>(f, groups, device, stream);
-  if (epl <= 4) return launch_fused<T, 4>(f, groups, device, stream);
-  if (epl <= 8) return launch_fused<T, 8>(f, groups, device, stream);
-  return launch_fused<T, 16>(f, groups, device, stream);
+  if (epl <= 1) return launch_fused<T, 1, GROUPED>(f, groups, device, stream);
+  if (epl <= 2) return launch_fused<T, 2, GROUPED>(f, groups, device, stream);
+  if (epl <= 4) return launch_fused<T, 4, GROUPED>(f, groups, device, stream);
+  if (epl <= 8) return launch_fused<T, 8, GROUPED>(f, groups, device, stream);
+  return launch_fused<T, 16, GROUPED>(f, groups, device, stream);
+}
+
+template <typename T>
+bool launch_by_shape(const FusedSelectParams& f, int groups, int device, cudaStream_t stream) {
+  if (f.sel.n_group > 1) return launch_by_experts<T, true>(f, groups, device, stream);
+  return launch_by_experts<T, false>(f, groups, device, stream);
 }
 
 }  // namespace
@@ -541,8 +551,8 @@ bool launch_by_experts(const FusedSelectParams& f, int groups, int device, cudaS
 bool select_experts_launch(const FusedSelectParams& f, FloatDtype dtype, int groups, int device) {
   if (!cuda::device_has_clusters(device)) return false;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
-  if (dtype == FloatDtype::kBFloat16) return launch_by_experts<__nv_bfloat16>(f, groups, device, stream);
-  if (dtype == FloatDtype::kHalf) return launch_by_experts<__half>(f, groups, device, stream);
+  if (dtype == FloatDtype::kBFloat16) return launch_by_shape<__nv_bfloat16>(f, groups, device, stream);
+  if (dtype == FloatDtype::kHalf) return launch_by_shape<__half>(f, groups, device, stream);
   return false;
 }
 

@@ -33,8 +33,9 @@ __device__ __forceinline__ float sigmoid(float x) {
 
 // Computes the token's choice scores, group limit and softmax statistics from s.logit (and s.log_norm), which
 // the caller has loaded: lane l holds experts [l * EPL, (l + 1) * EPL). scratch_row: E floats, group_scratch:
-// 2 * n_group floats, both private to the warp.
-template <int EPL>
+// 2 * n_group floats, both private to the warp. GROUPED = false: the caller knows p.n_group <= 1 and the group limit's
+// code is left out.
+template <int EPL, bool GROUPED = true>
 __device__ __forceinline__ void score_token(const SelectParams& p, int lane, float* scratch_row, float* group_scratch,
                                             Token<EPL>& s) {
   const int E = p.E;
@@ -55,7 +56,7 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
     s.choice[j] = c;
   }
   s.allowed = (1u << EPL) - 1u;
-  if (p.n_group > 1) {
+  if (GROUPED && p.n_group > 1) {
     // DeepSeek-V3 group limit: group score = best + second best choice score; keep the top topk_group groups.
     __syncwarp();  // earlier readers of the scratch are done
 #pragma unroll
