@@ -26,12 +26,13 @@
 //      memory after phase 3's pushes, and a CTA leaves only once all pushes to it have landed, so no barrier closes
 //      the kernel. Global writes before a barrier make its fence wait for them: only the counts' zeroing precedes
 //      one, with the GEMV in between.
-// Code size is latency here: each CTA runs each phase once, so most instructions are fetched cold (in the layer, after
-// the expert kernels' weights went through L2). The strided loops that run at most a pass or two at decode sizes
-// carry `#pragma unroll 1`: without it ptxas unrolled them into ~1.1k of the Qwen3 instance's 5.4k instructions, and
-// the call took 0.4 us longer (one call 7.64 / 8.85 / 9.73 / 14.62 -> 7.18 / 8.49 / 9.31 / 14.18 us at T = 1 / 4 /
-// 16 / 64; the BASE layer b16/M16 55.7 -> 55.0; device_runs/session33.txt, call 4), and a model without DeepSeek's
-// group limit runs an instance without its code (3488 instructions; b16/M16 55.3 -> 54.9, call 5).
+// Code size costs latency here (measured; presumably because each CTA runs each phase once, so most instructions are
+// fetched cold, in the layer after the expert kernels' weights went through L2). The strided loops that run at most a
+// pass or two at decode sizes carry `#pragma unroll 1`: without it ptxas unrolled them into ~1.3k of the Qwen3
+// instance's 5.4k instructions, and the call took 0.4 us longer (one call 7.64 / 8.85 / 9.73 / 14.62 -> 7.18 / 8.49 /
+// 9.31 / 14.18 us at T = 1 / 4 / 16 / 64; the BASE layer b16/M16 55.7 -> 55.0; device_runs/session33.txt, call 4),
+// and a model without DeepSeek's group limit runs an instance without its code (3488 instructions; b16/M16 55.3 ->
+// 54.9, call 5).
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
 // does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
 // the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
