@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     int32_t id;
     float w;
     const FillScratch scratch{my_row, reinterpret_cast<uint32_t*>(my_fill_words)};  // my_row: free after the cost
-    fill_token<EPL>(p, s, lane, kept, [&](int u) { return (state[u] & 2) != 0; }, scratch, slot, id, w);
+    fill_token<EPL, true>(p, s, lane, kept, [&](int u) { return (state[u] & 2) != 0; }, scratch, slot, id, w);
     if (lane < k) {
       p.ids[t * k + slot] = id;
       p.weights[t * k + slot] = w;

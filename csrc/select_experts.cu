@@ -32,7 +32,9 @@
 // instance's 5.4k instructions, and the call took 0.4 us longer (one call 7.64 / 8.85 / 9.73 / 14.62 -> 7.18 / 8.49 /
 // 9.31 / 14.18 us at T = 1 / 4 / 16 / 64; the BASE layer b16/M16 55.7 -> 55.0; device_runs/session33.txt, call 4),
 // and a model without DeepSeek's group limit runs an instance without its code (3488 instructions; b16/M16 55.3 ->
-// 54.9, call 5).
+// 54.9, call 5); softmax-scored models at budgets up to 32 also leave out the other scoring modes and backfill's
+// W > 32 path (GENERIC = false: 2904 instructions; one call 7.14 / 8.29 / 9.15 / 13.99 -> 6.94 / 7.98 / 8.73 / 13.53
+// us, b16/M16 54.9 -> 54.4; device_runs/session34.txt, calls 1-2).
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
 // does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
 // the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
@@ -320,7 +322,7 @@ __device__ __forceinline__ void rank_candidates(const uint32_t* rank_key, int E,
   }
 }
 
-template <typename T, int EPL, bool GROUPED>
+template <typename T, int EPL, bool GENERIC>
 __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const FusedSelectParams f) {
   extern __shared__ __align__(16) float smem[];
   const SelectParams& p = f.sel;
@@ -397,10 +399,10 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   Token<EPL> s;
   if (has_token) {
     gather_token<EPL>(f, tg, i, lane, smem + L.logit, smem + L.log_norm, base_cost, s);
-    score_token<EPL, GROUPED>(p, lane, my_scratch, my_scratch + E, s);
+    score_token<EPL, GENERIC>(p, lane, my_scratch, my_scratch + E, s);
     float w, log_norm;
     int32_t id;
-    route_token<EPL>(p, s, lane, id, w, log_norm);
+    route_token<EPL, GENERIC>(p, s, lane, id, w, log_norm);
     if (id < E) {
       const unsigned owner = static_cast<unsigned>(id / EO);
       const int u = id % EO;
@@ -440,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   int final_slot = lane;
   if (has_token) {
     const FillScratch scratch{my_scratch, reinterpret_cast<uint32_t*>(smem + L.fill) + warp * kFillScratchWords};
-    fill_token<EPL>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, scratch, final_slot, final_id,
+    fill_token<EPL, GENERIC>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, scratch, final_slot, final_id,
                     final_weight);
     if (lane < k && final_id < E) atomicAdd(group_counts + final_id, 1);
   }
@@ -461,12 +463,12 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
 }
 
 // Largest cluster the device can co-schedule for this kernel (16 needs the non-portable opt-in), 0 if none.
-template <typename T, int EPL, bool GROUPED>
+template <typename T, int EPL, bool GENERIC>
 int max_cluster(size_t smem, int device) {
   static int cached[64] = {0};
   if (device < 0 || device >= 64) return 0;
   if (cached[device] != 0) return cached[device];
-  auto kernel = select_experts_kernel<T, EPL, GROUPED>;
+  auto kernel = select_experts_kernel<T, EPL, GENERIC>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
   int best = 1;
@@ -517,34 +519,36 @@ bool plan(FusedSelectParams& f, int max_c) {
   return true;
 }
 
-template <typename T, int EPL, bool GROUPED>
+template <typename T, int EPL, bool GENERIC>
 bool launch_fused(FusedSelectParams f, int groups, int device, cudaStream_t stream) {
-  const int max_c = max_cluster<T, EPL, GROUPED>(64 * 1024, device);
+  const int max_c = max_cluster<T, EPL, GENERIC>(64 * 1024, device);
   if (max_c < 1 || !plan(f, max_c)) return false;
   const size_t smem = static_cast<size_t>(fused_layout(f).total) * 4;
   if (smem > static_cast<size_t>(kMaxSmemBytes)) return false;
   const int C = f.token_groups * f.row_groups;
   cuda::launch({dim3(groups * C), dim3(kThreads), smem, stream, C, cuda::selection_pdl()},
-               select_experts_kernel<T, EPL, GROUPED>, f);
+               select_experts_kernel<T, EPL, GENERIC>, f);
   return true;
 }
 
-// One instance per (experts per lane, group limit or not): the group limit's code would lengthen every other model's
-// instance (the header's note on code size).
-template <typename T, bool GROUPED>
+// One instance per (experts per lane, generic or softmax without groups): the other scoring modes' and the group
+// limit's code would lengthen the common models' instance (the header's note on code size).
+template <typename T, bool GENERIC>
 bool launch_by_experts(const FusedSelectParams& f, int groups, int device, cudaStream_t stream) {
   const int epl = (f.sel.E + 31) / 32;
-  if (epl <= 1) return launch_fused<T, 1, GROUPED>(f, groups, device, stream);
-  if (epl <= 2) return launch_fused<T, 2, GROUPED>(f, groups, device, stream);
-  if (epl <= 4) return launch_fused<T, 4, GROUPED>(f, groups, device, stream);
-  if (epl <= 8) return launch_fused<T, 8, GROUPED>(f, groups, device, stream);
-  return launch_fused<T, 16, GROUPED>(f, groups, device, stream);
+  if (epl <= 1) return launch_fused<T, 1, GENERIC>(f, groups, device, stream);
+  if (epl <= 2) return launch_fused<T, 2, GENERIC>(f, groups, device, stream);
+  if (epl <= 4) return launch_fused<T, 4, GENERIC>(f, groups, device, stream);
+  if (epl <= 8) return launch_fused<T, 8, GENERIC>(f, groups, device, stream);
+  return launch_fused<T, 16, GENERIC>(f, groups, device, stream);
 }
 
 template <typename T>
 bool launch_by_shape(const FusedSelectParams& f, int groups, int device, cudaStream_t stream) {
-  if (f.sel.n_group > 1) return launch_by_experts<T, true>(f, groups, device, stream);
-  return launch_by_experts<T, false>(f, groups, device, stream);
+  const SelectParams& p = f.sel;
+  const bool softmax_ungrouped = p.scoring == static_cast<int>(Scoring::kSoftmax) && p.n_group <= 1 && p.W <= 32;
+  if (softmax_ungrouped) return launch_by_experts<T, false>(f, groups, device, stream);
+  return launch_by_experts<T, true>(f, groups, device, stream);
 }
 
 }  // namespace

@@ -33,13 +33,13 @@ __device__ __forceinline__ float sigmoid(float x) {
 
 // Computes the token's choice scores, group limit and softmax statistics from s.logit (and s.log_norm), which
 // the caller has loaded: lane l holds experts [l * EPL, (l + 1) * EPL). scratch_row: E floats, group_scratch:
-// 2 * n_group floats, both private to the warp. GROUPED = false: the caller knows p.n_group <= 1 and the group limit's
-// code is left out.
-template <int EPL, bool GROUPED = true>
+// 2 * n_group floats, both private to the warp. GENERIC = false: the caller knows the model scores by softmax without
+// a group limit (kSoftmaxUngrouped), and the other modes' code is left out.
+template <int EPL, bool GENERIC = true>
 __device__ __forceinline__ void score_token(const SelectParams& p, int lane, float* scratch_row, float* group_scratch,
                                             Token<EPL>& s) {
   const int E = p.E;
-  const bool sig = p.scoring == static_cast<int>(Scoring::kSigmoid);
+  const bool sig = GENERIC && p.scoring == static_cast<int>(Scoring::kSigmoid);
   // the lane's correction biases loaded together: ptxas issued one load per expert after the previous expert's
   // sigmoid, a memory round trip each
   float bias[EPL];
@@ -56,7 +56,7 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
     s.choice[j] = c;
   }
   s.allowed = (1u << EPL) - 1u;
-  if (GROUPED && p.n_group > 1) {
+  if (GENERIC && p.n_group > 1) {
     // DeepSeek-V3 group limit: group score = best + second best choice score; keep the top topk_group groups.
     __syncwarp();  // earlier readers of the scratch are done
 #pragma unroll
@@ -98,7 +98,7 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
     }
     __syncwarp();  // the scratch row is reused by the caller
   }
-  if (p.scoring == static_cast<int>(Scoring::kSoftmax)) {
+  if (!GENERIC || p.scoring == static_cast<int>(Scoring::kSoftmax)) {
     uint32_t m = 0;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
@@ -196,14 +196,15 @@ __device__ __forceinline__ float expert_value(const float (&values)[EPL], int u)
 }
 
 // The model's weight rule for the picked slots: lane r's weight for its slot's expert `id` (E: empty slot, weight 0)
-// with router logit `logit`.
-template <int EPL>
+// with router logit `logit`. GENERIC = false: softmax scoring (score_token).
+template <int EPL, bool GENERIC = true>
 __device__ __forceinline__ float slot_weight(const SelectParams& p, const Token<EPL>& s, int32_t id, float logit) {
   const bool valid = id < p.E;
+  const int scoring = GENERIC ? p.scoring : static_cast<int>(Scoring::kSoftmax);
   float w;
-  if (p.scoring == static_cast<int>(Scoring::kSoftmax)) {
+  if (scoring == static_cast<int>(Scoring::kSoftmax)) {
     w = valid ? expf(logit - s.max_logit) / s.denominator : 0.0f;
-  } else if (p.scoring == static_cast<int>(Scoring::kSoftmaxAfterTopk)) {
+  } else if (scoring == static_cast<int>(Scoring::kSoftmaxAfterTopk)) {
     const float m = cuda::warp_max(valid ? logit : -INFINITY);
     const float e = valid ? expf(logit - m) : 0.0f;
     const float total = cuda::warp_sum(e);
@@ -211,9 +212,9 @@ __device__ __forceinline__ float slot_weight(const SelectParams& p, const Token<
   } else {
     w = valid ? sigmoid(logit) : 0.0f;
   }
-  if (p.renormalize && p.scoring != static_cast<int>(Scoring::kSoftmaxAfterTopk)) {
+  if (p.renormalize && scoring != static_cast<int>(Scoring::kSoftmaxAfterTopk)) {
     float total = cuda::warp_sum(w);
-    if (p.scoring == static_cast<int>(Scoring::kSigmoid)) total = total + 1e-20f;  // DeepSeek-V3's guard
+    if (scoring == static_cast<int>(Scoring::kSigmoid)) total = total + 1e-20f;  // DeepSeek-V3's guard
     w = total > 0.0f ? w / total : 0.0f;
   }
   return w * p.scaling;
@@ -233,8 +234,8 @@ __device__ __forceinline__ float slot_cost(int cost, float w, float log_norm) {
 }
 
 // The model's routing of a scored token: lane r < k gets slot r's expert id, weight and log-norm (other lanes
-// (E, 0, 0)); the token remembers its routed slot.
-template <int EPL>
+// (E, 0, 0)); the token remembers its routed slot. GENERIC as in score_token.
+template <int EPL, bool GENERIC = true>
 __device__ __forceinline__ void route_token(const SelectParams& p, Token<EPL>& s, int lane, int32_t& id,
                                             float& weight, float& log_norm) {
   uint32_t key[EPL];
@@ -246,7 +247,7 @@ __device__ __forceinline__ void route_token(const SelectParams& p, Token<EPL>& s
   warp_top_k<EPL>(key, 0, p.k, lane, id);
   const float logit = expert_value<EPL>(s.logit, id);
   const float norm = expert_value<EPL>(s.log_norm, id);
-  weight = slot_weight<EPL>(p, s, id, logit);
+  weight = slot_weight<EPL, GENERIC>(p, s, id, logit);
   log_norm = id < p.E ? norm : 0.0f;
   s.slot_id = id;
   s.slot_weight = weight;
@@ -306,8 +307,9 @@ __device__ __forceinline__ int32_t top_k_of_kept(const SelectParams& p, const To
 // The token's final slots once the kept set is known (is_kept(u) for u < E; kept: the W kept experts in rank order,
 // E past the last): lane r < k gets the expert id and weight of final slot `slot`. Backfill: the top k of the kept
 // experts (group-allowed ones first), slot = lane; scratch serves its slow path over up to 32 kept experts. The drop
-// fills: the routed slots whose expert is kept, in their order, then the sentinel (E, 0).
-template <int EPL, typename IsKept>
+// fills: the routed slots whose expert is kept, in their order, then the sentinel (E, 0). GENERIC = false: also
+// W <= 32 (score_token).
+template <int EPL, bool GENERIC, typename IsKept>
 __device__ __forceinline__ void fill_token(const SelectParams& p, const Token<EPL>& s, int lane, const int* kept,
                                            IsKept is_kept, FillScratch scratch, int& slot, int32_t& id,
                                            float& weight) {
@@ -321,7 +323,7 @@ __device__ __forceinline__ void fill_token(const SelectParams& p, const Token<EP
       weight = s.slot_weight;
       return;
     }
-    if (p.W <= 32) {
+    if (!GENERIC || p.W <= 32) {
       id = top_k_of_kept<EPL>(p, s, kept, lane, scratch);
     } else {
       uint32_t preferred[EPL], other[EPL];
@@ -339,7 +341,7 @@ __device__ __forceinline__ void fill_token(const SelectParams& p, const Token<EP
       const int next = warp_top_k<EPL>(preferred, 0, k, lane, id);
       if (grouped && next < k) warp_top_k<EPL>(other, next, k, lane, id);
     }
-    weight = slot_weight<EPL>(p, s, id, expert_value<EPL>(s.logit, id));
+    weight = slot_weight<EPL, GENERIC>(p, s, id, expert_value<EPL>(s.logit, id));
     return;
   }
   const bool in_slot = lane < k;
