@@ -442,8 +442,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   int final_slot = lane;
   if (has_token) {
     const FillScratch scratch{my_scratch, reinterpret_cast<uint32_t*>(smem + L.fill) + warp * kFillScratchWords};
-    fill_token<EPL, GENERIC>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, scratch, final_slot, final_id,
-                    final_weight);
+    fill_token<EPL, GENERIC>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, scratch, final_slot,
+                             final_id, final_weight);
     if (lane < k && final_id < E) atomicAdd(group_counts + final_id, 1);
   }
   if (has_token && lane < k) {

@@ -33,8 +33,8 @@ __device__ __forceinline__ float sigmoid(float x) {
 
 // Computes the token's choice scores, group limit and softmax statistics from s.logit (and s.log_norm), which
 // the caller has loaded: lane l holds experts [l * EPL, (l + 1) * EPL). scratch_row: E floats, group_scratch:
-// 2 * n_group floats, both private to the warp. GENERIC = false: the caller knows the model scores by softmax without
-// a group limit (kSoftmaxUngrouped), and the other modes' code is left out.
+// 2 * n_group floats, both private to the warp. GENERIC = false: the caller knows the model scores by softmax
+// (Scoring::kSoftmax) without a group limit (n_group <= 1), and the other modes' code is left out.
 template <int EPL, bool GENERIC = true>
 __device__ __forceinline__ void score_token(const SelectParams& p, int lane, float* scratch_row, float* group_scratch,
                                             Token<EPL>& s) {
