@@ -531,8 +531,8 @@ bool launch_fused(FusedSelectParams f, int groups, int device, cudaStream_t stre
   return true;
 }
 
-// One instance per (experts per lane, generic or softmax without groups): the other scoring modes' and the group
-// limit's code would lengthen the common models' instance (the header's note on code size).
+// One instance per (experts per lane, GENERIC): the other scoring modes' and the group limit's code would lengthen
+// the common models' instance (the header's note on code size).
 template <typename T, bool GENERIC>
 bool launch_by_experts(const FusedSelectParams& f, int groups, int device, cudaStream_t stream) {
   const int epl = (f.sel.E + 31) / 32;
@@ -546,9 +546,10 @@ bool launch_by_experts(const FusedSelectParams& f, int groups, int device, cudaS
 template <typename T>
 bool launch_by_shape(const FusedSelectParams& f, int groups, int device, cudaStream_t stream) {
   const SelectParams& p = f.sel;
-  const bool softmax_ungrouped = p.scoring == static_cast<int>(Scoring::kSoftmax) && p.n_group <= 1 && p.W <= 32;
-  if (softmax_ungrouped) return launch_by_experts<T, false>(f, groups, device, stream);
-  return launch_by_experts<T, true>(f, groups, device, stream);
+  // GENERIC = false: softmax routing without a group limit at budgets up to 32 (Qwen3-MoE, OLMoE)
+  const bool generic = p.scoring != static_cast<int>(Scoring::kSoftmax) || p.n_group > 1 || p.W > 32;
+  if (generic) return launch_by_experts<T, true>(f, groups, device, stream);
+  return launch_by_experts<T, false>(f, groups, device, stream);
 }
 
 }  // namespace
