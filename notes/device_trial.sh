@@ -121,13 +121,14 @@ for step in "$@"; do
     wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 ncu --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
     # the WS plan kernel alone under ncu at b256/M16 and M32 (duration, L2 bytes, issue activity; and its SASS hot spots)
     ncuplan) for m in 16 32; do timeout 60 ncu --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
-    # WS per-CTA stamps (needs notes/ws_pair.patch + notes/diag_ws_stamps_on_pair.patch): plan entry / exit and, per
-    # GEMM, entry / init / pdl / first stage landed / first and last k loop done / last epilogue / exit, min/median/max
-    # us from the plan's first entry, paired then BASE_MOE_WS_PAIR=0
-    wsstamps) for pt in ${POINTS:-256:16 256:32}; do b=${pt%:*}; m=${pt#*:}; for pair in 1 0; do
-        echo "wsstamps b$b/M$m pair=$pair"
-        BASE_MOE_WS_PAIR=$pair BASE_MOE_DIAG=64 timeout 60 python3 benchmarks/profile_layer.py --op experts --calls 4 --batch $b --budget $m 2>&1 | grep -E "^ws " | tail -3
-      done; done;;
+    # WS per-CTA stamps (needs notes/diag_ws_stamps.patch): plan entry / exit and, per GEMM, items per CTA, the CTAs'
+    # stream time (first stage landed -> last k loop done) and entry / init / pdl / first stage landed / first and last
+    # k loop done / last epilogue / exit, min/p10/median/p90/max us from the plan's first entry (eager calls, the last
+    # of 4 reported)
+    wsstamps) for pt in ${POINTS:-256:16 256:32}; do b=${pt%:*}; m=${pt#*:}
+        echo "wsstamps b$b/M$m"
+        BASE_MOE_DIAG=64 timeout 60 python3 benchmarks/profile_layer.py --op experts --calls 4 --batch $b --budget $m 2>&1 | grep -E "^ws " | tail -5
+      done;;
     *) echo "unknown step $step";;
   esac
   echo "== $step $((SECONDS-s)) s"
