@@ -124,10 +124,10 @@ for step in "$@"; do
     # WS per-CTA stamps (needs notes/diag_ws_stamps.patch): plan entry / exit and, per GEMM, items per CTA, the CTAs'
     # stream time (first stage landed -> last k loop done) and entry / init / pdl / first stage landed / first and last
     # k loop done / last epilogue / exit, min/p10/median/p90/max us from the plan's first entry (eager calls, the last
-    # of 4 reported)
+    # of 4 reported; WSDIAG=192 adds the patch's bit 128: no epilogue stores, a timing diagnostic only)
     wsstamps) for pt in ${POINTS:-256:16 256:32}; do b=${pt%:*}; m=${pt#*:}
         echo "wsstamps b$b/M$m"
-        BASE_MOE_DIAG=64 timeout 60 python3 benchmarks/profile_layer.py --op experts --calls 4 --batch $b --budget $m 2>&1 | grep -E "^ws " | tail -5
+        BASE_MOE_DIAG=${WSDIAG:-64} timeout 60 python3 benchmarks/profile_layer.py --op experts --calls 4 --batch $b --budget $m 2>&1 | grep -E "^ws " | tail -5
       done;;
     *) echo "unknown step $step";;
   esac
