@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -40,6 +40,10 @@ for step in "$@"; do
     texp) timeout 150 python3 -m pytest -m cuda tests/test_experts_cuda.py -q -x > $OUT/pytest_experts.log 2>&1; tail -15 $OUT/pytest_experts.log;;
     tall) timeout 300 python3 -m pytest -m cuda tests -q -x > $OUT/pytest_all.log 2>&1; tail -15 $OUT/pytest_all.log;;
     var) timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,T16,T32,W64,W128,WS} --out $OUT/variants.json > $OUT/variants.log 2>&1; tail -45 $OUT/variants.log;;
+    # the same with every expert GEMM's epilogue stores skipped (needs notes/diag_experts_nostore.patch and, for WS,
+    # notes/diag_ws_stamps.patch: BASE_MOE_DIAG bit 128; wrong results, timing only): var's rows minus these are what
+    # the epilogues' stores cost at each point
+    varnostore) BASE_MOE_DIAG=128 timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default} --out $OUT/variants_nostore.json > $OUT/variants_nostore.log 2>&1; tail -30 $OUT/variants_nostore.log;;
     mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_experts.py > $OUT/memcheck.log 2>&1; tail -6 $OUT/memcheck.log;;
     race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 240 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_experts.py > $OUT/racecheck.log 2>&1; tail -6 $OUT/racecheck.log;;
     ncu) for b in 1 16 64; do
