@@ -31,6 +31,13 @@ __device__ __forceinline__ float sigmoid(float x) {
   return 1.0f / (1.0f + expf(-x));
 }
 
+// The scoring mode an instance routes by: the model's, or softmax where GENERIC = false (the caller knows the model
+// scores by softmax, and the other modes' code is left out).
+template <bool GENERIC>
+__device__ __forceinline__ int scoring_mode(const SelectParams& p) {
+  return GENERIC ? p.scoring : static_cast<int>(Scoring::kSoftmax);
+}
+
 // Computes the token's choice scores, group limit and softmax statistics from s.logit (and s.log_norm), which
 // the caller has loaded: lane l holds experts [l * EPL, (l + 1) * EPL). scratch_row: E floats, group_scratch:
 // 2 * n_group floats, both private to the warp. GENERIC = false: the caller knows the model scores by softmax
@@ -38,8 +45,8 @@ __device__ __forceinline__ float sigmoid(float x) {
 template <int EPL, bool GENERIC = true>
 __device__ __forceinline__ void score_token(const SelectParams& p, int lane, float* scratch_row, float* group_scratch,
                                             Token<EPL>& s) {
-  const int E = p.E;
-  const bool sig = GENERIC && p.scoring == static_cast<int>(Scoring::kSigmoid);
+  const int E = p.E, scoring = scoring_mode<GENERIC>(p);
+  const bool sig = scoring == static_cast<int>(Scoring::kSigmoid);
   // the lane's correction biases loaded together: ptxas issued one load per expert after the previous expert's
   // sigmoid, a memory round trip each
   float bias[EPL];
@@ -98,7 +105,7 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
     }
     __syncwarp();  // the scratch row is reused by the caller
   }
-  if (!GENERIC || p.scoring == static_cast<int>(Scoring::kSoftmax)) {
+  if (scoring == static_cast<int>(Scoring::kSoftmax)) {
     uint32_t m = 0;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
@@ -200,7 +207,7 @@ __device__ __forceinline__ float expert_value(const float (&values)[EPL], int u)
 template <int EPL, bool GENERIC = true>
 __device__ __forceinline__ float slot_weight(const SelectParams& p, const Token<EPL>& s, int32_t id, float logit) {
   const bool valid = id < p.E;
-  const int scoring = GENERIC ? p.scoring : static_cast<int>(Scoring::kSoftmax);
+  const int scoring = scoring_mode<GENERIC>(p);
   float w;
   if (scoring == static_cast<int>(Scoring::kSoftmax)) {
     w = valid ? expf(logit - s.max_logit) / s.denominator : 0.0f;
