@@ -4,8 +4,8 @@
 // programmatic dependent launch:
 //   1. plan: the slots in expert-sorted order (each CTA recomputes the expert counts and offsets from the ids, so no
 //      grid-wide sync is needed, then ranks its 16 slots stably): each sorted slot's pair t * k + j and routing
-//      weight; CTA 0 writes the GEMMs' work items: per active expert, chunks of at most N of its slots x weight tiles
-//      (N = 64, 80, 128 or 160: csrc/experts.cu pick_config).
+//      weight; CTA 0 writes the chunks (per active expert, runs of at most N of its slots; N = 64, 80, 128 or 160:
+//      csrc/experts.cu pick_config): a GEMM's work items are its chunks x its weight tiles.
 //   2. gate_up: act[slot, i] = SiLU(gate_i . x) * (up_i . x) for the items' 96-intermediate tiles.
 //   3. down:    yslot[t * k + j, h] = w * (down_h . act[slot]) for 128-row tiles, rounded to the input dtype.
 // Both GEMMs: one persistent CTA per SM; warpgroup 0 loads, per 64-wide k step, one TMA box of 64 weight rows per
@@ -45,10 +45,12 @@ constexpr int kSlotsPerPlanCta = 16;  // <= 32: one warp ranks them in one round
 constexpr int kMaxSharedBytes = 227 * 1024;  // shared memory per CTA on sm_90 (static + dynamic)
 constexpr int kGatherThreads = 128;          // gate_up: warpgroup 0 gathers the token rows
 
+// A work item: weight tile `tile` of `expert` against a chunk of its slots. The plan kernel writes one entry per
+// chunk (tile 0); item it of a GEMM with `tiles` weight tiles is chunk it / tiles, tile it % tiles (ws_item).
 struct alignas(16) WsItem {
   int expert, tile, slot0, cols;  // cols: the chunk's slots (<= N), expert-sorted slots slot0..
 };
-static_assert(sizeof(WsItem) == 16, "down's producer reads an item as one int4 (load_item_l2)");
+static_assert(sizeof(WsItem) == 16, "an item is read as one int4 (ws_item)");
 
 // The two GEMMs' shapes: gate_up 3 consumers x 32 intermediates per tile, K = H; down 2 consumers x 64 output rows,
 // K = I; N token columns per item. Registers: 4 warpgroups leave ptxas 128 per thread, enough for the consumers' 80
@@ -85,10 +87,8 @@ struct PlanParams {
   int tk, E;
   int* slot_origin;    // [tk]: each expert-sorted slot's pair t * k + j
   float* slot_weight;  // [tk]
-  WsItem* gate_up_items;
-  WsItem* down_items;
-  int* item_counts;    // [2]: gate_up's, down's
-  int gate_up_tiles, down_tiles;
+  WsItem* chunks;      // per chunk: expert, slot0, cols (tile 0)
+  int* chunk_count;
   int chunk;  // slots per work item at most: the GEMMs' N
 };
 
@@ -157,29 +157,26 @@ __global__ void __launch_bounds__(kPlanThreads) ws_plan_kernel(const PlanParams 
     }
   }
   if (blockIdx.x != 0) return;
-  // the work items (CTA 0, whose bases are the expert offsets): chunk-major in expert order, tiles inner, so that
-  // neighbouring CTAs stream tiles of the same expert and share its token rows in L2
+  // the chunks (CTA 0, whose bases are the expert offsets) in expert order; the GEMMs take them chunk-major, tiles
+  // inner, so that neighbouring CTAs stream tiles of the same expert and share its token rows in L2. One entry per
+  // chunk, not per item: CTA 0 wrote 24 items per chunk at Qwen3's shape and left ~1 us after the other CTAs, ~0.5
+  // now (device_runs/session35.txt call 4, session36.txt call 2), and the GEMMs wait for the whole plan grid.
   int my_chunks = 0;
   for (int e = e0; e < e1; ++e) my_chunks += (s_count[e] + p.chunk - 1) / p.chunk;
   int all_chunks = 0;
   int chunk = block_exclusive_scan<kWarps>(my_chunks, s_scan, all_chunks);
   for (int e = e0; e < e1; ++e) {
-    for (int first = 0; first < s_count[e]; first += p.chunk, ++chunk) {
-      const int slot0 = s_base[e] + first, cols = min(p.chunk, s_count[e] - first);
-      for (int t = 0; t < p.gate_up_tiles; ++t)
-        p.gate_up_items[chunk * p.gate_up_tiles + t] = WsItem{e, t, slot0, cols};
-      for (int t = 0; t < p.down_tiles; ++t) p.down_items[chunk * p.down_tiles + t] = WsItem{e, t, slot0, cols};
-    }
+    for (int first = 0; first < s_count[e]; first += p.chunk, ++chunk)
+      p.chunks[chunk] = WsItem{e, 0, s_base[e] + first, min(p.chunk, s_count[e] - first)};
   }
-  if (tid == 0) {
-    p.item_counts[0] = all_chunks * p.gate_up_tiles;
-    p.item_counts[1] = all_chunks * p.down_tiles;
-  }
+  if (tid == 0) *p.chunk_count = all_chunks;
 }
 
 struct WsGemmParams {
-  const WsItem* items;
-  const int* n_items;
+  const WsItem* chunks;       // the plan kernel's
+  const int* chunk_count;
+  int tiles;                  // weight tiles per chunk: the GEMM's items are chunk_count x tiles
+  int chunk_capacity;         // entries the chunk buffer holds (a speculative read stays inside it)
   int K;                      // reduction length: H (gate_up) or I (down)
   int rows_out;               // I (gate_up) or H (down): rows past it belong to a partial last tile
   void* act;                  // gate_up: [tk, I], expert-sorted slot rows
@@ -236,11 +233,20 @@ __device__ __forceinline__ void load_weight_stage(const WsGemmParams& p, const C
   }
 }
 
-// An item as the plan kernel wrote it, read through L2 (ld.global.cg): down's producer reads its first item before
-// its PDL wait, and L2 is where the plan kernel's writes are visible then (see produce_down).
-__device__ __forceinline__ WsItem load_item_l2(const WsItem* item) {
-  const int4 v = __ldcg(reinterpret_cast<const int4*>(item));
-  return WsItem{v.x, v.y, v.z, v.w};
+// Item `it` of the GEMM from its chunk's entry. L2: read through L2 (ld.global.cg), as down's producer does for its
+// first item before its PDL wait, when L2 is where the plan kernel's writes are visible (see produce_down).
+template <bool L2 = false>
+__device__ __forceinline__ WsItem ws_item(const WsGemmParams& p, int it) {
+  const int chunk = it / p.tiles;
+  const int4* entry = reinterpret_cast<const int4*>(p.chunks + chunk);
+  const int4 v = L2 ? __ldcg(entry) : *entry;
+  return WsItem{v.x, it - chunk * p.tiles, v.z, v.w};
+}
+
+// The GEMM's item count (chunks x tiles).
+template <bool L2 = false>
+__device__ __forceinline__ int ws_item_count(const WsGemmParams& p) {
+  return (L2 ? __ldcg(p.chunk_count) : *p.chunk_count) * p.tiles;
 }
 
 // gate_up's producer (warpgroup 0): per item and k step, thread 0 loads the weight boxes with TMA and the warpgroup
@@ -264,14 +270,17 @@ __device__ __forceinline__ void produce_gate_up(const WsGemmParams& p, const CUt
   static_assert(kGatherThreads == 128, "the gatherers are warpgroup 0 (ws_gemm_kernel), counted by the full barriers");
   cuda::pdl_wait();
   cuda::pdl_launch_dependents();  // never before the wait (see produce_down)
-  const int n_items = *p.n_items;
+  // The item count and this CTA's first item in one L2 round trip instead of two, one after the other: the first
+  // item's weight boxes go out once it is in (read even where the count leaves this CTA none; never used then).
+  const int n_items = ws_item_count(p);
+  const WsItem first = ws_item(p, min(static_cast<int>(blockIdx.x), p.chunk_capacity * p.tiles - 1));
   const char* hidden = static_cast<const char*>(p.hidden);
   const int64_t row_bytes = static_cast<int64_t>(p.K) * 2;
   const int sub = tid >> 3, ch = tid & 7, lane = tid & 31;
   const uint32_t chunk_offset = swz128(sub, ch);
   int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
-    const WsItem item = p.items[it];
+    const WsItem item = it == static_cast<int>(blockIdx.x) ? first : ws_item(p, it);
     int origin[kRows];  // loaded here, used after the item's first weight boxes went out
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
@@ -316,22 +325,22 @@ __device__ __forceinline__ void produce_down(const WsGemmParams& p, const CUtens
   using S = WsShape<false, N>;
   int early = 0;  // k steps of the first item whose weights went out before the wait
   WsItem first{};
-  if (static_cast<int>(blockIdx.x) < __ldcg(p.n_items)) {
-    first = load_item_l2(p.items + blockIdx.x);
+  if (static_cast<int>(blockIdx.x) < ws_item_count<true>(p)) {
+    first = ws_item<true>(p, blockIdx.x);
     early = min(S::STAGES, nk);
     for (int ks = 0; ks < early; ++ks)
       load_weight_stage<false, N>(p, weights, first, ks, ring + ks * S::STAGE_BYTES, full0 + 8 * ks);
   }
   cuda::pdl_wait();
   cuda::pdl_launch_dependents();  // never before the wait: down's producer reads the plan's items before its own
-  const int n_items = *p.n_items;
+  const int n_items = ws_item_count(p);
   if (early > 0) {  // the early weights belong to the item the consumers read now: else hang or mix, so fail loudly
-    const WsItem now = p.items[blockIdx.x];
+    const WsItem now = ws_item(p, blockIdx.x);
     if (static_cast<int>(blockIdx.x) >= n_items || now.expert != first.expert || now.tile != first.tile) __trap();
   }
   int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
-    const WsItem item = p.items[it];
+    const WsItem item = ws_item(p, it);
     for (int ks = 0; ks < nk; ++ks, ++g) {
       const int s = g % S::STAGES;
       const uint32_t stage = ring + s * S::STAGE_BYTES, bar = full0 + 8 * s;
@@ -379,12 +388,12 @@ __global__ void __launch_bounds__(WsShape<GATED, N>::THREADS, 1)
   cuda::pdl_wait();  // the items, token rows and (down) act come from the kernels before
   cuda::pdl_launch_dependents();  // never before the wait (see produce_down)
   if (wg == 0) return;
-  const int n_items = *p.n_items;
+  const int n_items = ws_item_count(p);
   const int c = wg - 1;
   float d[N / 2];
   int g = 0;
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
-    const WsItem item = p.items[it];
+    const WsItem item = ws_item(p, it);
     // down: consumer thread `col` loads the item's column col before the k loop and stages it after
     const int col = tid - 128;
     int origin = 0;
@@ -570,8 +579,8 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   const auto ints = hidden.options().dtype(at::kInt);
   at::Tensor slot_origin = at::empty({tk}, ints);
   at::Tensor slot_weight = at::empty({tk}, hidden.options().dtype(at::kFloat));
-  at::Tensor items = at::empty({chunks_bound * (gate_up_tiles + down_tiles), 4}, ints);
-  at::Tensor counts = at::empty({2}, ints);
+  at::Tensor chunks = at::empty({chunks_bound, 4}, ints);
+  at::Tensor chunk_count = at::empty({1}, ints);
 
   CUtensorMap maps[3];  // gate_up weights, down weights, act
   // gate_up [E, 2I, H] as (h, intermediate in its group of 8, gate | up, group of 8, expert): a box of 64 h x 8 rows
@@ -590,7 +599,6 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
       !encode_tokens(maps[2], act, columns))
     return false;
 
-  WsItem* item_ptr = reinterpret_cast<WsItem*>(items.data_ptr<int>());
   PlanParams plan{};
   plan.ids = expert_ids.data_ptr<int32_t>();
   plan.weights = expert_weights.data_ptr<float>();
@@ -598,15 +606,14 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   plan.E = static_cast<int>(E);
   plan.slot_origin = slot_origin.data_ptr<int>();
   plan.slot_weight = slot_weight.data_ptr<float>();
-  plan.gate_up_items = item_ptr;
-  plan.down_items = item_ptr + chunks_bound * gate_up_tiles;
-  plan.item_counts = counts.data_ptr<int>();
-  plan.gate_up_tiles = gate_up_tiles;
-  plan.down_tiles = down_tiles;
+  plan.chunks = reinterpret_cast<WsItem*>(chunks.data_ptr<int>());
+  plan.chunk_count = chunk_count.data_ptr<int>();
   plan.chunk = columns;
   WsGemmParams gate_up{};
-  gate_up.items = plan.gate_up_items;
-  gate_up.n_items = plan.item_counts;
+  gate_up.chunks = plan.chunks;
+  gate_up.chunk_count = plan.chunk_count;
+  gate_up.tiles = gate_up_tiles;
+  gate_up.chunk_capacity = static_cast<int>(chunks_bound);
   gate_up.K = static_cast<int>(H);
   gate_up.rows_out = static_cast<int>(I);
   gate_up.act = act.data_ptr();
@@ -614,8 +621,10 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   gate_up.hidden = hidden.data_ptr();
   gate_up.per_token = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(k));
   WsGemmParams down{};
-  down.items = plan.down_items;
-  down.n_items = plan.item_counts + 1;
+  down.chunks = plan.chunks;
+  down.chunk_count = plan.chunk_count;
+  down.tiles = down_tiles;
+  down.chunk_capacity = static_cast<int>(chunks_bound);
   down.K = static_cast<int>(I);
   down.rows_out = static_cast<int>(H);
   down.yslot = yslot.data_ptr();
