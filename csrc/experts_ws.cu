@@ -272,7 +272,8 @@ __device__ __forceinline__ void produce_gate_up(const WsGemmParams& p, const CUt
   cuda::pdl_launch_dependents();  // never before the wait (see produce_down)
   // The item count and this CTA's first item in one L2 round trip instead of two, one after the other: the first
   // item's weight boxes go out once it is in (read even where the count leaves this CTA none; never used then). Alone
-  // this measured no change (session 28, notes/ws_item_beside_count.patch); with one entry per chunk it costs nothing.
+  // this measured no change (session 28, notes/ws_item_beside_count.patch); it is kept as session 36 device-tested it
+  // with one entry per chunk (call 3). chunk_capacity exists only for this read.
   const int n_items = ws_item_count(p);
   const WsItem first = ws_item(p, min(static_cast<int>(blockIdx.x), p.chunk_capacity * p.tiles - 1));
   const char* hidden = static_cast<const char*>(p.hidden);
