@@ -176,7 +176,6 @@ struct WsGemmParams {
   const WsItem* chunks;       // the plan kernel's
   const int* chunk_count;
   int tiles;                  // weight tiles per chunk: the GEMM's items are chunk_count x tiles
-  int chunk_capacity;         // entries the chunk buffer holds (a speculative read stays inside it)
   int K;                      // reduction length: H (gate_up) or I (down)
   int rows_out;               // I (gate_up) or H (down): rows past it belong to a partial last tile
   void* act;                  // gate_up: [tk, I], expert-sorted slot rows
@@ -270,19 +269,14 @@ __device__ __forceinline__ void produce_gate_up(const WsGemmParams& p, const CUt
   static_assert(kGatherThreads == 128, "the gatherers are warpgroup 0 (ws_gemm_kernel), counted by the full barriers");
   cuda::pdl_wait();
   cuda::pdl_launch_dependents();  // never before the wait (see produce_down)
-  // The item count and this CTA's first item in one L2 round trip instead of two, one after the other: the first
-  // item's weight boxes go out once it is in (read even where the count leaves this CTA none; never used then). Alone
-  // this measured no change (session 28, notes/ws_item_beside_count.patch); it is kept as session 36 device-tested it
-  // with one entry per chunk (call 3). chunk_capacity exists only for this read.
   const int n_items = ws_item_count(p);
-  const WsItem first = ws_item(p, min(static_cast<int>(blockIdx.x), p.chunk_capacity * p.tiles - 1));
   const char* hidden = static_cast<const char*>(p.hidden);
   const int64_t row_bytes = static_cast<int64_t>(p.K) * 2;
   const int sub = tid >> 3, ch = tid & 7, lane = tid & 31;
   const uint32_t chunk_offset = swz128(sub, ch);
   int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
-    const WsItem item = it == static_cast<int>(blockIdx.x) ? first : ws_item(p, it);
+    const WsItem item = ws_item(p, it);
     int origin[kRows];  // loaded here, used after the item's first weight boxes went out
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
@@ -336,10 +330,9 @@ __device__ __forceinline__ void produce_down(const WsGemmParams& p, const CUtens
   cuda::pdl_wait();
   cuda::pdl_launch_dependents();  // never before the wait: down's producer reads the plan's items before its own
   const int n_items = ws_item_count(p);
-  if (early > 0) {  // the early weights belong to the item the consumers read now: else hang or mix, so fail loudly
-    const WsItem now = ws_item(p, blockIdx.x);
-    if (static_cast<int>(blockIdx.x) >= n_items || now.expert != first.expert || now.tile != first.tile) __trap();
-  }
+  // the early weights belong to the item the consumers read now (its tile is blockIdx.x's in both reads; the expert
+  // could differ if the plan's writes were not visible before the wait): else hang or mix, so fail loudly
+  if (early > 0 && (static_cast<int>(blockIdx.x) >= n_items || ws_item(p, blockIdx.x).expert != first.expert)) __trap();
   int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
     const WsItem item = ws_item(p, it);
@@ -615,7 +608,6 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   gate_up.chunks = plan.chunks;
   gate_up.chunk_count = plan.chunk_count;
   gate_up.tiles = gate_up_tiles;
-  gate_up.chunk_capacity = static_cast<int>(chunks_bound);
   gate_up.K = static_cast<int>(H);
   gate_up.rows_out = static_cast<int>(I);
   gate_up.act = act.data_ptr();
@@ -626,7 +618,6 @@ bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, c
   down.chunks = plan.chunks;
   down.chunk_count = plan.chunk_count;
   down.tiles = down_tiles;
-  down.chunk_capacity = static_cast<int>(chunks_bound);
   down.K = static_cast<int>(I);
   down.rows_out = static_cast<int>(H);
   down.yslot = yslot.data_ptr();
