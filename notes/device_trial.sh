@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan ncuws wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan ncuws selstamps wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -127,6 +127,12 @@ for step in "$@"; do
     # WS GEMMs alone (ncu serializes kernels: no PDL overlap) at b256/M16: is down's stream (3.3 TB/s in the op against
     # gate_up's 4.0, session 37) slow on its own, and is it HBM- or pipeline-bound (DRAM share, L2 hits, bytes)?
     ncuws) for m in ${WSM:-16}; do timeout 120 ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --op experts --batch 256 --budget $m --calls 3 > $OUT/ncu_ws_m$m.txt 2>&1; echo "M$m"; grep -E "ws_gemm_kernel|duration|dram__|lts__|issue" $OUT/ncu_ws_m$m.txt | sed 's/  */ /g' | cut -c1-150; done;;
+    # the two selection kernels' phases at T > 64 (needs notes/diag_select_stamps.patch; eager calls, the last of 4):
+    # router_predict's CTAs (entry, PDL wait, k loop, first cluster barrier, exit) and route_select's (entry, wait,
+    # routed, barrier, D copied, D summed, exchanged, cost gathered, ranked, filled, exit), min/median/max us
+    selstamps) for b in ${SELB:-256 128}; do echo "selstamps T$b"
+        BASE_MOE_DIAG=256 timeout 60 python3 benchmarks/profile_layer.py --op select --calls 4 --batch $b --budget 16 2>&1 | grep -E "^sel " | tail -2
+      done;;
     ncuplan) for m in 16 32; do timeout 60 ncu --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
     # WS per-CTA stamps (needs notes/diag_ws_stamps.patch): plan entry / exit and, per GEMM, items per CTA, the CTAs'
     # stream time (first stage landed -> last k loop done) and entry / init / pdl / first stage landed / first and last
