@@ -132,6 +132,8 @@ for step in "$@"; do
     # routed, barrier, D copied, D summed, exchanged, cost gathered, ranked, filled, exit), min/median/max us
     selstamps) for b in ${SELB:-256 128}; do echo "selstamps T$b"
         BASE_MOE_DIAG=256 timeout 60 python3 benchmarks/profile_layer.py --op select --calls 4 --batch $b --budget 16 2>&1 | grep -E "^sel " | tail -2
+        # the kernels' start / end in graph replay (no stamps read: BASE_MOE_DIAG unset, as a sync cannot be captured)
+        timeout 60 python3 benchmarks/profile_layer.py --op select --timeline --calls 8 --batch $b --budget 16 2>&1 | tail -4
       done;;
     ncuplan) for m in 16 32; do timeout 60 ncu --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
     # WS per-CTA stamps (needs notes/diag_ws_stamps.patch): plan entry / exit and, per GEMM, items per CTA, the CTAs'
