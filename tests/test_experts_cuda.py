@@ -68,7 +68,12 @@ def poison_allocator(nbytes=256 << 20, small_blocks=64):
 
 def check_accuracy(T, shape, dtype, bound=None, **kw):
     """The op (with ``bound`` as its max_active_experts, if given) on a random problem against the reference."""
-    hidden, ids, w, gate_up, down = make_problem(T, dtype=dtype, **shape, **kw)
+    return check_problem(*make_problem(T, dtype=dtype, **shape, **kw), bound)
+
+
+def check_problem(hidden, ids, w, gate_up, down, bound=None):
+    """The op on this problem against the reference (check_accuracy's rule)."""
+    dtype, E = hidden.dtype, gate_up.shape[0]
     ref = reference.experts(hidden.float(), ids, w, gate_up.float(), down.float())
     poison_allocator()
     out = torch.ops.base_moe.experts(hidden, ids, w, gate_up, down, *([] if bound is None else [bound]))
@@ -81,7 +86,7 @@ def check_accuracy(T, shape, dtype, bound=None, **kw):
     assert k_max <= 2 * b_max + 1e-6, (k_max, b_max)
     assert k_rel <= 2 * b_rel + 1e-6, (k_rel, b_rel)
     # tokens whose slots were all dropped are exactly zero
-    empty = (ids == shape["E"]).all(dim=1)
+    empty = (ids == E).all(dim=1)
     assert (out[empty] == 0).all()
     return out
 
@@ -261,6 +266,22 @@ def test_ws_token_columns(n, T, used, monkeypatch):
     monkeypatch.setenv("BASE_MOE_WS_N", str(n))
     names = launched_kernels(lambda: check_accuracy(T, QWEN3, torch.bfloat16, used, used=used, seed=T + used))
     assert ws_kernels_ran(names) == {("true", str(n)), ("false", str(n))}, names
+
+
+def test_ws_item_widths(monkeypatch):
+    """WS's consumers run an item on the narrowest wgmma that covers its columns (128, 144 or all 160 of the default
+    160-column items): experts whose slot counts lie on both sides of each width's edge, and past 160 (two items)."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
+    monkeypatch.delenv("BASE_MOE_WS_N", raising=False)
+    counts = torch.tensor([1, 127, 128, 129, 144, 145, 160, 161, 290], device="cuda")
+    E, T = len(counts) + 1, int(counts.sum())  # the last expert gets no token
+    hidden, _, w, gate_up, down = make_problem(T, H=256, I=128, E=E, k=1, dtype=torch.bfloat16, drop=0.0, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    experts = torch.repeat_interleave(torch.arange(len(counts), device="cuda"), counts)
+    ids = experts[torch.randperm(T, device="cuda", generator=g)].to(torch.int32).view(T, 1)
+    w = torch.rand(T, 1, device="cuda", generator=g)
+    names = launched_kernels(lambda: check_problem(hidden, ids, w, gate_up, down))
+    assert ws_kernels_ran(names) == {("true", "160"), ("false", "160")}, names
 
 
 @pytest.mark.parametrize("name,value,config", [("BASE_MOE_EXPERTS_SPLITS", "two", None),
