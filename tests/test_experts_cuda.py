@@ -268,9 +268,9 @@ def test_ws_token_columns(n, T, used, monkeypatch):
     assert ws_kernels_ran(names) == {("true", str(n)), ("false", str(n))}, names
 
 
-def test_ws_item_widths(monkeypatch):
-    """WS's consumers run an item on the narrowest wgmma that covers its columns (128, 144 or all 160 of the default
-    160-column items): experts whose slot counts lie on both sides of each width's edge, and past 160 (two items)."""
+def test_ws_item_columns(monkeypatch):
+    """WS's default 160-column items with every kind of fill: experts whose slot counts lie around 128, 144 and 160
+    (the widths of notes/ws_narrow_wgmma.patch's narrower wgmmas), one slot, and past 160 (a full item and the rest)."""
     monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "WS")
     monkeypatch.delenv("BASE_MOE_WS_N", raising=False)
     counts = torch.tensor([1, 127, 128, 129, 144, 145, 160, 161, 290], device="cuda")
