@@ -232,20 +232,25 @@ __device__ __forceinline__ void load_weight_stage(const WsGemmParams& p, const C
   }
 }
 
-// Item `it` of the GEMM from its chunk's entry. L2: read through L2 (ld.global.cg), as down's producer does for its
-// first item before its PDL wait, when L2 is where the plan kernel's writes are visible (see produce_down).
+// A read of the plan kernel's output. L2: through L2 (ld.global.cg), as down's producer reads its first item before
+// its PDL wait, when L2 is where the plan kernel's writes are visible (see produce_down).
+template <bool L2, typename V>
+__device__ __forceinline__ V load_plan(const V* x) {
+  return L2 ? __ldcg(x) : *x;
+}
+
+// Item `it` of the GEMM from its chunk's entry.
 template <bool L2 = false>
 __device__ __forceinline__ WsItem ws_item(const WsGemmParams& p, int it) {
   const int chunk = it / p.tiles;
-  const int4* entry = reinterpret_cast<const int4*>(p.chunks + chunk);
-  const int4 v = L2 ? __ldcg(entry) : *entry;
+  const int4 v = load_plan<L2>(reinterpret_cast<const int4*>(p.chunks + chunk));
   return WsItem{v.x, it - chunk * p.tiles, v.z, v.w};
 }
 
 // The GEMM's item count (chunks x tiles).
 template <bool L2 = false>
 __device__ __forceinline__ int ws_item_count(const WsGemmParams& p) {
-  return (L2 ? __ldcg(p.chunk_count) : *p.chunk_count) * p.tiles;
+  return load_plan<L2>(p.chunk_count) * p.tiles;
 }
 
 // gate_up's producer (warpgroup 0): per item and k step, thread 0 loads the weight boxes with TMA and the warpgroup
@@ -332,10 +337,11 @@ __device__ __forceinline__ void produce_down(const WsGemmParams& p, const CUtens
   const int n_items = ws_item_count(p);
   // the early weights belong to the item the consumers read now (its tile is blockIdx.x's in both reads; the expert
   // could differ if the plan's writes were not visible before the wait): else hang or mix, so fail loudly
-  if (early > 0 && (static_cast<int>(blockIdx.x) >= n_items || ws_item(p, blockIdx.x).expert != first.expert)) __trap();
+  if (early > 0 && static_cast<int>(blockIdx.x) >= n_items) __trap();
   int g = 0;  // this CTA's stages so far (ring slot, mbarrier parity)
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
     const WsItem item = ws_item(p, it);
+    if (g < early && item.expert != first.expert) __trap();  // (g < early: the first item only)
     for (int ks = 0; ks < nk; ++ks, ++g) {
       const int s = g % S::STAGES;
       const uint32_t stage = ring + s * S::STAGE_BYTES, bar = full0 + 8 * s;
