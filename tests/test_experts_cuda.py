@@ -275,7 +275,7 @@ def test_ws_item_columns(monkeypatch):
     monkeypatch.delenv("BASE_MOE_WS_N", raising=False)
     counts = torch.tensor([1, 127, 128, 129, 144, 145, 160, 161, 290], device="cuda")
     E, T = len(counts) + 1, int(counts.sum())  # the last expert gets no token
-    hidden, _, w, gate_up, down = make_problem(T, H=256, I=128, E=E, k=1, dtype=torch.bfloat16, drop=0.0, seed=5)
+    hidden, _, _, gate_up, down = make_problem(T, H=256, I=128, E=E, k=1, dtype=torch.bfloat16, drop=0.0, seed=5)
     g = torch.Generator(device="cuda").manual_seed(6)
     experts = torch.repeat_interleave(torch.arange(len(counts), device="cuda"), counts)
     ids = experts[torch.randperm(T, device="cuda", generator=g)].to(torch.int32).view(T, 1)
