@@ -123,18 +123,19 @@ for step in "$@"; do
     # WS's GEMMs as CTA pairs (notes/ws_pair.patch): ncu's launch statistics of the WS kernels at b256/M16 (cluster
     # size 2 where paired: both Qwen3 GEMMs), then the same with BASE_MOE_WS_PAIR=0
     wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 ncu --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
-    # the WS plan kernel alone under ncu at b256/M16 and M32 (duration, L2 bytes, issue activity; and its SASS hot spots)
     # WS GEMMs alone (ncu serializes kernels: no PDL overlap) at b256/M16: is down's stream (3.3 TB/s in the op against
     # gate_up's 4.0, session 37) slow on its own, and is it HBM- or pipeline-bound (DRAM share, L2 hits, bytes)?
     ncuws) for m in ${WSM:-16}; do timeout 120 ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --op experts --batch 256 --budget $m --calls 3 > $OUT/ncu_ws_m$m.txt 2>&1; echo "M$m"; grep -E "ws_gemm_kernel|duration|dram__|lts__|issue" $OUT/ncu_ws_m$m.txt | sed 's/  */ /g' | cut -c1-150; done;;
     # the two selection kernels' phases at T > 64 (needs notes/diag_select_stamps.patch; eager calls, the last of 4):
     # router_predict's CTAs (entry, PDL wait, k loop, first cluster barrier, exit) and route_select's (entry, wait,
-    # routed, barrier, D copied, D summed, exchanged, cost gathered, ranked, filled, exit), min/median/max us
+    # routed, barrier, D copied, D summed, exchanged, cost gathered, ranked, filled, exit; thread 0's first token
+    # scored and picked), min/median/max us
     selstamps) for b in ${SELB:-256 128}; do echo "selstamps T$b"
         BASE_MOE_DIAG=256 timeout 60 python3 benchmarks/profile_layer.py --op select --calls 4 --batch $b --budget 16 2>&1 | grep -E "^sel " | tail -2
         # the kernels' start / end in graph replay (no stamps read: BASE_MOE_DIAG unset, as a sync cannot be captured)
         timeout 60 python3 benchmarks/profile_layer.py --op select --timeline --calls 8 --batch $b --budget 16 2>&1 | tail -4
       done;;
+    # the WS plan kernel alone under ncu at b256/M16 and M32 (duration, L2 bytes, issue activity; and its SASS hot spots)
     ncuplan) for m in 16 32; do timeout 60 ncu --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
     # WS per-CTA stamps (needs notes/diag_ws_stamps.patch): plan entry / exit and, per GEMM, items per CTA, the CTAs'
     # stream time (first stage landed -> last k loop done) and entry / init / pdl / first stage landed / first and last
