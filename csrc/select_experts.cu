@@ -469,17 +469,13 @@ int max_cluster(size_t smem, int device) {
   if (device < 0 || device >= 64) return 0;
   if (cached[device] != 0) return cached[device];
   auto kernel = select_experts_kernel<T, EPL, GENERIC>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
   int best = 1;
   for (int c : {16, 8}) {
-    const cuda::LaunchConfig config({dim3(c), dim3(kThreads), smem, nullptr, c});
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, config.get()) == cudaSuccess && clusters > 0) {
+    if (cuda::cluster_fits(kernel, c, kThreads, smem)) {
       best = c;
       break;
     }
-    (void)cudaGetLastError();
   }
   cached[device] = best;
   return best;

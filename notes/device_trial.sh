@@ -112,7 +112,7 @@ for step in "$@"; do
     thf) timeout 300 python3 -m pytest tests/test_hf.py tests/test_bench_e2e.py -q -x -p no:cacheprovider > $OUT/pytest_hf.log 2>&1; tail -3 $OUT/pytest_hf.log;;
     tnorm) timeout 200 python3 -m pytest -m cuda tests/test_norm_cuda.py -q -x > $OUT/pytest_norm.log 2>&1; tail -5 $OUT/pytest_norm.log;;
     normsan) for tool in memcheck racecheck; do timeout 150 compute-sanitizer --tool $tool python3 tests/test_norm_cuda.py sanitize > $OUT/norm_$tool.log 2>&1; tail -2 $OUT/norm_$tool.log; done;;
-    selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 200 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;
+    selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 300 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;
     e2e) timeout 200 python3 benchmarks/bench_e2e.py --repeats 2 --json $OUT/bench_e2e.json > $OUT/e2e.log 2>&1; tail -25 $OUT/e2e.log;;
     # BASE M=16 with base_moe's residual add + norm against the model's own (norm='model'), batch 16 and 64; the
     # recompile count says whether dynamo compiled the non-MoE function again for the second variant (it must)

@@ -33,6 +33,19 @@ inline bool selection_pdl() {
   return enabled;
 }
 
+// Whether the device co-schedules one cluster of `size` CTAs of `kernel` (`threads` threads and `smem` bytes of dynamic
+// shared memory each, an amount the kernel's attributes already allow); sizes above 8 need the non-portable opt-in,
+// which this sets.
+template <typename Kernel>
+bool cluster_fits(Kernel kernel, int size, int threads, size_t smem) {
+  if (size > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  const LaunchConfig config({dim3(size), dim3(threads), smem, nullptr, size});
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, config.get()) == cudaSuccess && clusters > 0) return true;
+  (void)cudaGetLastError();  // an unsupported size is an answer, not an error
+  return false;
+}
+
 template <typename Kernel, typename... Args>
 void launch(const LaunchShape& shape, Kernel kernel, Args... args) {
   const LaunchConfig config(shape);
