@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan ncuws selstamps wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -125,6 +125,8 @@ for step in "$@"; do
     wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 ncu --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
     # WS GEMMs alone (ncu serializes kernels: no PDL overlap) at b256/M16: is down's stream (3.3 TB/s in the op against
     # gate_up's 4.0, session 37) slow on its own, and is it HBM- or pipeline-bound (DRAM share, L2 hits, bytes)?
+    # the same two kernels' tensor pipe and stall shares (is either GEMM's wgmma pipe busy at b256/M16? session 39)
+    ncuwst) for m in ${WSM:-16}; do timeout 120 ncu --metrics gpu__time_duration.sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct -k regex:ws_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --op experts --batch 256 --budget $m --calls 3 > $OUT/ncu_wst_m$m.txt 2>&1; echo "M$m"; grep -E "ws_gemm_kernel|duration|tensor|stalled" $OUT/ncu_wst_m$m.txt | sed 's/  */ /g' | cut -c1-150; done;;
     ncuws) for m in ${WSM:-16}; do timeout 120 ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --op experts --batch 256 --budget $m --calls 3 > $OUT/ncu_ws_m$m.txt 2>&1; echo "M$m"; grep -E "ws_gemm_kernel|duration|dram__|lts__|issue" $OUT/ncu_ws_m$m.txt | sed 's/  */ /g' | cut -c1-150; done;;
     # the two selection kernels' phases at T > 64 (needs notes/diag_select_stamps.patch; eager calls, the last of 4):
     # router_predict's CTAs (entry, PDL wait, k loop, first cluster barrier, exit) and route_select's (entry, wait,
