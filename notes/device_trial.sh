@@ -28,6 +28,15 @@ layer_rows() {
     > "$OUT/bench_layer_$1.log" 2>&1
   grep -E "$3" "$OUT/bench_layer_$1.log"
 }
+# TAG METRICS PATTERN: ncu on the WS GEMMs alone (ncu serializes kernels: no PDL overlap) at b256 and budgets
+# ${WSM:-16}: their duration and METRICS (ncu_TAG_mM.txt under $OUT); prints the lines matching PATTERN
+ws_ncu() {
+  for m in ${WSM:-16}; do
+    timeout 120 ncu --metrics "gpu__time_duration.sum,$2" -k regex:ws_gemm --launch-skip 2 --launch-count 2 \
+      python3 benchmarks/profile_layer.py --op experts --batch 256 --budget $m --calls 3 > "$OUT/ncu_$1_m$m.txt" 2>&1
+    echo "M$m"; grep -E "ws_gemm_kernel|duration|$3" "$OUT/ncu_$1_m$m.txt" | sed 's/  */ /g' | cut -c1-150
+  done
+}
 for step in "$@"; do
   s=$SECONDS
   case $step in
@@ -123,11 +132,11 @@ for step in "$@"; do
     # WS's GEMMs as CTA pairs (notes/ws_pair.patch): ncu's launch statistics of the WS kernels at b256/M16 (cluster
     # size 2 where paired: both Qwen3 GEMMs), then the same with BASE_MOE_WS_PAIR=0
     wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 ncu --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
-    # WS GEMMs alone (ncu serializes kernels: no PDL overlap) at b256/M16: is down's stream (3.3 TB/s in the op against
-    # gate_up's 4.0, session 37) slow on its own, and is it HBM- or pipeline-bound (DRAM share, L2 hits, bytes)?
-    # the same two kernels' tensor pipe and stall shares (is either GEMM's wgmma pipe busy at b256/M16? session 39)
-    ncuwst) for m in ${WSM:-16}; do timeout 120 ncu --metrics gpu__time_duration.sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct -k regex:ws_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --op experts --batch 256 --budget $m --calls 3 > $OUT/ncu_wst_m$m.txt 2>&1; echo "M$m"; grep -E "ws_gemm_kernel|duration|tensor|stalled" $OUT/ncu_wst_m$m.txt | sed 's/  */ /g' | cut -c1-150; done;;
-    ncuws) for m in ${WSM:-16}; do timeout 120 ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_gemm --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --op experts --batch 256 --budget $m --calls 3 > $OUT/ncu_ws_m$m.txt 2>&1; echo "M$m"; grep -E "ws_gemm_kernel|duration|dram__|lts__|issue" $OUT/ncu_ws_m$m.txt | sed 's/  */ /g' | cut -c1-150; done;;
+    # the WS GEMMs at b256/M16: is down's stream (3.3 TB/s in the op against gate_up's 4.0, session 37) slow on its
+    # own, and is it HBM- or pipeline-bound (DRAM share, L2 hits, bytes)?
+    ncuws) ws_ncu ws dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active "dram__|lts__|issue";;
+    # their tensor pipe and stall shares (is either GEMM's wgmma pipe busy at b256/M16? session 39)
+    ncuwst) ws_ncu wst sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct "tensor|stalled";;
     # the two selection kernels' phases at T > 64 (needs notes/diag_select_stamps.patch; eager calls, the last of 4):
     # router_predict's CTAs (entry, PDL wait, k loop, first cluster barrier, exit) and route_select's (entry, wait,
     # routed, barrier, D copied, D summed, exchanged, cost gathered, ranked, filled, exit; thread 0's first token
