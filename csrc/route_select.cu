@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 
 #include "base_moe/cuda_utils.cuh"
@@ -298,14 +299,16 @@ void allow_smem(Kernel kernel, size_t smem) {
 // is the GPCs' and holds for every call.
 template <int EPL, int NW>
 int max_select_cluster(size_t smem, int device) {
-  static int cached[64] = {0};
+  static std::atomic<int> cached[64];  // 0 unknown; host threads may launch on a new device at once
   if (device < 0 || device >= 64) return 8;
-  if (cached[device] == 0) {
+  int known = cached[device].load(std::memory_order_acquire);
+  if (known == 0) {
     auto kernel = route_select_kernel<EPL, NW>;
     allow_smem(kernel, smem);
-    cached[device] = cuda::cluster_fits(kernel, 16, NW * 32, smem) ? 16 : 8;
+    known = cuda::cluster_fits(kernel, 16, NW * 32, smem) ? 16 : 8;
+    cached[device].store(known, std::memory_order_release);
   }
-  return cached[device];
+  return known;
 }
 
 template <int EPL, int NW>

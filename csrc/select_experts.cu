@@ -42,6 +42,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "base_moe/cuda_utils.cuh"
@@ -465,9 +466,10 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
 // Largest cluster the device can co-schedule for this kernel (16 needs the non-portable opt-in), 0 if none.
 template <typename T, int EPL, bool GENERIC>
 int max_cluster(size_t smem, int device) {
-  static int cached[64] = {0};
+  static std::atomic<int> cached[64];  // 0 unknown; host threads may launch on a new device at once
   if (device < 0 || device >= 64) return 0;
-  if (cached[device] != 0) return cached[device];
+  const int known = cached[device].load(std::memory_order_acquire);
+  if (known != 0) return known;
   auto kernel = select_experts_kernel<T, EPL, GENERIC>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
   int best = 1;
@@ -477,7 +479,7 @@ int max_cluster(size_t smem, int device) {
       break;
     }
   }
-  cached[device] = best;
+  cached[device].store(best, std::memory_order_release);
   return best;
 }
 
