@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -122,6 +122,8 @@ for step in "$@"; do
     tnorm) timeout 200 python3 -m pytest -m cuda tests/test_norm_cuda.py -q -x > $OUT/pytest_norm.log 2>&1; tail -5 $OUT/pytest_norm.log;;
     normsan) for tool in memcheck racecheck; do timeout 150 compute-sanitizer --tool $tool python3 tests/test_norm_cuda.py sanitize > $OUT/norm_$tool.log 2>&1; tail -2 $OUT/norm_$tool.log; done;;
     selsan) timeout 150 compute-sanitizer --tool memcheck python3 tests/test_select_cuda.py sanitize small > $OUT/selmem.log 2>&1; tail -3 $OUT/selmem.log; timeout 300 compute-sanitizer --tool racecheck python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; tail -3 $OUT/selrace.log;;
+    # the selection tests with clusters and PDL off (BASE_MOE_CLUSTERS=0): the one-CTA paths of sm_80 builds, on the H200
+    tselnc) BASE_MOE_CLUSTERS=0 timeout 200 python3 -m pytest -m cuda tests/test_select_cuda.py -q -x -p no:cacheprovider > $OUT/pytest_select_nc.log 2>&1; tail -3 $OUT/pytest_select_nc.log;;
     # racecheck's per-hazard report (which blocks and threads) on the small sanitizer run
     selraceh) timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard python3 tests/test_select_cuda.py sanitize small > $OUT/selraceh.log 2>&1; grep -v '^=========     #' $OUT/selraceh.log | head -40; tail -2 $OUT/selraceh.log;;
     e2e) timeout 200 python3 benchmarks/bench_e2e.py --repeats 2 --json $OUT/bench_e2e.json > $OUT/e2e.log 2>&1; tail -25 $OUT/e2e.log;;
