@@ -27,15 +27,10 @@ bool probe(int device) {
 }  // namespace
 
 bool device_has_clusters(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices];  // 0 unknown, 1 no, 2 yes
-  if (device < 0 || device >= kMaxDevices) return false;
-  int known = cached[device].load(std::memory_order_acquire);
-  if (known == 0) {
-    known = probe(device) ? 2 : 1;
-    cached[device].store(known, std::memory_order_release);
-  }
-  return known == 2;
+  static const bool allowed = env_flag("BASE_MOE_CLUSTERS", true);
+  if (!allowed) return false;
+  static std::atomic<int> memo[kMaxDevices];  // 1 no, 2 yes
+  return once_per_device(memo, device, 1, [&] { return probe(device) ? 2 : 1; }) == 2;
 }
 
 }  // namespace base_moe::cuda

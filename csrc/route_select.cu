@@ -7,19 +7,22 @@
 // warp max (redux.sync) over order-preserving 32-bit keys; equal scores go to the lowest lane, and within a
 // lane to the lowest register, i.e. to the lower expert index, as in the reference.
 //
-// The batch cost D[g, u] must equal the reference's sequential fp32 sum in token order, bit for bit. Each warp
-// writes its token's slot costs into a dense row [E] in shared memory; after a cluster barrier, CTA r owns
-// experts [r * EPC, (r + 1) * EPC), copies the chunk's rows for them out of every CTA's shared memory
-// (distributed shared memory), and one thread per expert adds them in token order to a register accumulator.
-// Top-budget selection ranks every candidate expert against all others (D descending, index ascending) in
-// parallel; the fill rules run per token again; per-expert counts are summed over the cluster in rank order.
+// The batch cost D[g, u] must equal the reference's sequential fp32 sum in token order, bit for bit. CTA r owns experts
+// [r * EPC, (r + 1) * EPC): each token warp stores its slots' costs and routed flags straight into their owners' shared
+// memory (distributed shared memory; one row per owned expert, one column per token of the chunk), and after a cluster
+// barrier one warp per owned expert (one thread, where a chunk has at most 32 tokens) adds its row's non-zero costs in
+// token order (zeros add nothing) to the expert's running D. Each owner then pushes its experts' ranking keys into
+// every CTA's shared memory (st.async, counted by the receiver's mbarrier: cuda::inbox_push), and every CTA ranks every
+// candidate expert against all others (D descending, index ascending) in parallel once its E keys are in; the fill
+// rules run per token again; per-expert counts are integer atomics in global memory (their sum does not depend on the
+// order). After the last chunk's barrier no CTA reads or writes another's shared memory except through the inbox, whose
+// owner waits for it, so no barrier is needed before exit.
 // No float atomics, no host synchronisation, fixed output shapes.
 // The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 
 #include "base_moe/cuda_utils.cuh"
@@ -36,32 +39,42 @@ using namespace routing_device;
 
 struct SharedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
-  int dense, scratch, flags, state, counts, batch_cost, cost_key, kept, total;
+  int rows, scratch, own, own_flags, own_cost, kept_flag, cost_key, kept, inbox, total;
 };
+
+// The ranking reads the keys 16 bytes at a time: ceil(E / 4) of them, the keys past E zero (no candidate).
+__host__ __device__ inline int key_quads(int E) {
+  return (E + 3) / 4;
+}
+
+// The row stride of the owned experts' slot costs: one more than a chunk's tokens, odd, so that the threads of a warp
+// reading one row each (thread_add_nonzero_in_order) hit distinct banks.
+__host__ __device__ inline int own_stride(int cluster, int NW) {
+  return cluster * NW + 1;
+}
 
 __host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int cluster, int experts_per_cta,
                                                       int n_group) {
   SharedLayout s{};
   int at = 0;
-  s.dense = at;
+  s.rows = at;  // per warp an E-float row: score_token's scratch for the group limit, the fill's choice scores
   at += NW * E;
-  // copy buffer of the D reduction, or per warp the group scores of the group limit and the fill's scratch words
-  // (never both at once)
-  s.scratch = at + (at & 1);  // 8-byte aligned: the fill's words hold 8-byte keys
-  at = s.scratch + max(cluster * NW * experts_per_cta, NW * (2 * n_group + kFillScratchWords));
-  s.flags = at;  // per expert: bit 0 routed by some token of this CTA, bit 1 some token's top-1
+  s.scratch = at + (at & 1);  // per warp the group scores and the fill's words (8-byte aligned: 8-byte keys)
+  at = s.scratch + NW * (2 * n_group + kFillScratchWords);
+  s.own = at;  // slot costs of the owned experts, one row of C * NW tokens (the chunk) per expert
+  at += experts_per_cta * own_stride(cluster, NW);
+  s.own_flags = at;  // per owned expert: bit 0 routed by some token of the group, bit 1 some token's top-1
+  at += experts_per_cta;
+  s.own_cost = at;  // per owned expert: D over the chunks so far
+  at += experts_per_cta;
+  s.kept_flag = at;  // per expert: kept
   at += E;
-  s.state = at;  // per expert: bit 0 routed in the group (candidate), bit 1 kept
-  at += E;
-  s.counts = at;
-  at += E;
-  s.batch_cost = at;
-  at += E;
-  s.cost_key = at;  // batch_cost as ordered integer keys, for the ranking
-  at += E;
+  s.cost_key = (at + 3) & ~3;  // per expert: the ranking key its owner pushed; 16-byte aligned, 0 past E (quads)
+  at = s.cost_key + key_quads(E) * 4;
   s.kept = at;
   at += W;
-  s.total = at;
+  s.inbox = at + (at & 1);  // the mbarrier counting the pushed keys (8 bytes)
+  s.total = s.inbox + 2;
   return s;
 }
 
@@ -89,45 +102,60 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   extern __shared__ __align__(16) float smem[];
   const int E = p.E, k = p.k, B = p.B, C = p.cluster, EPC = p.experts_per_cta;
   const SharedLayout L = shared_layout(NW, E, p.W, C, EPC, p.n_group);
-  float* dense = smem + L.dense;
+  float* rows = smem + L.rows;
   float* scratch = smem + L.scratch;
-  int* flags = reinterpret_cast<int*>(smem + L.flags);
-  int* state = reinterpret_cast<int*>(smem + L.state);
-  int* counts = reinterpret_cast<int*>(smem + L.counts);
-  float* batch_cost = smem + L.batch_cost;
+  float* own = smem + L.own;
+  int* own_flags = reinterpret_cast<int*>(smem + L.own_flags);
+  float* own_cost = smem + L.own_cost;
+  int* kept_flag = reinterpret_cast<int*>(smem + L.kept_flag);
   uint32_t* cost_key = reinterpret_cast<uint32_t*>(smem + L.cost_key);
   int* kept = reinterpret_cast<int*>(smem + L.kept);
+  uint64_t* inbox = reinterpret_cast<uint64_t*>(smem + L.inbox);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kThreads = NW * 32;
   const unsigned rank = cuda::cluster_rank();
   const int group = blockIdx.x / C;
+  const int first_owned = static_cast<int>(rank) * EPC;
+  const int owned = max(0, min(EPC, E - first_owned));  // this CTA's experts: [first_owned, first_owned + owned)
   const int64_t first_token = static_cast<int64_t>(group) * B;
-  float* my_row = dense + warp * E;
+  const int per_chunk = C * NW, stride = own_stride(C, NW);
+  const int column = static_cast<int>(rank) * NW + warp;  // this warp's token in each chunk
+  float* my_row = rows + warp * E;
   float* my_group_scratch = scratch + warp * 2 * p.n_group;
   float* my_fill_words = scratch + NW * 2 * p.n_group + warp * kFillScratchWords;  // 8-byte aligned
 
   cuda::pdl_launch_dependents();
-  for (int u = tid; u < E; u += kThreads) {
-    flags[u] = 0;
-    counts[u] = 0;
+  if (p.compute_cost) {
+    for (int i = tid; i < owned * stride; i += kThreads) own[i] = 0.0f;
   }
-  __syncthreads();
-  cuda::pdl_wait();  // the logits come from the previous kernel
+  for (int e = tid; e < owned; e += kThreads) {
+    own_flags[e] = 0;
+    own_cost[e] = 0.0f;
+  }
+  for (int u = tid; u < E; u += kThreads) kept_flag[u] = 0;
+  for (int u = E + tid; u < key_quads(E) * 4; u += kThreads) cost_key[u] = 0u;  // no owner pushes these
+  for (int i = tid; i < p.W; i += kThreads) kept[i] = E;
+  if (p.select) cuda::inbox_init(inbox, tid == 0);
+  // Every CTA's zeros and inbox before any other CTA's pushes: the barrier's arrive (a release) before the PDL wait,
+  // so its cost overlaps the previous kernel, the wait after it.
+  cuda::cluster_arrive();
+  cuda::pdl_wait();  // the logits come from the previous kernel (and the one before may still read the counts)
+  cuda::cluster_wait();
+  if (p.select) cuda::inbox_expect(inbox, 4u * static_cast<uint32_t>(E), tid == 0);  // every key, from its owner
+  int* group_counts = p.select ? p.counts + static_cast<int64_t>(group) * E : nullptr;  // (route_cost: none)
+  if (p.select) {  // the cluster barriers before the fill order these zeros before every CTA's counts
+    for (int e = tid; e < owned; e += kThreads) group_counts[first_owned + e] = 0;
+  }
 
-  const int per_chunk = C * NW;
   const int chunks = (B + per_chunk - 1) / per_chunk;
   const bool single_chunk = chunks <= 1;
   const bool base_cost = p.cost == static_cast<int>(Cost::kBase);
   Token<EPL> s;
-  constexpr int kOwned = (static_cast<int>(kMaxExperts) + kThreads - 1) / kThreads;
-  float acc[kOwned];  // D of this thread's owned experts (u_local = tid + i * kThreads), in token order
-#pragma unroll
-  for (int i = 0; i < kOwned; ++i) acc[i] = 0.0f;
 
-  // ---- routing (and the batch cost, chunk by chunk) ----
+  // ---- routing; slot costs and flags to their owners, who add the costs up chunk by chunk ----
   for (int chunk = 0; chunk < chunks; ++chunk) {
-    const int local = chunk * per_chunk + static_cast<int>(rank) * NW + warp;
+    const int local = chunk * per_chunk + column;
     if (local < B) {
       const int64_t t = first_token + local;
       load_token<EPL>(p, t, lane, s);
@@ -135,89 +163,69 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       float w, log_norm;
       int32_t id;
       route_token<EPL>(p, s, lane, id, w, log_norm);
-      if (p.compute_cost) {
-        for (int u = lane; u < E; u += 32) my_row[u] = 0.0f;
-        __syncwarp();
-        if (id < E) my_row[id] = slot_cost(p.cost, w, base_cost ? log_norm : 0.0f);
+      if (id < E) {
+        const unsigned owner = static_cast<unsigned>(id / EPC);
+        const int e = id - static_cast<int>(owner) * EPC;
+        if (p.compute_cost) {
+          cuda::cluster_map(own, owner)[e * stride + column] = slot_cost(p.cost, w, base_cost ? log_norm : 0.0f);
+        }
+        atomicOr(cuda::cluster_map(own_flags, owner) + e, lane == 0 ? 3 : 1);
       }
-      if (id < E) atomicOr(&flags[id], lane == 0 ? 3 : 1);
       if (lane < k) {
         p.ids[t * k + lane] = id;  // final output of route_cost; scratch for the fill otherwise
         p.weights[t * k + lane] = w;
       }
-    } else if (p.compute_cost) {
-      for (int u = lane; u < E; u += 32) my_row[u] = 0.0f;
     }
+    if (!p.compute_cost && chunk + 1 < chunks) continue;  // the flags only need the last chunk's barrier
+    cuda::cluster_sync();  // the chunk's slot costs and flags are at their owners
     if (!p.compute_cost) continue;
-    cuda::cluster_sync();
-    // Copy this CTA's experts' columns of the chunk from every CTA, then add them in token order.
-    const float* columns = dense;
-    int stride = E, offset = static_cast<int>(rank) * EPC;
-    if (C > 1) {
-      for (int i = tid; i < C * NW * EPC; i += kThreads) {
-        const int src = i / (NW * EPC), rem = i % (NW * EPC), w = rem / EPC, ul = rem % EPC;
-        const int u = static_cast<int>(rank) * EPC + ul;
-        scratch[i] = u < E ? cuda::cluster_map(dense, src)[w * E + u] : 0.0f;
+    if (per_chunk <= 32) {
+      // Few tokens per chunk, many owned experts (up to all E at C = 1): a thread per expert, not a warp.
+      for (int e = tid; e < owned; e += kThreads) {
+        float* row = own + e * stride;
+        own_cost[e] = thread_add_nonzero_in_order(own_cost[e], row, per_chunk);
+        if (chunk + 1 < chunks) {
+          for (int i = 0; i < per_chunk; ++i) row[i] = 0.0f;
+        }
       }
-      __syncthreads();
-      columns = scratch;
-      stride = EPC;
-      offset = 0;
-    }
-#pragma unroll
-    for (int i = 0; i < kOwned; ++i) {
-      const int ul = tid + i * kThreads;
-      if (ul < EPC) {
-        float d = acc[i];
-        const float* col = columns + offset + ul;
-#pragma unroll 8
-        for (int r = 0; r < C * NW; ++r) d += col[r * stride];  // token order (zeros for absent tokens)
-        acc[i] = d;
+    } else {
+      for (int e = warp; e < owned; e += NW) {
+        float* row = own + e * stride;
+        const float d = warp_add_nonzero_in_order(own_cost[e], row, per_chunk, lane);
+        if (chunk + 1 < chunks) {
+          for (int i = lane; i < per_chunk; i += 32) row[i] = 0.0f;
+        }
+        __syncwarp();  // every lane has read own_cost[e] (the sum's start) before lane 0 overwrites it
+        if (lane == 0) own_cost[e] = d;
       }
     }
-    if (chunk + 1 < chunks) cuda::cluster_sync();  // before the dense rows are overwritten
+    if (chunk + 1 < chunks) cuda::cluster_sync();  // the rows are cleared before the next chunk's costs arrive
   }
 
-  // ---- exchange: candidates (routed union), top-1 seeds, the finished D ----
-  cuda::cluster_sync();
-  for (int u = tid; u < E; u += kThreads) {
-    int f = 0;
-    for (int c = 0; c < C; ++c) f |= cuda::cluster_map(flags, c)[u];
-    state[u] = f & 1;
-    if (!p.compute_cost) batch_cost[u] = p.batch_cost_in[static_cast<int64_t>(group) * E + u];
-  }
-  if (p.compute_cost) {
-#pragma unroll
-    for (int i = 0; i < kOwned; ++i) {
-      const int ul = tid + i * kThreads, u = static_cast<int>(rank) * EPC + ul;
-      if (ul >= EPC || u >= E) continue;
-      float d = acc[i];
-      if (p.cost == static_cast<int>(Cost::kTop1Union)) {
-        int f = 0;
-        for (int c = 0; c < C; ++c) f |= cuda::cluster_map(flags, c)[u];
-        if (f & 2) d = d + p.top1_offset;
-      }
-      batch_cost[u] = d;
-      p.batch_cost_out[static_cast<int64_t>(group) * E + u] = d;
+  __syncthreads();  // the last own_cost writes before other threads read them
+
+  // ---- the owned experts' batch costs; their ranking keys to every CTA, a thread per (expert, receiving CTA) ----
+  const int receivers = p.select ? C : 1;
+  for (int i = tid; i < owned * receivers; i += kThreads) {
+    const int e = i / receivers, receiver = i - e * receivers;
+    const int u = first_owned + e, f = own_flags[e];
+    float d;
+    if (p.compute_cost) {
+      d = own_cost[e];
+      if (p.cost == static_cast<int>(Cost::kTop1Union) && (f & 2)) d = d + p.top1_offset;
+      if (receiver == 0) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = d;
+    } else {
+      d = p.batch_cost_in[static_cast<int64_t>(group) * E + u];
+    }
+    // D as order-preserving integer keys, 0 for non-candidates: integer compares give every candidate a distinct
+    // rank even for NaN costs, where float compares would give them all rank 0 and collide in kept[0] (NaN ranks
+    // first, as in torch.sort; the CPU op rejects non-finite logits).
+    if (p.select) {
+      cuda::inbox_push(cost_key + u, static_cast<unsigned>(receiver), (f & 1) ? candidate_key(d) : 0u, inbox);
     }
   }
-  if (!p.select) {
-    cuda::cluster_sync();
-    return;
-  }
-  if (p.compute_cost && C > 1) {
-    cuda::cluster_sync();
-    for (int u = tid; u < E; u += kThreads) {
-      const int owner = u / EPC;
-      if (owner != static_cast<int>(rank)) batch_cost[u] = cuda::cluster_map(batch_cost, owner)[u];
-    }
-  }
-  for (int i = tid; i < p.W; i += kThreads) kept[i] = E;
-  // D as order-preserving integer keys, 0 for non-candidates (a copy: the other CTAs may still read batch_cost):
-  // integer compares give every candidate a distinct rank even for NaN costs, where float compares would give them
-  // all rank 0 and collide in kept[0] (NaN ranks first, as in torch.sort; the CPU op rejects non-finite logits).
-  for (int u = tid; u < E; u += kThreads) cost_key[u] = (state[u] & 1) ? candidate_key(batch_cost[u]) : 0u;
-  __syncthreads();
+  if (!p.select) return;
+  cuda::inbox_wait(inbox);
 
   // ---- top-budget selection: rank each candidate against all (D descending, index ascending) ----
   {
@@ -232,9 +240,16 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       const bool cand = du != 0u;  // candidate_key is never 0
       int r = 0;
       if (cand) {
-        for (int v = sub; v < E; v += tpe) {
-          const uint32_t dv = cost_key[v];
-          r += (dv > du || (dv == du && v < u)) ? 1 : 0;  // a non-candidate's key 0 is below every candidate's
+        // the keys 4 at a time, the tpe threads of an expert on consecutive quads (distinct banks); a non-candidate's
+        // key 0 (and the zeros past E) is below every candidate's
+        const uint4* quads = reinterpret_cast<const uint4*>(cost_key);
+        for (int q = sub; q < key_quads(E); q += tpe) {
+          const uint4 dv = quads[q];
+          const int v = 4 * q;
+          r += (dv.x > du || (dv.x == du && v < u)) ? 1 : 0;
+          r += (dv.y > du || (dv.y == du && v + 1 < u)) ? 1 : 0;
+          r += (dv.z > du || (dv.z == du && v + 2 < u)) ? 1 : 0;
+          r += (dv.w > du || (dv.w == du && v + 3 < u)) ? 1 : 0;
         }
       }
       for (int o = tpe / 2; o > 0; o >>= 1) r += __shfl_xor_sync(kFullMask, r, o);
@@ -243,14 +258,14 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   }
   __syncthreads();
   for (int i = tid; i < p.W; i += kThreads) {
-    if (kept[i] < E) state[kept[i]] |= 2;
+    if (kept[i] < E) kept_flag[kept[i]] = 1;
     if (rank == 0) p.kept[static_cast<int64_t>(group) * p.W + i] = kept[i];
   }
   __syncthreads();
 
   // ---- fill ----
   for (int chunk = 0; chunk < chunks; ++chunk) {
-    const int local = chunk * per_chunk + static_cast<int>(rank) * NW + warp;
+    const int local = chunk * per_chunk + column;
     if (local >= B) continue;
     const int64_t t = first_token + local;
     if (!single_chunk) {
@@ -263,23 +278,14 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     int slot;
     int32_t id;
     float w;
-    const FillScratch scratch{my_row, reinterpret_cast<uint32_t*>(my_fill_words)};  // my_row: free after the cost
-    fill_token<EPL, true>(p, s, lane, kept, [&](int u) { return (state[u] & 2) != 0; }, scratch, slot, id, w);
+    const FillScratch fill_scratch{my_row, reinterpret_cast<uint32_t*>(my_fill_words)};
+    fill_token<EPL, true>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, fill_scratch, slot, id, w);
     if (lane < k) {
       p.ids[t * k + slot] = id;
       p.weights[t * k + slot] = w;
-      if (id < E) atomicAdd(&counts[id], 1);
+      if (id < E) atomicAdd(group_counts + id, 1);
     }
   }
-
-  // ---- counts: sum over the cluster's CTAs ----
-  cuda::cluster_sync();
-  for (int u = static_cast<int>(rank) * EPC + tid; u < min(E, (static_cast<int>(rank) + 1) * EPC); u += kThreads) {
-    int c = 0;
-    for (int src = 0; src < C; ++src) c += cuda::cluster_map(counts, src)[u];
-    p.counts[static_cast<int64_t>(group) * E + u] = c;
-  }
-  cuda::cluster_sync();  // keep shared memory alive until the other CTAs have read it
 }
 
 // Dynamic shared memory of a launch on clusters of C CTAs.
@@ -299,16 +305,12 @@ void allow_smem(Kernel kernel, size_t smem) {
 // is the GPCs' and holds for every call.
 template <int EPL, int NW>
 int max_select_cluster(size_t smem, int device) {
-  static std::atomic<int> cached[64];  // 0 unknown; host threads may launch on a new device at once
-  if (device < 0 || device >= 64) return 8;
-  int known = cached[device].load(std::memory_order_acquire);
-  if (known == 0) {
+  static std::atomic<int> memo[cuda::kMaxDevices];
+  return cuda::once_per_device(memo, device, 8, [&] {
     auto kernel = route_select_kernel<EPL, NW>;
     allow_smem(kernel, smem);
-    known = cuda::cluster_fits(kernel, 16, NW * 32, smem) ? 16 : 8;
-    cached[device].store(known, std::memory_order_release);
-  }
-  return known;
+    return cuda::cluster_fits(kernel, 16, NW * 32, smem) ? 16 : 8;
+  });
 }
 
 template <int EPL, int NW>

@@ -42,7 +42,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "base_moe/cuda_utils.cuh"
@@ -375,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   for (int i = tid; i < E; i += kThreads) kept_flag[i] = 0;
 #pragma unroll 1
   for (int i = tid; i < W; i += kThreads) kept[i] = E;
-  if (tid == 0) cuda::inbox_init(inbox, 4u * static_cast<uint32_t>(E));  // every expert's rank key, from its owner
+  cuda::inbox_init(inbox, tid == 0);
   cuda::pdl_wait();
   int32_t* group_counts = p.counts + static_cast<int64_t>(group) * E;
 #pragma unroll 1
@@ -412,19 +411,14 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     }
   }
   cuda::cluster_sync();
+  cuda::inbox_expect(inbox, 4u * static_cast<uint32_t>(E), tid == 0);  // every expert's rank key, from its owner
 
   // ---- 3. batch cost of the owned experts, in token order; the ranking keys to every CTA ----
 #pragma unroll 1
   for (int e = warp; e < EO; e += kWarps) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u >= E) break;
-    float d = 0.0f;
-    for (int base = 0; base < B; base += 32) {
-      const float v = base + lane < B ? own[e * B + base + lane] : 0.0f;
-      for (unsigned m = __ballot_sync(kFullMask, v != 0.0f); m != 0; m &= m - 1) {
-        d += __shfl_sync(kFullMask, v, __ffs(m) - 1);
-      }
-    }
+    float d = warp_add_nonzero_in_order(0.0f, own + e * B, B, lane);
     const int fl = flags[e];
     if (p.cost == static_cast<int>(Cost::kTop1Union) && (fl & 2)) d = d + p.top1_offset;
     if (lane < C) cuda::inbox_push(rank_key + u, static_cast<unsigned>(lane), (fl & 1) ? candidate_key(d) : 0u, inbox);
@@ -466,21 +460,15 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
 // Largest cluster the device can co-schedule for this kernel (16 needs the non-portable opt-in), 0 if none.
 template <typename T, int EPL, bool GENERIC>
 int max_cluster(size_t smem, int device) {
-  static std::atomic<int> cached[64];  // 0 unknown; host threads may launch on a new device at once
-  if (device < 0 || device >= 64) return 0;
-  const int known = cached[device].load(std::memory_order_acquire);
-  if (known != 0) return known;
-  auto kernel = select_experts_kernel<T, EPL, GENERIC>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
-  int best = 1;
-  for (int c : {16, 8}) {
-    if (cuda::cluster_fits(kernel, c, kThreads, smem)) {
-      best = c;
-      break;
+  static std::atomic<int> memo[cuda::kMaxDevices];
+  return cuda::once_per_device(memo, device, 0, [&] {
+    auto kernel = select_experts_kernel<T, EPL, GENERIC>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
+    for (int c : {16, 8}) {
+      if (cuda::cluster_fits(kernel, c, kThreads, smem)) return c;
     }
-  }
-  cached[device].store(best, std::memory_order_release);
-  return best;
+    return 1;
+  });
 }
 
 // Picks the cluster shape: among the (token groups, row groups) splits whose weight rows fit in shared memory, the

@@ -120,6 +120,23 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
+// cluster_sync in two halves, so that independent work (e.g. a PDL wait) runs between them: cluster_arrive (a
+// release, like cluster_sync's) and cluster_wait (an acquire). Every thread calls both, outside divergent code.
+// Without clusters the pair is a __syncthreads.
+__device__ __forceinline__ void cluster_arrive() {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  cooperative_groups::this_cluster().barrier_arrive();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  cooperative_groups::this_cluster().barrier_wait();
+#else
+  __syncthreads();
+#endif
+}
+
 __device__ __forceinline__ unsigned cluster_rank() {
 #ifdef BASE_MOE_HAS_CLUSTERS
   return cooperative_groups::this_cluster().block_rank();
@@ -144,16 +161,40 @@ __device__ __forceinline__ T* cluster_map(T* ptr, unsigned rank) {
 // cost select_experts ~0.5 us per call at its third barrier (device_runs/session22.txt, call 4). In a one-CTA
 // cluster (st.async needs two or more) and without clusters the pushes are plain stores and the wait a
 // __syncthreads. The inbox is one 8-byte aligned shared word; every thread of the CTA calls inbox_wait.
-// inbox_init: one thread, ordered before every push by a cluster barrier.
-__device__ __forceinline__ void inbox_init(uint64_t* inbox, uint32_t bytes) {
+// inbox_init, before the cluster barrier that orders it before every push and only where inbox_wait follows, and
+// inbox_expect, after that barrier, declaring the bytes: every thread of the CTA calls both, outside divergent code;
+// the leader (one thread) acts. A push's complete_tx may come before the expect (the tx-count goes negative until
+// then, and the phase cannot complete before this arrival). Why not `if (leader)` around them (session 41): ptxas
+// runs the mbarrier instructions on the uniform datapath, from the address register of the one lane that holds it,
+// and racecheck counts them as accesses by every lane of the warp, each at its own copy of that register. Where the
+// other lanes' copies were stale, racecheck reported races against the weight copies (select_experts); where the
+// expect_tx followed the init at once, a race between the two (route_select, session 40). Here every lane holds the
+// address and the operations are predicated, and the barrier separates the init from the expect.
+__device__ __forceinline__ void inbox_init(uint64_t* inbox, bool leader) {
 #ifdef BASE_MOE_HAS_CLUSTERS
-  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(inbox));
-  tma::mbar_init(bar, 1);
-  tma::mbar_arrive_expect_tx(bar, bytes);
-  tma::fence_mbarrier_init();
+  if (cooperative_groups::this_cluster().num_blocks() < 2) return;  // pushes are plain stores, the wait a __syncthreads
+  asm volatile(
+      "{ .reg .pred p; setp.ne.u32 p, %1, 0; @p mbarrier.init.shared::cta.b64 [%0], 1; "
+      "@p fence.mbarrier_init.release.cluster; }" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(inbox))),
+      "r"(static_cast<uint32_t>(leader))
+      : "memory");
+#else
+  (void)inbox;
+  (void)leader;
+#endif
+}
+
+__device__ __forceinline__ void inbox_expect(uint64_t* inbox, uint32_t bytes, bool leader) {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  if (cooperative_groups::this_cluster().num_blocks() < 2) return;
+  asm volatile("{ .reg .pred p; setp.ne.u32 p, %2, 0; @p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1; }" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(inbox))),
+               "r"(bytes), "r"(static_cast<uint32_t>(leader))
+               : "memory");
 #else
   (void)inbox;
   (void)bytes;
+  (void)leader;
 #endif
 }
 
@@ -185,7 +226,7 @@ __device__ __forceinline__ void inbox_push(uint32_t* dst, unsigned rank, uint32_
   *dst = value;
 }
 
-// Returns once this CTA's inbox has received all the bytes inbox_init expects. The acquire is at cluster scope: the
+// Returns once this CTA's inbox has received all the bytes inbox_expect declared. The acquire is at cluster scope: the
 // bytes come from other CTAs' threads.
 __device__ __forceinline__ void inbox_wait(uint64_t* inbox) {
 #ifdef BASE_MOE_HAS_CLUSTERS

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -12,10 +13,28 @@
 
 namespace base_moe::cuda {
 
+constexpr int kMaxDevices = 64;
+
+// A per-device answer that never changes, asked once: `compute()` (a positive int) for devices [0, kMaxDevices), kept
+// in `memo` (0: not asked yet); `outside` for any other ordinal. Host threads asking at once on a new device each
+// compute it and store the same answer.
+template <typename Compute>
+int once_per_device(std::atomic<int> (&memo)[kMaxDevices], int device, int outside, Compute compute) {
+  if (device < 0 || device >= kMaxDevices) return outside;
+  int known = memo[device].load(std::memory_order_acquire);
+  if (known == 0) {
+    known = compute();
+    memo[device].store(known, std::memory_order_release);
+  }
+  return known;
+}
+
 // Thread-block clusters and programmatic dependent launch (PDL) need an sm_90 device and device code compiled for
 // sm_90 or later: a build for older targets only (TORCH_CUDA_ARCH_LIST="8.0+PTX") runs JIT-compiled sm_80 code on an
 // H100, where the kernels' cluster and griddepcontrol calls compile to plain barriers and nothing, so a launch asking
 // for clusters or PDL would compute garbage there. The launchers ask this before either (csrc/launch.cu).
+// BASE_MOE_CLUSTERS=0 makes it false everywhere, so the fallback paths (one CTA per group, no PDL) can be tested on
+// an sm_90 device too.
 bool device_has_clusters(int device);
 
 // An environment switch read once: unset gives `fallback`, "0" false, anything else true (benchmarks use them).

@@ -227,6 +227,29 @@ __device__ __forceinline__ float slot_weight(const SelectParams& p, const Token<
   return w * p.scaling;
 }
 
+// d + the values of row[0, n) in that order, the zeros skipped, by one warp: a ballot of the non-zero values per 32,
+// each added in turn from its lane (a batch cost D is a few routed tokens' costs among many zeros). Skipping a zero
+// (+0 or -0) is exact unless d is -0, which a sum starting at +0 never is (an exact zero sum rounds to +0; no
+// flush-to-zero in these builds). Every lane returns the sum.
+__device__ __forceinline__ float warp_add_nonzero_in_order(float d, const float* row, int n, int lane) {
+  for (int base = 0; base < n; base += 32) {
+    const float v = base + lane < n ? row[base + lane] : 0.0f;
+    for (unsigned m = __ballot_sync(kFullMask, v != 0.0f); m != 0; m &= m - 1) {
+      d += __shfl_sync(kFullMask, v, __ffs(m) - 1);
+    }
+  }
+  return d;
+}
+
+// The same sum by one thread (bit for bit: the same additions in the same order).
+__device__ __forceinline__ float thread_add_nonzero_in_order(float d, const float* row, int n) {
+  for (int i = 0; i < n; ++i) {
+    const float v = row[i];
+    if (v != 0.0f) d += v;
+  }
+  return d;
+}
+
 __device__ __forceinline__ float slot_cost(int cost, float w, float log_norm) {
   switch (static_cast<Cost>(cost)) {
     case Cost::kBase:
