@@ -23,7 +23,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "base_moe/cuda_utils.cuh"
 #include "base_moe/launch.cuh"
@@ -47,8 +46,8 @@ __host__ __device__ inline int key_quads(int E) {
   return (E + 3) / 4;
 }
 
-// The row stride of the owned experts' slot costs: one more than a chunk's tokens, odd, so that the threads of a warp
-// reading one row each (thread_add_nonzero_in_order) hit distinct banks.
+// The row stride of the owned experts' slot costs: one more than a chunk's tokens, odd (NW is even), so that the
+// threads of a warp reading one row each (thread_add_nonzero_in_order) hit distinct banks.
 __host__ __device__ inline int own_stride(int cluster, int NW) {
   return cluster * NW + 1;
 }
@@ -99,6 +98,7 @@ __device__ __forceinline__ void load_token(const SelectParams& p, int64_t t, int
 
 template <int EPL, int NW>
 __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectParams p) {
+  static_assert(NW % 2 == 0, "own_stride is odd only for an even NW");
   extern __shared__ __align__(16) float smem[];
   const int E = p.E, k = p.k, B = p.B, C = p.cluster, EPC = p.experts_per_cta;
   const SharedLayout L = shared_layout(NW, E, p.W, C, EPC, p.n_group);
@@ -137,8 +137,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   for (int u = E + tid; u < key_quads(E) * 4; u += kThreads) cost_key[u] = 0u;  // no owner pushes these
   for (int i = tid; i < p.W; i += kThreads) kept[i] = E;
   if (p.select) cuda::inbox_init(inbox, tid == 0);
-  // Every CTA's zeros and inbox before any other CTA's pushes: the barrier's arrive (a release) before the PDL wait,
-  // so its cost overlaps the previous kernel, the wait after it.
+  // Every CTA's zeros and inbox before any other CTA's slot costs, flags and keys arrive: the barrier's arrive (a
+  // release) before the PDL wait, so its cost overlaps the previous kernel, the wait after it.
   cuda::cluster_arrive();
   cuda::pdl_wait();  // the logits come from the previous kernel (and the one before may still read the counts)
   cuda::cluster_wait();
@@ -301,8 +301,8 @@ void allow_smem(Kernel kernel, size_t smem) {
 }
 
 // The largest cluster an instance may use: 16 CTAs where the device co-schedules them, else the portable 8. Asked once
-// per device with the first call's shared memory: one CTA per SM whatever the shape (at most ~100 KB), so the answer
-// is the GPCs' and holds for every call.
+// per device with the first call's shared memory: every shape needs at most ~60 KB per CTA (E 512, C 1), far below
+// an SM's, so whether 16 CTAs fit depends on the device's GPCs, not on the call, and the answer holds for every call.
 template <int EPL, int NW>
 int max_select_cluster(size_t smem, int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];

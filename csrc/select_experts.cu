@@ -458,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
 }
 
 // Largest cluster the device can co-schedule for this kernel (16 needs the non-portable opt-in), 1 if neither 16 nor
-// 8 fits; 0 for a device ordinal past the memo (plan then finds no shape: the two kernels run).
+// 8 fits; 0 for a device ordinal past the memo (launch_fused then declines: the two kernels run).
 template <typename T, int EPL, bool GENERIC>
 int max_cluster(size_t smem, int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];

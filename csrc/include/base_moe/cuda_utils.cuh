@@ -187,10 +187,11 @@ __device__ __forceinline__ void inbox_init(uint64_t* inbox, bool leader) {
 __device__ __forceinline__ void inbox_expect(uint64_t* inbox, uint32_t bytes, bool leader) {
 #ifdef BASE_MOE_HAS_CLUSTERS
   if (cooperative_groups::this_cluster().num_blocks() < 2) return;
-  asm volatile("{ .reg .pred p; setp.ne.u32 p, %2, 0; @p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1; }" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(inbox))),
-               "r"(bytes), "r"(static_cast<uint32_t>(leader))
-               : "memory");
+  asm volatile(
+      "{ .reg .pred p; setp.ne.u32 p, %2, 0; @p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1; }" ::"r"(
+          static_cast<uint32_t>(__cvta_generic_to_shared(inbox))),
+      "r"(bytes), "r"(static_cast<uint32_t>(leader))
+      : "memory");
 #else
   (void)inbox;
   (void)bytes;
