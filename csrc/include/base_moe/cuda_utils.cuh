@@ -170,9 +170,16 @@ __device__ __forceinline__ T* cluster_map(T* ptr, unsigned rank) {
 // other lanes' copies were stale, racecheck reported races against the weight copies (select_experts); where the
 // expect_tx followed the init at once, a race between the two (route_select, session 40). Here every lane holds the
 // address and the operations are predicated, and the barrier separates the init from the expect.
+#ifdef BASE_MOE_HAS_CLUSTERS
+// Whether the inbox counts bytes on its mbarrier: in a cluster of two or more CTAs (st.async needs them).
+__device__ __forceinline__ bool inbox_counts_bytes() {
+  return cooperative_groups::this_cluster().num_blocks() > 1;
+}
+#endif
+
 __device__ __forceinline__ void inbox_init(uint64_t* inbox, bool leader) {
 #ifdef BASE_MOE_HAS_CLUSTERS
-  if (cooperative_groups::this_cluster().num_blocks() < 2) return;  // pushes are plain stores, the wait a __syncthreads
+  if (!inbox_counts_bytes()) return;
   asm volatile(
       "{ .reg .pred p; setp.ne.u32 p, %1, 0; @p mbarrier.init.shared::cta.b64 [%0], 1; "
       "@p fence.mbarrier_init.release.cluster; }" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(inbox))),
@@ -186,7 +193,7 @@ __device__ __forceinline__ void inbox_init(uint64_t* inbox, bool leader) {
 
 __device__ __forceinline__ void inbox_expect(uint64_t* inbox, uint32_t bytes, bool leader) {
 #ifdef BASE_MOE_HAS_CLUSTERS
-  if (cooperative_groups::this_cluster().num_blocks() < 2) return;
+  if (!inbox_counts_bytes()) return;
   asm volatile(
       "{ .reg .pred p; setp.ne.u32 p, %2, 0; @p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1; }" ::"r"(
           static_cast<uint32_t>(__cvta_generic_to_shared(inbox))),
@@ -214,7 +221,7 @@ __device__ __forceinline__ uint32_t cluster_shared_address(const void* ptr, unsi
 // `value` to `dst` (a shared-memory variable, as in this CTA) of CTA `rank`, counted by that CTA's inbox.
 __device__ __forceinline__ void inbox_push(uint32_t* dst, unsigned rank, uint32_t value, uint64_t* inbox) {
 #ifdef BASE_MOE_HAS_CLUSTERS
-  if (cooperative_groups::this_cluster().num_blocks() > 1) {
+  if (inbox_counts_bytes()) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];\n" ::"r"(
                      cluster_shared_address(dst, rank)),
                  "r"(value), "r"(cluster_shared_address(inbox, rank))
@@ -231,7 +238,7 @@ __device__ __forceinline__ void inbox_push(uint32_t* dst, unsigned rank, uint32_
 // bytes come from other CTAs' threads.
 __device__ __forceinline__ void inbox_wait(uint64_t* inbox) {
 #ifdef BASE_MOE_HAS_CLUSTERS
-  if (cooperative_groups::this_cluster().num_blocks() > 1) {
+  if (inbox_counts_bytes()) {
     tma::mbar_wait</*CLUSTER=*/true>(static_cast<uint32_t>(__cvta_generic_to_shared(inbox)), 0);
     return;
   }
