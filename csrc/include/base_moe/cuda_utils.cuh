@@ -155,6 +155,13 @@ __device__ __forceinline__ T* cluster_map(T* ptr, unsigned rank) {
 #endif
 }
 
+#ifdef BASE_MOE_HAS_CLUSTERS
+// Whether the inbox counts bytes on its mbarrier: in a cluster of two or more CTAs (st.async needs them).
+__device__ __forceinline__ bool inbox_counts_bytes() {
+  return cooperative_groups::this_cluster().num_blocks() > 1;
+}
+#endif
+
 // A CTA's inbox: 32-bit values the other CTAs of its cluster push into its shared memory, complete on its own
 // mbarrier once it has received the number of bytes it expects (st.async, sm_90). Where a CTA knows how many bytes it
 // will receive, waiting on its inbox replaces a cluster barrier, whose release (a MEMBAR.ALL.GPU per warp on sm_90)
@@ -170,13 +177,6 @@ __device__ __forceinline__ T* cluster_map(T* ptr, unsigned rank) {
 // other lanes' copies were stale, racecheck reported races against the weight copies (select_experts); where the
 // expect_tx followed the init at once, a race between the two (route_select, session 40). Here every lane holds the
 // address and the operations are predicated, and the barrier separates the init from the expect.
-#ifdef BASE_MOE_HAS_CLUSTERS
-// Whether the inbox counts bytes on its mbarrier: in a cluster of two or more CTAs (st.async needs them).
-__device__ __forceinline__ bool inbox_counts_bytes() {
-  return cooperative_groups::this_cluster().num_blocks() > 1;
-}
-#endif
-
 __device__ __forceinline__ void inbox_init(uint64_t* inbox, bool leader) {
 #ifdef BASE_MOE_HAS_CLUSTERS
   if (!inbox_counts_bytes()) return;
