@@ -9,7 +9,8 @@
 //      copied to shared memory (cp.async) before the kernel waits for its predecessor (programmatic dependent
 //      launch), so their HBM read overlaps the previous kernel; their biases follow right after the wait (a bias may
 //      come from the kernel just before, e.g. a cast to fp32); hidden states come from global memory in 16-byte
-//      loads. The CTA's warps split the tile and H; partial sums are added in a fixed order.       -- cluster barrier
+//      loads (each warp's first addresses computed before the wait). The CTA's warps split the tile and H; partial
+//      sums are added in a fixed order.                                                            -- cluster barrier
 //   2. Routing: one warp per token (token i of the token group goes to CTA rg = i % RG): the warp gathers the
 //      token's E logits from the RG CTAs of its token group, picks the top k (csrc/include/base_moe/
 //      routing_device.cuh), computes weights and slot costs, and writes each slot's cost into the shared memory of
@@ -150,65 +151,106 @@ __device__ __forceinline__ void stage_biases(const FusedSelectParams& f, int rg,
 // on its A row only, its column on its B column only); only k past the slice's end must add nothing, so both operands
 // are zeroed there. A load under a condition compiled into a divergent branch per load (BSSY / BSYNC), and the first
 // pass through that code took ~2.3k cycles with its data in L2 (device_runs/session23.txt, call 5).
+//
+// A warp's work item: the 16 x 16 tile (row tile rt, token unit tu) of k slice ks. The kernel plans each warp's first
+// item before its PDL wait: ~110 instructions of addressing per warp (~190 with the divisions of several tiles), 16
+// warps on 4 schedulers, stood between the weights' barrier and the first load (one call 6.92 / 7.98 / 8.76 / 13.63
+// -> 6.67 / 7.74 / 8.52 / 12.89 us at T = 1 / 4 / 16 / 64; device_runs/session43.txt, call 3). Loading the first
+// hidden states right after the wait as well, before the weights' barrier, was slower (7.22 / 8.35 / 9.15 / 13.97,
+// call 2).
 template <typename T>
-__device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group, int tg, int rg, float* smem,
-                                          const FusedLayout& L) {
+struct GemvItem {
+  const T* a_row[2];  // shared memory: the tile's weight rows g and g + 8 (row 0 past the CTA's rows)
+  const T* b_row[2];  // global memory: the hidden states of the tile's tokens g and g + 8
+  int rt, tu, ks, k_begin, k_end;
+};
+
+// Work items of the CTA's GEMV: 16 x 16 tiles times k slices.
+__device__ __forceinline__ int gemv_items(const FusedSelectParams& f) {
+  const int rows = f.experts_per_cta * (f.predict ? 2 : 1);
+  return ((rows + 15) / 16) * ((f.tokens_per_cta + 15) / 16) * f.k_slices;
+}
+
+template <typename T>
+__device__ __forceinline__ GemvItem<T> gemv_item(const FusedSelectParams& f, int group, int tg, int rg,
+                                                 const float* smem, const FusedLayout& L, int w) {
   const GemvParams& p = f.gemv;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
-  const int B = f.sel.B, E = f.sel.E, EC = f.experts_per_cta, TC = f.tokens_per_cta;
-  const int rows = EC * (f.predict ? 2 : 1), row_tiles = (rows + 15) / 16, token_units = (TC + 15) / 16;
-  const int units = row_tiles * token_units, KS = f.k_slices;
+  const int g = (threadIdx.x & 31) >> 2, B = f.sel.B, TC = f.tokens_per_cta;
+  const int rows = f.experts_per_cta * (f.predict ? 2 : 1), row_tiles = (rows + 15) / 16;
+  const int units = row_tiles * ((TC + 15) / 16), KS = f.k_slices;
   const int slice = round_up((p.H + KS - 1) / KS, 32);
-  const int rows_pad = row_tiles * 16, tokens_pad = token_units * 16;
   const int tokens_here = min(TC, B - tg * TC);  // tokens of this token group (the last may be short)
-  float* partial = smem + L.partial;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
   const int stride = weight_row_stride(p.H);
   const char* weights = reinterpret_cast<const char*>(smem + L.weights);
+  GemvItem<T> it;
+  // one 16 x 16 tile at decode sizes (Qwen3 up to 16 tokens): no integer division on the path to the loads then
+  it.ks = w;
+  it.rt = it.tu = 0;
+  if (units > 1) {
+    const int unit = w % units;
+    it.ks = w / units;
+    it.rt = unit % row_tiles;
+    it.tu = unit / row_tiles;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = it.rt * 16 + h * 8 + g;
+    it.a_row[h] = reinterpret_cast<const T*>(weights + (gemv_row<T>(f, rg, r) != nullptr ? r : 0) * stride);
+    const int i = it.tu * 16 + h * 8 + g;
+    const int64_t token = static_cast<int64_t>(group) * B + (i < tokens_here ? tg * TC + i : 0);
+    it.b_row[h] = static_cast<const T*>(p.hidden) + token * p.H;
+  }
+  it.k_begin = it.ks * slice;
+  it.k_end = min(p.H, it.k_begin + slice);
+  return it;
+}
 
-  for (int w = warp; w < units * KS; w += kWarps) {
-    // one 16 x 16 tile at decode sizes (Qwen3 up to 16 tokens): no integer division on the path to the loads then
-    int unit = 0, ks = w, rt = 0, tu = 0;
-    if (units > 1) {
-      unit = w % units;
-      ks = w / units;
-      rt = unit % row_tiles;
-      tu = unit / row_tiles;
-    }
-    const T* a_ptr[2];
-    const T* b_ptr[2];
+// One k step of an item's operands (lane (g, t4) holds columns [8 t4, 8 t4 + 8) of each 32-column chunk), zero past
+// the slice's end: the hidden states (global memory, read-only loads) or the weights (kShared: shared memory).
+template <bool kShared, typename T>
+__device__ __forceinline__ void load_gemv_operand(const T* const (&row)[2], int k0, int k_end, uint4 (&x)[kUnroll][2]) {
+  const int t4 = threadIdx.x & 3;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int k = k0 + u * 32 + t4 * 8;
+    const bool ok = k < k_end;
+    const int kc = ok ? k : k0;  // k0 + 8 <= k_end: H and the slice bounds are multiples of 8
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = rt * 16 + h * 8 + g;
-      a_ptr[h] = reinterpret_cast<const T*>(weights + (gemv_row<T>(f, rg, r) != nullptr ? r : 0) * stride);
-      const int i = tu * 16 + h * 8 + g;
-      const int64_t token = static_cast<int64_t>(group) * B + (i < tokens_here ? tg * TC + i : 0);
-      b_ptr[h] = static_cast<const T*>(p.hidden) + token * p.H;
+      x[u][h] = kShared ? *reinterpret_cast<const uint4*>(row[h] + kc) : cuda::load16(row[h] + kc);
+      if (!ok) x[u][h] = zero;
     }
-    const int k_begin = ks * slice, k_end = min(p.H, k_begin + slice);
+  }
+}
+
+// The CTA's tile. `it` is the warp's first item (gemv_item(..., warp)), from the caller.
+template <typename T>
+__device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group, int tg, int rg, float* smem,
+                                          const FusedLayout& L, GemvItem<T> it) {
+  const GemvParams& p = f.gemv;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const int B = f.sel.B, E = f.sel.E, EC = f.experts_per_cta, TC = f.tokens_per_cta, KS = f.k_slices;
+  const int rows = EC * (f.predict ? 2 : 1), rows_pad = round_up(rows, 16), tokens_pad = round_up(TC, 16);
+  const int tokens_here = min(TC, B - tg * TC);  // tokens of this token group (the last may be short)
+  float* partial = smem + L.partial;
+  const int items = gemv_items(f);
+  for (int w = warp; w < items; w += kWarps) {
+    if (w != warp) it = gemv_item<T>(f, group, tg, rg, smem, L, w);
     float acc[2][4] = {};
-    for (int k0 = k_begin; k0 < k_end; k0 += 32 * kUnroll) {
-      uint4 a[kUnroll][2], b[kUnroll][2];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int k = k0 + u * 32 + t4 * 8;
-        const bool ok = k < k_end;
-        const int kc = ok ? k : k0;  // k0 + 8 <= k_end: H and the slice bounds are multiples of 8
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          a[u][h] = *reinterpret_cast<const uint4*>(a_ptr[h] + kc);
-          b[u][h] = cuda::load16(b_ptr[h] + kc);
-          if (!ok) a[u][h] = b[u][h] = zero;
-        }
-      }
+    for (int k0 = it.k_begin; k0 < it.k_end; k0 += 32 * kUnroll) {
+      uint4 a[kUnroll][2], hidden[kUnroll][2];
+      load_gemv_operand<false>(it.b_row, k0, it.k_end, hidden);
+      load_gemv_operand<true>(it.a_row, k0, it.k_end, a);
       // k within each 32-chunk is permuted identically for A and B: lane (g, t4) holds columns [8 t4, 8 t4 + 8)
       // and feeds them to two MMAs as logical k {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}.
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
-          cuda::mma_16816<T>(acc[n], a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y, b[u][n].x, b[u][n].y);
-          cuda::mma_16816<T>(acc[n], a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w, b[u][n].z, b[u][n].w);
+          const uint4& b = hidden[u][n];
+          cuda::mma_16816<T>(acc[n], a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y, b.x, b.y);
+          cuda::mma_16816<T>(acc[n], a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w, b.z, b.w);
         }
     }
     // C fragment: c0, c1 at (row g, tokens 2 t4, 2 t4 + 1); c2, c3 at (row g + 8, same tokens).
@@ -216,8 +258,8 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
     for (int n = 0; n < 2; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int r = rt * 16 + g + (c >> 1) * 8, i = tu * 16 + n * 8 + 2 * t4 + (c & 1);
-        partial[(ks * rows_pad + r) * tokens_pad + i] = acc[n][c];
+        const int r = it.rt * 16 + g + (c >> 1) * 8, i = it.tu * 16 + n * 8 + 2 * t4 + (c & 1);
+        partial[(it.ks * rows_pad + r) * tokens_pad + i] = acc[n][c];
       }
   }
   cuda::cp_async_wait<0>();  // this thread's bias copies
@@ -230,10 +272,10 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
   float* logit = smem + L.logit;
   float* log_norm = smem + L.log_norm;
   const float* bias = smem + L.bias;
-  const bool single_tile = units == 1;
-  const int items = single_tile ? 16 * 16 : rows * tokens_here;
+  const bool single_tile = items == KS;
+  const int sums = single_tile ? 16 * 16 : rows * tokens_here;
 #pragma unroll 1
-  for (int idx = threadIdx.x; idx < items; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < sums; idx += kThreads) {
     int r, i;
     if (single_tile) {
       r = idx >> 4;
@@ -375,6 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
 #pragma unroll 1
   for (int i = tid; i < W; i += kThreads) kept[i] = E;
   cuda::inbox_init(inbox, tid == 0);
+  const GemvItem<T> first_item = gemv_item<T>(f, group, tg, rg, smem, L, warp);  // gemv_tile's note
   cuda::pdl_wait();
   int32_t* group_counts = p.counts + static_cast<int64_t>(group) * E;
 #pragma unroll 1
@@ -387,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   // ---- 1. GEMV ----
   cuda::cp_async_wait<1>();  // the weight rows; the biases may still be in flight
   __syncthreads();
-  gemv_tile<T>(f, group, tg, rg, smem, L);
+  gemv_tile<T>(f, group, tg, rg, smem, L, first_item);
   cuda::cluster_sync();
 
   // ---- 2. routing, slot costs to the owners ----
