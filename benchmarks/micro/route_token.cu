@@ -156,7 +156,7 @@ __global__ void route_kernel(const SelectParams p, const float* logits, const fl
     int slot;
     int32_t fid;
     float fw;
-    fill_token<EPL>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; },
+    fill_token<EPL, true>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; },
                     FillScratch{scratch, reinterpret_cast<uint32_t*>(fill_words)}, slot, fid, fw);
     consume(fw);
     consume(fid);
