@@ -133,7 +133,7 @@ __device__ __forceinline__ void stage_biases(const FusedSelectParams& f, int rg,
   const int EC = f.experts_per_cta, rows = EC * (f.predict ? 2 : 1);
 #pragma unroll 1
   for (int r = threadIdx.x; r < rows; r += kThreads) {
-    const int u = rg * EC + r % EC;
+    const int u = rg * EC + (r < EC ? r : r - EC);  // r < 2 EC: no modulo (a ~20-instruction chain before the barrier)
     const float* b = r < EC ? f.gemv.router_bias : f.gemv.predictor_bias;
     if (u < f.sel.E && b != nullptr) {
       cuda::cp_async4(bias + r, b + u);
@@ -298,29 +298,37 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
   }
 }
 
-// The CTA's logits / log-norms tile to the op's outputs.
+// The CTA's logits / log-norms tile ([tokens][EC]) to the op's outputs. Thread tid writes elements tid, tid + kThreads,
+// ...; (i, e) is its first one's (token, expert column), tid / EC and tid % EC, which the caller divides out before its
+// PDL wait (at decode sizes a thread has one element: no division left at the kernel's end).
 __device__ __forceinline__ void write_gemv_tile(const FusedSelectParams& f, int group, int tg, int rg, const float* smem,
-                                                const FusedLayout& L) {
+                                                const FusedLayout& L, int i, int e) {
   const int B = f.sel.B, E = f.sel.E, EC = f.experts_per_cta, TC = f.tokens_per_cta;
   const int tokens_here = min(TC, B - tg * TC);
 #pragma unroll 1
-  for (int idx = threadIdx.x; idx < tokens_here * EC; idx += kThreads) {
-    const int i = idx / EC, e = idx % EC, u = rg * EC + e;
-    if (u >= E) continue;
-    const int64_t out = (static_cast<int64_t>(group) * B + tg * TC + i) * E + u;
-    f.gemv.logits[out] = smem[L.logit + idx];
-    if (f.predict) f.gemv.log_norms[out] = smem[L.log_norm + idx];
+  for (int idx = threadIdx.x; i < tokens_here;) {
+    const int u = rg * EC + e;
+    if (u < E) {
+      const int64_t out = (static_cast<int64_t>(group) * B + tg * TC + i) * E + u;
+      f.gemv.logits[out] = smem[L.logit + idx];
+      if (f.predict) f.gemv.log_norms[out] = smem[L.log_norm + idx];
+    }
+    idx += kThreads;
+    if (idx >= tokens_here * EC) break;
+    i = idx / EC;
+    e = idx % EC;
   }
 }
 
-// Phase 2 input: token i of token group tg, gathered from the RG CTAs that computed its logits.
+// Phase 2 input: token i of token group tg, gathered from the RG CTAs that computed its logits. Expert u = lane * EPL
+// + j is column u % EC of row group u / EC: (row_group, column) is the lane's first expert's, which the caller divides
+// out before its PDL wait, then a step per register (this is the routing warp's critical path, where a division is a
+// ~20-instruction chain).
 template <int EPL>
 __device__ __forceinline__ void gather_token(const FusedSelectParams& f, int tg, int i, int lane, float* logit_smem,
-                                             float* log_norm_smem, bool base_cost, Token<EPL>& s) {
+                                             float* log_norm_smem, bool base_cost, int row_group, int column,
+                                             Token<EPL>& s) {
   const int E = f.sel.E, EC = f.experts_per_cta, RG = f.row_groups;
-  // expert u = lane * EPL + j is column u % EC of row group u / EC: one division for the lane's first expert, then a
-  // step per register (this is the routing warp's critical path, where each division is a ~20-instruction chain)
-  int row_group = lane * EPL / EC, column = lane * EPL - row_group * EC;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int u = lane * EPL + j;
@@ -417,7 +425,13 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
 #pragma unroll 1
   for (int i = tid; i < W; i += kThreads) kept[i] = E;
   cuda::inbox_init(inbox, tid == 0);
-  const GemvItem<T> first_item = gemv_item<T>(f, group, tg, rg, smem, L, warp);  // gemv_tile's note
+  // Work that needs no input, done while the previous kernel finishes: gemv_tile's first item, gather_token's and
+  // write_gemv_tile's divisions (with the owners by shift and stage_biases without a modulo: one call 6.67 / 7.76 /
+  // 8.53 / 12.92 -> 6.43 / 7.47 / 8.22 / 12.56 us at T = 1 / 4 / 16 / 64; device_runs/session43.txt, call 5).
+  const GemvItem<T> first_item = gemv_item<T>(f, group, tg, rg, smem, L, warp);
+  const int EC = f.experts_per_cta;
+  const int gather_row_group = lane * EPL / EC, gather_column = lane * EPL - gather_row_group * EC;
+  const int out_token = tid / EC, out_column = tid - out_token * EC;
   cuda::pdl_wait();
   int32_t* group_counts = p.counts + static_cast<int64_t>(group) * E;
 #pragma unroll 1
@@ -441,14 +455,15 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   const int64_t t = static_cast<int64_t>(group) * B + t_local;
   Token<EPL> s;
   if (has_token) {
-    gather_token<EPL>(f, tg, i, lane, smem + L.logit, smem + L.log_norm, base_cost, s);
+    gather_token<EPL>(f, tg, i, lane, smem + L.logit, smem + L.log_norm, base_cost, gather_row_group, gather_column,
+                      s);
     score_token<EPL, GENERIC>(p, lane, my_scratch, my_scratch + E, s);
     float w, log_norm;
     int32_t id;
     route_token<EPL, GENERIC>(p, s, lane, id, w, log_norm);
     if (id < E) {
-      const unsigned owner = static_cast<unsigned>(id / EO);
-      const int u = id % EO;
+      const unsigned owner = static_cast<unsigned>(id >> f.owned_shift);  // EO is a power of two (plan)
+      const int u = id & (EO - 1);
       cuda::cluster_map(own, owner)[u * B + t_local] = slot_cost(p.cost, w, base_cost ? log_norm : 0.0f);
       atomicOr(cuda::cluster_map(flags, owner) + u, lane == 0 ? 3 : 1);
     }
@@ -488,7 +503,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     p.ids[t * k + final_slot] = final_id;
     p.weights[t * k + final_slot] = final_weight;
   }
-  write_gemv_tile(f, group, tg, rg, smem, L);
+  write_gemv_tile(f, group, tg, rg, smem, L, out_token, out_column);
 #pragma unroll 1
   for (int e = tid; e < EO; e += kThreads) {
     const int u = static_cast<int>(rank) * EO + e;
@@ -541,7 +556,11 @@ bool plan(FusedSelectParams& f, int max_c) {
   const int C = f.token_groups * f.row_groups;
   f.experts_per_cta = (E + f.row_groups - 1) / f.row_groups;
   f.tokens_per_cta = (B + f.token_groups - 1) / f.token_groups;
-  f.owned_experts = (E + C - 1) / C;
+  // a power of two, so that a token warp finds an expert's owner with a shift: a division is a ~20-instruction chain
+  // on the routing warp's critical path (Qwen3's 128 experts over 16 CTAs: 8 each either way)
+  f.owned_shift = 0;
+  while ((C << f.owned_shift) < E) ++f.owned_shift;
+  f.owned_experts = 1 << f.owned_shift;
   const int rows = f.experts_per_cta * (f.predict ? 2 : 1);
   const int units = ((rows + 15) / 16) * ((f.tokens_per_cta + 15) / 16);
   f.k_slices = 1;

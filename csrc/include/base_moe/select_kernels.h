@@ -58,7 +58,8 @@ struct FusedSelectParams {
   int row_groups;       // RG
   int experts_per_cta;  // EC: experts (router rows, and as many predictor rows) of each CTA's GEMV tile
   int tokens_per_cta;   // TC: tokens of each token group
-  int owned_experts;    // EO: experts whose batch cost each CTA adds up
+  int owned_experts;    // EO: experts whose batch cost each CTA adds up, a power of two (CTA r: [r EO, (r + 1) EO))
+  int owned_shift;      // log2(EO)
   int k_slices;         // warps splitting H in the GEMV
 };
 
