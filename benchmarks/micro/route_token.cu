@@ -157,7 +157,7 @@ __global__ void route_kernel(const SelectParams p, const float* logits, const fl
     int32_t fid;
     float fw;
     fill_token<EPL, true>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; },
-                    FillScratch{scratch, reinterpret_cast<uint32_t*>(fill_words)}, slot, fid, fw);
+                          FillScratch{scratch, reinterpret_cast<uint32_t*>(fill_words)}, slot, fid, fw);
     consume(fw);
     consume(fid);
     const long long t3 = clock64();
