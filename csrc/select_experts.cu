@@ -14,7 +14,8 @@
 //   2. Routing: one warp per token (token i of the token group goes to CTA rg = i % RG): the warp gathers the
 //      token's E logits from the RG CTAs of its token group, picks the top k (csrc/include/base_moe/
 //      routing_device.cuh), computes weights and slot costs, and writes each slot's cost into the shared memory of
-//      the CTA that owns the expert for the batch cost (EO experts per CTA), at the token's position.  -- barrier
+//      the CTA that owns the expert for the batch cost (up to EO experts per CTA), at the token's position.
+//                                                                                                  -- barrier
 //   3. Batch cost: each CTA adds its owned experts' costs in token order (bitwise the reference's sequential fp32
 //      sum: absent tokens contribute nothing) and pushes the ranking keys (D of the candidates, 0 otherwise) into
 //      every CTA's inbox (cuda::inbox_push: st.async counted by the receiver's mbarrier).  -- each CTA waits for its
@@ -160,8 +161,9 @@ __device__ __forceinline__ void stage_biases(const FusedSelectParams& f, int rg,
 // call 2).
 template <typename T>
 struct GemvItem {
-  const T* a_row[2];  // shared memory: the tile's weight rows g and g + 8 (row 0 past the CTA's rows)
-  const T* b_row[2];  // global memory: the hidden states of the tile's tokens g and g + 8
+  const T* a_row[2];  // shared memory: the tile's weight rows g and g + 8 (row 0 for rows without an expert)
+  const T* b_row[2];  // global memory: the hidden states of the tile's tokens g and g + 8 (the batch's first past
+                      // the token group's)
   int rt, tu, ks, k_begin, k_end;
 };
 
@@ -299,12 +301,13 @@ __device__ __forceinline__ void gemv_tile(const FusedSelectParams& f, int group,
 }
 
 // The CTA's logits / log-norms tile ([tokens][EC]) to the op's outputs. Thread tid writes elements tid, tid + kThreads,
-// ...; (i, e) is its first one's (token, expert column), tid / EC and tid % EC, which the caller divides out before its
-// PDL wait (at decode sizes a thread has one element: no division left at the kernel's end).
+// ...; (first_token, first_column) must be its first one's, tid / EC and tid % EC, which the caller divides out before
+// its PDL wait (at decode sizes a thread has one element: no division left at the kernel's end).
 __device__ __forceinline__ void write_gemv_tile(const FusedSelectParams& f, int group, int tg, int rg, const float* smem,
-                                                const FusedLayout& L, int i, int e) {
+                                                const FusedLayout& L, int first_token, int first_column) {
   const int B = f.sel.B, E = f.sel.E, EC = f.experts_per_cta, TC = f.tokens_per_cta;
   const int tokens_here = min(TC, B - tg * TC);
+  int i = first_token, e = first_column;  // element idx's (token, expert column)
 #pragma unroll 1
   for (int idx = threadIdx.x; i < tokens_here;) {
     const int u = rg * EC + e;

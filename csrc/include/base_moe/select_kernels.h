@@ -58,7 +58,7 @@ struct FusedSelectParams {
   int row_groups;       // RG
   int experts_per_cta;  // EC: experts (router rows, and as many predictor rows) of each CTA's GEMV tile
   int tokens_per_cta;   // TC: tokens of each token group
-  int owned_experts;    // EO: experts whose batch cost each CTA adds up, a power of two (CTA r: [r EO, (r + 1) EO))
+  int owned_experts;    // EO, a power of two: CTA r adds up the batch costs of experts [r EO, (r + 1) EO) below E
   int owned_shift;      // log2(EO)
   int k_slices;         // warps splitting H in the GEMV
 };
