@@ -137,6 +137,16 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   for (int u = E + tid; u < key_quads(E) * 4; u += kThreads) cost_key[u] = 0u;  // no owner pushes these
   for (int i = tid; i < p.W; i += kThreads) kept[i] = E;
   if (p.select) cuda::inbox_init(inbox, tid == 0);
+  // Arithmetic that needs no input, done while the previous kernel finishes: each division here would be a
+  // ~20-instruction chain after the wait (the chunk count, the first key push's cell, the ranking's geometry).
+  const int chunks = (B + per_chunk - 1) / per_chunk;
+  const int owner_shift = __ffs(EPC) - 1;  // EPC is a power of two (owned_experts_per_cta)
+  const int receivers = p.select ? C : 1;
+  const int push_expert = tid / receivers, push_receiver = tid - push_expert * receivers;
+  int tpe = 1;  // ranking: threads per expert (a power of two, within a warp)
+  while (tpe < 32 && tpe * 2 * E <= kThreads) tpe *= 2;
+  const int tpe_shift = __ffs(tpe) - 1, experts_per_pass = kThreads >> tpe_shift;
+  const int rank_passes = (E + experts_per_pass - 1) / experts_per_pass;
   // Every CTA's zeros and inbox before any other CTA's slot costs, flags and keys arrive: the barrier's arrive (a
   // release) before the PDL wait, so its cost overlaps the previous kernel, the wait after it.
   cuda::cluster_arrive();
@@ -148,7 +158,6 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     for (int e = tid; e < owned; e += kThreads) group_counts[first_owned + e] = 0;
   }
 
-  const int chunks = (B + per_chunk - 1) / per_chunk;
   const bool single_chunk = chunks <= 1;
   const bool base_cost = p.cost == static_cast<int>(Cost::kBase);
   Token<EPL> s;
@@ -164,8 +173,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       int32_t id;
       route_token<EPL>(p, s, lane, id, w, log_norm);
       if (id < E) {
-        const unsigned owner = static_cast<unsigned>(id / EPC);
-        const int e = id - static_cast<int>(owner) * EPC;
+        const unsigned owner = static_cast<unsigned>(id >> owner_shift);
+        const int e = id & (EPC - 1);
         if (p.compute_cost) {
           cuda::cluster_map(own, owner)[e * stride + column] = slot_cost(p.cost, w, base_cost ? log_norm : 0.0f);
         }
@@ -205,9 +214,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   __syncthreads();  // the last own_cost writes before other threads read them
 
   // ---- the owned experts' batch costs; their ranking keys to every CTA, a thread per (expert, receiving CTA) ----
-  const int receivers = p.select ? C : 1;
-  for (int i = tid; i < owned * receivers; i += kThreads) {
-    const int e = i / receivers, receiver = i - e * receivers;
+  for (int i = tid, e = push_expert, receiver = push_receiver; i < owned * receivers;) {
     const int u = first_owned + e, f = own_flags[e];
     float d;
     if (p.compute_cost) {
@@ -223,19 +230,19 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     if (p.select) {
       cuda::inbox_push(cost_key + u, static_cast<unsigned>(receiver), (f & 1) ? candidate_key(d) : 0u, inbox);
     }
+    i += kThreads;
+    if (i >= owned * receivers) break;
+    e = i / receivers;
+    receiver = i - e * receivers;
   }
   if (!p.select) return;
   cuda::inbox_wait(inbox);
 
   // ---- top-budget selection: rank each candidate against all (D descending, index ascending) ----
   {
-    int tpe = 1;  // threads per expert (power of two, within a warp)
-    while (tpe < 32 && tpe * 2 * E <= kThreads) tpe *= 2;
-    const int experts_per_pass = kThreads / tpe;
-    const int passes = (E + experts_per_pass - 1) / experts_per_pass;
-    const int sub = tid % tpe;
-    for (int pass = 0; pass < passes; ++pass) {
-      const int u = pass * experts_per_pass + tid / tpe;
+    const int sub = tid & (tpe - 1);
+    for (int pass = 0; pass < rank_passes; ++pass) {
+      const int u = pass * experts_per_pass + (tid >> tpe_shift);
       const uint32_t du = u < E ? cost_key[u] : 0u;
       const bool cand = du != 0u;  // candidate_key is never 0
       int r = 0;
@@ -290,7 +297,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
 
 // Dynamic shared memory of a launch on clusters of C CTAs.
 size_t select_smem(const SelectParams& p, int NW, int C) {
-  return static_cast<size_t>(shared_layout(NW, p.E, p.W, C, (p.E + C - 1) / C, p.n_group).total) * 4;
+  return static_cast<size_t>(shared_layout(NW, p.E, p.W, C, owned_experts_per_cta(p.E, C), p.n_group).total) * 4;
 }
 
 template <typename Kernel>
@@ -320,7 +327,7 @@ void launch_select(SelectParams p, int groups, bool clusters, int device, cudaSt
   int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, 16) : 1;
   if (C > 8) C = std::min(C, max_select_cluster<EPL, NW>(select_smem(p, NW, C), device));
   p.cluster = C;
-  p.experts_per_cta = (p.E + C - 1) / C;
+  p.experts_per_cta = owned_experts_per_cta(p.E, C);
   const size_t smem = select_smem(p, NW, C);
   auto kernel = route_select_kernel<EPL, NW>;
   allow_smem(kernel, smem);

@@ -559,11 +559,10 @@ bool plan(FusedSelectParams& f, int max_c) {
   const int C = f.token_groups * f.row_groups;
   f.experts_per_cta = (E + f.row_groups - 1) / f.row_groups;
   f.tokens_per_cta = (B + f.token_groups - 1) / f.token_groups;
-  // a power of two, so that a token warp finds an expert's owner with a shift: a division is a ~20-instruction chain
-  // on the routing warp's critical path (Qwen3's 128 experts over 16 CTAs: 8 each either way)
-  f.owned_shift = 0;
-  while ((C << f.owned_shift) < E) ++f.owned_shift;
-  f.owned_experts = 1 << f.owned_shift;
+  f.owned_experts = owned_experts_per_cta(E, C);
+  // the kernel reads the shift rather than deriving it (__ffs before its PDL wait measured 0.03-0.1 us slower in
+  // session 44: device_runs/session44.txt, call 1)
+  f.owned_shift = __builtin_ctz(static_cast<unsigned>(f.owned_experts));
   const int rows = f.experts_per_cta * (f.predict ? 2 : 1);
   const int units = ((rows + 15) / 16) * ((f.tokens_per_cta + 15) / 16);
   f.k_slices = 1;

@@ -45,7 +45,7 @@ struct SelectParams {
   bool select;                   // select_fill / route_select
   float top1_offset;
   int cluster;                   // CTAs per group; set by the launcher
-  int experts_per_cta;           // experts each CTA of the cluster reduces; set by the launcher
+  int experts_per_cta;           // experts each CTA of the cluster reduces (owned_experts_per_cta); set by the launcher
 };
 
 // select_experts (csrc/select_experts.cu): the GEMV's inputs and logits / log-norms outputs, the selection's
@@ -58,10 +58,19 @@ struct FusedSelectParams {
   int row_groups;       // RG
   int experts_per_cta;  // EC: experts (router rows, and as many predictor rows) of each CTA's GEMV tile
   int tokens_per_cta;   // TC: tokens of each token group
-  int owned_experts;    // EO, a power of two: CTA r adds up the batch costs of experts [r EO, (r + 1) EO) below E
+  int owned_experts;    // EO (owned_experts_per_cta): CTA r sums the batch costs of experts [r EO, (r + 1) EO) below E
   int owned_shift;      // log2(EO)
   int k_slices;         // warps splitting H in the GEMV
 };
+
+// Experts whose batch cost each CTA of a C-CTA cluster adds up (CTA r: [r n, (r + 1) n)): the smallest power of two n
+// with C n >= E, so that a token warp finds an expert's owner with a shift, not a division (a ~20-instruction chain on
+// the routing warp's path).
+inline int owned_experts_per_cta(int E, int C) {
+  int n = 1;
+  while (n * C < E) n *= 2;
+  return n;
+}
 
 // Launch on the current CUDA stream of `device` (the caller holds a device guard).
 void router_predict_launch(GemvParams p, FloatDtype dtype, bool vectorised, int device);
