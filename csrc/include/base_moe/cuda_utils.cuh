@@ -72,6 +72,17 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// warp_sum of a value that only lanes [0, n) hold (the others hold zeros), on those lanes: the butterfly's levels that
+// would only add the zeros (offsets >= the first power of two >= n) are skipped, so lanes below n get warp_sum's bits
+// (but for the sign of an all-zero sum: x + +0 turns -0 into +0); the lanes above get partial sums.
+__device__ __forceinline__ float warp_sum_first(float v, int n) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    if (offset < n) v += __shfl_xor_sync(kFullMask, v, offset);
+  }
+  return v;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
