@@ -308,9 +308,9 @@ void allow_smem(Kernel kernel, size_t smem) {
 }
 
 // The largest cluster an instance may use: 16 CTAs where the device co-schedules them, else the portable 8. Asked once
-// per device with the first call's shared memory: every shape needs at most ~48 KB per CTA (E 512, C 1; ~80 KB with
-// as many groups as experts), far below an SM's, so whether 16 CTAs fit depends on the device's GPCs, not on the call,
-// and the answer holds for every call. (The owned experts' power of two leaves that maximum as it was: E 512 at C 1.)
+// per device with the first call's shared memory: every shape needs at most ~59 KB per CTA (E 256 at C 15, where the
+// owned experts' power of two rounds 18 up to 32; ~92 KB with as many groups as experts), far below an SM's, so
+// whether 16 CTAs fit depends on the device's GPCs, not on the call, and the answer holds for every call.
 template <int EPL, int NW>
 int max_select_cluster(size_t smem, int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];

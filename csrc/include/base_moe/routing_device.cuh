@@ -42,7 +42,9 @@ __device__ __forceinline__ int scoring_mode(const SelectParams& p) {
 // renormalised over the top k, which is the same function (the denominator over all E cancels). Computed over the
 // slots, the latter's weights need neither the token's maximum nor its denominator over all experts, which
 // score_token then skips (a warp max and a warp sum on the routing warp's chain, ~0.3 us at one token per call); they
-// differ from the reference's softmax-then-divide by rounding only (a few ulps; the tests allow 1e-5).
+// differ from the reference's softmax-then-divide by rounding (a few ulps; the tests allow 1e-5), except where
+// backfill's slots all lie ~87 or more below the token's top logit: there the reference's exponentials underflow
+// (weights 0 or denormal-rounded) and these stay accurate.
 __device__ __forceinline__ bool softmax_of_slots(const SelectParams& p, int scoring) {
   return scoring == static_cast<int>(Scoring::kSoftmaxAfterTopk) ||
          (scoring == static_cast<int>(Scoring::kSoftmax) && p.renormalize);
