@@ -73,6 +73,11 @@ struct FusedLayout {
 
 __host__ __device__ inline int round_up(int a, int b) { return (a + b - 1) / b * b; }
 
+// x / f.d for 0 <= x < 2^31 (make_fast_div)
+__device__ __forceinline__ int fast_div(int x, const FastDiv& f) {
+  return f.d == 1 ? x : static_cast<int>(__umulhi(static_cast<unsigned>(x), f.mul) >> f.shift);
+}
+
 // Bytes per weight row in shared memory: rows 64 bytes apart modulo 128, so the two rows a quarter warp reads with
 // 16-byte loads (lanes g, g + 1 at 4 x 16 contiguous bytes each) fall on disjoint banks.
 __host__ __device__ inline int weight_row_stride(int H) { return round_up(H * 2, 128) + 64; }
@@ -179,8 +184,8 @@ __device__ __forceinline__ GemvItem<T> gemv_item(const FusedSelectParams& f, int
   const GemvParams& p = f.gemv;
   const int g = (threadIdx.x & 31) >> 2, B = f.sel.B, TC = f.tokens_per_cta;
   const int rows = f.experts_per_cta * (f.predict ? 2 : 1), row_tiles = (rows + 15) / 16;
-  const int units = row_tiles * ((TC + 15) / 16), KS = f.k_slices;
-  const int slice = round_up((p.H + KS - 1) / KS, 32);
+  const int units = row_tiles * ((TC + 15) / 16);
+  const int slice = f.gemv_slice;
   const int tokens_here = min(TC, B - tg * TC);  // tokens of this token group (the last may be short)
   const int stride = weight_row_stride(p.H);
   const char* weights = reinterpret_cast<const char*>(smem + L.weights);
@@ -318,8 +323,8 @@ __device__ __forceinline__ void write_gemv_tile(const FusedSelectParams& f, int 
     }
     idx += kThreads;
     if (idx >= tokens_here * EC) break;
-    i = idx / EC;
-    e = idx % EC;
+    i = fast_div(idx, f.ec_div);
+    e = idx - i * EC;
   }
 }
 
@@ -383,8 +388,10 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   const int E = p.E, k = p.k, B = p.B, W = p.W, C = f.token_groups * f.row_groups, EO = f.owned_experts;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned rank = cuda::cluster_rank();
-  const int group = blockIdx.x / C, tg = static_cast<int>(rank) / f.row_groups,
-            rg = static_cast<int>(rank) % f.row_groups;
+  // shifts and a multiply-high (plan): ptxas finished this kernel's divisions after its PDL wait, on the path to the
+  // GEMV (~50 instructions per thread between the wait and the GEMV's barrier in Qwen3's instance, session 44)
+  const int group = static_cast<int>(blockIdx.x) >> f.cluster_shift, tg = static_cast<int>(rank) >> f.row_group_shift,
+            rg = static_cast<int>(rank) & (f.row_groups - 1);
   const bool base_cost = p.cost == static_cast<int>(Cost::kBase);
   float* own = smem + L.own;
   int* flags = reinterpret_cast<int*>(smem + L.flags);
@@ -433,8 +440,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   // 8.53 / 12.92 -> 6.43 / 7.47 / 8.22 / 12.56 us at T = 1 / 4 / 16 / 64; device_runs/session43.txt, call 5).
   const GemvItem<T> first_item = gemv_item<T>(f, group, tg, rg, smem, L, warp);
   const int EC = f.experts_per_cta;
-  const int gather_row_group = lane * EPL / EC, gather_column = lane * EPL - gather_row_group * EC;
-  const int out_token = tid / EC, out_column = tid - out_token * EC;
+  const int gather_row_group = fast_div(lane * EPL, f.ec_div), gather_column = lane * EPL - gather_row_group * EC;
+  const int out_token = fast_div(tid, f.ec_div), out_column = tid - out_token * EC;
   cuda::pdl_wait();
   int32_t* group_counts = p.counts + static_cast<int64_t>(group) * E;
 #pragma unroll 1
@@ -558,6 +565,9 @@ bool plan(FusedSelectParams& f, int max_c) {
   if (best_bytes < 0) return false;
   const int C = f.token_groups * f.row_groups;
   f.experts_per_cta = (E + f.row_groups - 1) / f.row_groups;
+  f.ec_div = make_fast_div(f.experts_per_cta);
+  f.cluster_shift = __builtin_ctz(static_cast<unsigned>(C));  // token and row groups are powers of two
+  f.row_group_shift = __builtin_ctz(static_cast<unsigned>(f.row_groups));
   f.tokens_per_cta = (B + f.token_groups - 1) / f.token_groups;
   f.owned_experts = owned_experts_per_cta(E, C);
   // the kernel reads the shift rather than deriving it (__ffs before its PDL wait measured 0.03-0.1 us slower in
@@ -567,6 +577,7 @@ bool plan(FusedSelectParams& f, int max_c) {
   const int units = ((rows + 15) / 16) * ((f.tokens_per_cta + 15) / 16);
   f.k_slices = 1;
   while (units * f.k_slices * 2 <= kWarps && H / (f.k_slices * 2) >= 32 * kUnroll) f.k_slices *= 2;
+  f.gemv_slice = round_up((H + f.k_slices - 1) / f.k_slices, 32);
   return true;
 }
 

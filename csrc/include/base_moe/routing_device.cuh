@@ -110,10 +110,16 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
     }
     __syncwarp();
     s.allowed = 0;
+    // the lane's first expert's group, then a step per register: one division on the routing warp's chain, not EPL
+    int grp = lane * EPL / gs, in_group = lane * EPL - grp * gs;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       const int u = lane * EPL + j;
-      if (u < E && group_scratch[ng + u / gs] != 0.0f) s.allowed |= 1u << j;
+      if (u < E && group_scratch[ng + grp] != 0.0f) s.allowed |= 1u << j;
+      if (++in_group == gs) {
+        in_group = 0;
+        ++grp;
+      }
     }
     __syncwarp();  // the scratch row is reused by the caller
   }

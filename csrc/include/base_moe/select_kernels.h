@@ -48,6 +48,25 @@ struct SelectParams {
   int experts_per_cta;           // experts each CTA of the cluster reduces (owned_experts_per_cta); set by the launcher
 };
 
+// x / d for 0 <= x < 2^31 by a multiply-high and a shift whose multiplier the host computes (the method of CUTLASS's
+// FastDivmod): on a kernel's critical path an integer division by a runtime value is a ~15-instruction chain.
+struct FastDiv {
+  int d;
+  unsigned mul, shift;
+};
+
+inline FastDiv make_fast_div(int d) {
+  FastDiv f{d, 0u, 0u};  // d = 1: the quotient is x itself (fast_div tests d)
+  if (d > 1) {
+    int ceil_log2 = 0;
+    while ((int64_t{1} << ceil_log2) < d) ++ceil_log2;
+    const int p = 31 + ceil_log2;  // 2^p / d in [2^31, 2^32): exact for every x < 2^31
+    f.mul = static_cast<unsigned>(((uint64_t{1} << p) + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
+    f.shift = static_cast<unsigned>(p - 32);
+  }
+  return f;
+}
+
 // select_experts (csrc/select_experts.cu): the GEMV's inputs and logits / log-norms outputs, the selection's
 // routing parameters and outputs (sel.logits / sel.log_norms unused), and the cluster shape (set by the launcher).
 struct FusedSelectParams {
@@ -57,6 +76,10 @@ struct FusedSelectParams {
   int token_groups;     // TG: the group's tokens split over TG x RG CTAs of one cluster
   int row_groups;       // RG
   int experts_per_cta;  // EC: experts (router rows, and as many predictor rows) of each CTA's GEMV tile
+  FastDiv ec_div;       // division by EC
+  int cluster_shift;    // log2(TG RG): a group's CTAs
+  int row_group_shift;  // log2(RG)
+  int gemv_slice;       // columns of H per k slice (a multiple of 32)
   int tokens_per_cta;   // TC: tokens of each token group
   int owned_experts;    // EO (owned_experts_per_cta): CTA r sums the batch costs of experts [r EO, (r + 1) EO) below E
   int owned_shift;      // log2(EO)
