@@ -49,7 +49,7 @@ struct SelectParams {
 };
 
 // x / d for 0 <= x < 2^31 by a multiply-high and a shift whose multiplier the host computes (the method of CUTLASS's
-// FastDivmod): on a kernel's critical path an integer division by a runtime value is a ~15-instruction chain.
+// FastDivmod): on a kernel's critical path an integer division by a runtime value is a ~20-instruction chain.
 struct FastDiv {
   int d;
   unsigned mul, shift;
