@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ncu phases ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ncu phases phasesg ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -46,6 +46,8 @@ for step in "$@"; do
     # LSTAMPS: OP:BATCH:BUDGET ...
     lstamps) timeout 200 python3 notes/diag_layer_stamps.py ${LSTAMPS:-layer:16:16 experts:16:16} > $OUT/lstamps.log 2>&1; tail -30 $OUT/lstamps.log;;
     phases) timeout 60 python3 benchmarks/micro/select_phases.py > $OUT/phases.log 2>&1; tail -40 $OUT/phases.log;;
+    # select_experts' stamps in graph replay of consecutive calls (needs notes/select_phases_graph.patch)
+    phasesg) timeout 120 python3 benchmarks/micro/select_phases_graph.py > $OUT/phases.log 2>&1; tail -20 $OUT/phases.log;;
     texp) timeout 150 python3 -m pytest -m cuda tests/test_experts_cuda.py -q -x > $OUT/pytest_experts.log 2>&1; tail -15 $OUT/pytest_experts.log;;
     tall) timeout 300 python3 -m pytest -m cuda tests -q -x > $OUT/pytest_all.log 2>&1; tail -15 $OUT/pytest_all.log;;
     var) timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,T16,T32,W64,W128,WS} --out $OUT/variants.json > $OUT/variants.log 2>&1; tail -45 $OUT/variants.log;;
