@@ -140,7 +140,10 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   // Arithmetic that needs no input, done while the previous kernel finishes: each division here would be a
   // ~20-instruction chain after the wait (the chunk count, the first key push's cell, the ranking's geometry).
   const int chunks = (B + per_chunk - 1) / per_chunk;
-  const int owner_shift = __ffs(EPC) - 1;  // EPC is a power of two (owned_experts_per_cta)
+  // EPC is a power of two (owned_experts_per_cta). select_experts reads its shift from plan instead: one params field
+  // for both kernels measured slower in both, and __ffs in select_experts slower there (device_runs/session45.txt and
+  // session44.txt, call 1 each).
+  const int owner_shift = __ffs(EPC) - 1;
   const int receivers = p.select ? C : 1;
   const int push_expert = tid / receivers, push_receiver = tid - push_expert * receivers;
   int tpe = 1;  // ranking: threads per expert (a power of two, within a warp)
@@ -214,6 +217,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   __syncthreads();  // the last own_cost writes before other threads read them
 
   // ---- the owned experts' batch costs; their ranking keys to every CTA, a thread per (expert, receiving CTA) ----
+  // (the first cell comes from before the wait; a plain for loop dividing only past it left Qwen3 unchanged and made
+  // DeepSeek 0.1-0.45 us slower: device_runs/session45.txt, call 1)
   for (int i = tid, e = push_expert, receiver = push_receiver; i < owned * receivers;) {
     const int u = first_owned + e, f = own_flags[e];
     float d;
