@@ -2,19 +2,24 @@
 //
 // Both weight matrices are one virtual [R, H] matrix (R = E router rows, then E predictor rows), read once per
 // call. The product out[T, R] = hidden[T, H] . W[R, H]^T runs on tensor cores (mma.sync m16n8k16, bf16/fp16 in,
-// fp32 accumulate): the m dimension is tokens, n is weight rows, k is H. Operands come straight from global memory
-// with 16-byte loads: within each 32-wide k step, lane (g, t) loads elements [8t, 8t + 8) of its token / row and
-// feeds them to two MMAs as logical k {2t, 2t+1, 2t+8, 2t+9}; A and B use the same permutation of k, so the dot
-// products are unchanged. A CTA owns a tile of tokens x rows and a slice of H; the CTAs of one thread-block
-// cluster split H and reduce their partial tiles through distributed shared memory in rank order, so the result
-// is deterministic and the grid has enough CTAs (~130-260) to pull the weights from HBM at decode sizes.
+// fp32 accumulate): the m dimension is tokens, n is weight rows, k is H. A CTA owns a tile of BM tokens x 128 weight
+// rows and a slice of H, whose operands go through shared memory in stages of 64 columns (a kStages-deep cp.async
+// pipeline), so each hidden row is read once per 128 weight rows and each weight row once per BM tokens; the weight
+// stages before the first are copied before the PDL wait, while the previous kernel finishes. The CTAs of one
+// thread-block cluster (up to 16) split H and reduce their partial tiles through distributed shared memory in rank
+// order, so the result is deterministic and the grid has about one CTA per SM.
+// This replaced a kernel that fed each warp's MMAs straight from global memory (16-byte loads into registers, no
+// reuse across warps: ~12 MB of L2 -> SM traffic at Qwen3's T = 256 against ~6 here). Router_predict alone, H200,
+// graph replay of consecutive calls on rotated inputs (device_runs/session46.txt, call 2), us at T = 1 / 16 / 64 /
+// 256: Qwen3 (H 2048, E 128) 3.75 / 4.17 / 8.63 / 9.96 -> 3.44 / 4.17 / 5.30 / 8.06, DeepSeek-like (H 7168, E 256)
+// 8.18 / 8.90 / 21.64 / 34.59 -> 5.63 / 6.37 / 8.47 / 17.81.
 // fp32 inputs (and unaligned or H % 8 != 0 shapes) take a plain fp32 FMA kernel.
 // The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <atomic>
 
 #include "base_moe/cuda_utils.cuh"
 #include "base_moe/launch.cuh"
@@ -39,123 +44,165 @@ __device__ __forceinline__ void store_output(const GemvParams& p, int token, int
   }
 }
 
-// Warp tile: 16*MT tokens x 8*NT rows. CTA: WM x WN warp tiles, WK warps splitting the CTA's slice of H.
-template <typename T, int MT, int NT, int WM, int WN, int WK, int U>
-__global__ void __launch_bounds__(WM* WN* WK * 32)
-    router_predict_mma_kernel(const GemvParams p) {
-  constexpr int kTM = 16 * MT * WM, kTN = 8 * NT * WN, kPad = 1;
-  __shared__ float partial[WK][kTM][kTN + kPad];
+constexpr int kBK = 64, kTileRows = 128, kStages = 4, kMmaThreads = 256;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int wk = warp / (WM * WN), wm = (warp % (WM * WN)) / WN, wn = warp % WN;
+template <int BM>
+constexpr int mma_smem_bytes() {
+  return kStages * (BM + kTileRows) * kBK * 2;
+}
+
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {  // byte offset of 16-byte chunk `chunk` of `row`
+  return static_cast<uint32_t>(row * kBK * 2 + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// 8 warps, WM x WN, each 16 MT tokens x 8 NT weight rows of the CTA's BM x 128 tile. Fragments come from shared
+// memory by ldmatrix: stage rows of 64 elements, their 16-byte chunks XOR-swizzled by row so that the 8 rows one
+// ldmatrix reads fall on distinct banks.
+template <typename T, int MT, int NT, int WM, int WN>
+__global__ void __launch_bounds__(kMmaThreads) router_predict_mma_kernel(const GemvParams p) {
+  static_assert(WM * WN * 32 == kMmaThreads && 8 * NT * WN == kTileRows && NT % 2 == 0, "tile shape");
+  constexpr int BM = 16 * MT * WM, kStageBytes = (BM + kTileRows) * kBK * 2, kPad = 8;
+  extern __shared__ __align__(128) unsigned char stage_smem[];
+  const uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(stage_smem));
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / WN, wn = warp % WN;
   const unsigned rank = cuda::cluster_rank();
-  const int tok_base = blockIdx.z * kTM + wm * 16 * MT;
-  const int row_base = blockIdx.y * kTN + wn * 8 * NT;
+  const int tok_base = blockIdx.z * BM, row_base = blockIdx.y * kTileRows;
   const int k_begin = static_cast<int>(rank) * p.k_per_cta;
   const int k_end = min(p.H, k_begin + p.k_per_cta);
-  const int steps = k_end > k_begin ? (k_end - k_begin + 31) / 32 : 0;
+  const int stages = k_end > k_begin ? (k_end - k_begin + kBK - 1) / kBK : 0;
 
-  const T* a_ptr[MT][2];
-  bool a_ok[MT][2];
+  // Thread tid copies chunk tid & 7 of tile rows tid / 8 + 32 j: its row pointers are fixed, only k moves.
+  const int chunk = tid & 7, first_row = tid >> 3;
+  constexpr int kRowsPerThread = kTileRows / 32, kTokensPerThread = (BM + 31) / 32;
+  const T* w_src[kRowsPerThread];
+  bool w_ok[kRowsPerThread];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+  for (int j = 0; j < kRowsPerThread; ++j) {
+    const int row = row_base + first_row + 32 * j;
+    w_ok[j] = row < p.R;
+    w_src[j] = weight_row<T>(p, w_ok[j] ? row : 0) + chunk * 8;
+  }
+  const T* x_src[kTokensPerThread];
+  bool x_ok[kTokensPerThread];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int tok = tok_base + mt * 16 + h * 8 + g;
-      a_ok[mt][h] = tok < p.T;
-      a_ptr[mt][h] = static_cast<const T*>(p.hidden) + static_cast<int64_t>(a_ok[mt][h] ? tok : 0) * p.H;
+  for (int j = 0; j < kTokensPerThread; ++j) {
+    const int r = first_row + 32 * j, token = tok_base + r;
+    x_ok[j] = r < BM && token < p.T;
+    x_src[j] = static_cast<const T*>(p.hidden) + static_cast<int64_t>(x_ok[j] ? token : 0) * p.H + chunk * 8;
+  }
+  auto load_weights = [&](int s) {  // stage s's weight tile, zeros past the rows and the slice
+    const int k = k_begin + s * kBK + chunk * 8;
+    const uint32_t base = smem + (s % kStages) * kStageBytes + BM * kBK * 2;
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const bool ok = w_ok[j] && k < k_end;
+      cuda::cp_async16_zfill(base + swizzled(first_row + 32 * j, chunk), ok ? w_src[j] + (k - chunk * 8) : w_src[j], ok);
     }
-  }
-  const T* b_ptr[NT];
-  bool b_ok[NT];
+  };
+  auto load_hidden = [&](int s) {  // stage s's hidden tile, zeros past the tokens and the slice
+    const int k = k_begin + s * kBK + chunk * 8;
+    const uint32_t base = smem + (s % kStages) * kStageBytes;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int row = row_base + nt * 8 + g;
-    b_ok[nt] = row < p.R;
-    b_ptr[nt] = weight_row<T>(p, b_ok[nt] ? row : 0);
-  }
+    for (int j = 0; j < kTokensPerThread; ++j) {
+      if (first_row + 32 * j >= BM) continue;
+      const bool ok = x_ok[j] && k < k_end;
+      cuda::cp_async16_zfill(base + swizzled(first_row + 32 * j, chunk), ok ? x_src[j] + (k - chunk * 8) : x_src[j], ok);
+    }
+  };
 
-  // The weights do not depend on the previous kernel: start pulling this warp's slice into L2, then wait for the
-  // previous kernel (programmatic dependent launch) before reading hidden states.
+  // The weights do not depend on the previous kernel: their first stages are copied while it finishes.
   cuda::pdl_launch_dependents();
-  for (int s = wk; s < steps; s += WK) {
-    const int k = k_begin + s * 32 + t4 * 8;
-    if (k >= k_end) break;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (b_ok[nt]) cuda::prefetch_l2(b_ptr[nt] + k);
-    }
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < stages) load_weights(s);
   }
+  cuda::cp_async_commit();
   cuda::pdl_wait();
-
-  float acc[MT][NT][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
-
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int s0 = wk; s0 < steps; s0 += WK * U) {
-    uint4 a[U][MT][2], b[U][NT];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = k_begin + (s0 + u * WK) * 32 + t4 * 8;
-      const bool ok = k < k_end;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) a[u][mt][h] = ok && a_ok[mt][h] ? cuda::load16(a_ptr[mt][h] + k) : zero;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) b[u][nt] = ok && b_ok[nt] ? cuda::load16(b_ptr[nt] + k) : zero;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          cuda::mma_16816<T>(acc[mt][nt], a[u][mt][0].x, a[u][mt][1].x, a[u][mt][0].y, a[u][mt][1].y, b[u][nt].x,
-                             b[u][nt].y);
-          cuda::mma_16816<T>(acc[mt][nt], a[u][mt][0].z, a[u][mt][1].z, a[u][mt][0].w, a[u][mt][1].w, b[u][nt].z,
-                             b[u][nt].w);
-        }
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < stages) load_hidden(s);
+    cuda::cp_async_commit();
   }
 
-  // Accumulator (m16n8 C fragment): c0, c1 at (token g, rows 2t, 2t+1); c2, c3 at (token g + 8, same rows).
+  float acc[MT][NT][4] = {};
+  for (int s = 0; s < stages; ++s) {
+    cuda::cp_async_wait<kStages - 2>();  // stage s is in (groups complete in order)
+    __syncthreads();                     // ... for every thread; and stage s - 1's slot is free again
+    const int next = s + kStages - 1;
+    if (next < stages) {
+      load_weights(next);
+      load_hidden(next);
+    }
+    cuda::cp_async_commit();
+    const uint32_t a_base = smem + (s % kStages) * kStageBytes, b_base = a_base + BM * kBK * 2;
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      uint32_t a[MT][4], b[NT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {  // x4: rows 0-7 / 8-15 at k 0-7, then at k 8-15 (a0..a3)
+        const int row = wm * 16 * MT + mt * 16 + (lane & 15);
+        ldmatrix_x4(a[mt], a_base + swizzled(row, kk * 2 + (lane >> 4)));
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {  // x4: n-tile 2 np at k 0-7 / 8-15, then n-tile 2 np + 1
+        const int row = wn * 8 * NT + np * 16 + ((lane >> 4) << 3) + (lane & 7);
+        uint32_t r[4];
+        ldmatrix_x4(r, b_base + swizzled(row, kk * 2 + ((lane >> 3) & 1)));
+        b[2 * np][0] = r[0];
+        b[2 * np][1] = r[1];
+        b[2 * np + 1][0] = r[2];
+        b[2 * np + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          cuda::mma_16816<T>(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt][0], b[nt][1]);
+    }
+  }
+  cuda::cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages: their memory takes the partial tile
+
+  // C fragment: c0, c1 at (token g, rows 2 t4, 2 t4 + 1); c2, c3 at (token g + 8, same rows).
+  float(*partial)[kTileRows + kPad] = reinterpret_cast<float(*)[kTileRows + kPad]>(stage_smem);
+  const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int tl = wm * 16 * MT + mt * 16 + g, rl = wn * 8 * NT + nt * 8 + t4 * 2;
-      partial[wk][tl][rl] = acc[mt][nt][0];
-      partial[wk][tl][rl + 1] = acc[mt][nt][1];
-      partial[wk][tl + 8][rl] = acc[mt][nt][2];
-      partial[wk][tl + 8][rl + 1] = acc[mt][nt][3];
+      const int tl = wm * 16 * MT + mt * 16 + g, rl = wn * 8 * NT + nt * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(&partial[tl][rl]) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+      *reinterpret_cast<float2*>(&partial[tl + 8][rl]) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
     }
-  __syncthreads();
-  // Sum the warps' k slices in order into partial[0].
-  if constexpr (WK > 1) {
-    for (int e = threadIdx.x; e < kTM * kTN; e += blockDim.x) {
-      const int tl = e / kTN, rl = e % kTN;
-      float s = partial[0][tl][rl];
-#pragma unroll
-      for (int w = 1; w < WK; ++w) s += partial[w][tl][rl];
-      partial[0][tl][rl] = s;
-    }
-  }
   cuda::cluster_sync();
-  // The cluster's CTAs reduce disjoint parts of the tile over all CTAs' slices of H, in rank order.
+  // The cluster's CTAs reduce disjoint 4-row groups of the tile over all CTAs' slices of H, in rank order.
   const int cluster = p.cluster;
-  for (int e = static_cast<int>(rank) * blockDim.x + threadIdx.x; e < kTM * kTN; e += cluster * blockDim.x) {
-    const int tl = e / kTN, rl = e % kTN;
-    const int token = blockIdx.z * kTM + tl, row = blockIdx.y * kTN + rl;
-    if (token >= p.T || row >= p.R) continue;
-    float s = 0.0f;
-    for (int c = 0; c < cluster; ++c) s += cuda::cluster_map(&partial[0][tl][rl], c)[0];
-    store_output(p, token, row, s);
+  constexpr int kQuads = BM * kTileRows / 4;
+  for (int q = static_cast<int>(rank) * kMmaThreads + tid; q < kQuads; q += cluster * kMmaThreads) {
+    const int tl = q / (kTileRows / 4), rl = (q % (kTileRows / 4)) * 4;
+    const int token = tok_base + tl;
+    if (token >= p.T) continue;
+    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int c = 0; c < cluster; ++c) {
+      const float4 v = *reinterpret_cast<const float4*>(cuda::cluster_map(&partial[tl][rl], c));
+      s.x += v.x;
+      s.y += v.y;
+      s.z += v.z;
+      s.w += v.w;
+    }
+    const float sums[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (row_base + rl + i < p.R) store_output(p, token, row_base + rl + i, sums[i]);
+    }
   }
   cuda::cluster_sync();  // keep this CTA's shared memory alive until the others have read it
 }
@@ -180,31 +227,59 @@ __global__ void __launch_bounds__(256) router_predict_simple_kernel(const GemvPa
   }
 }
 
-template <typename T, int MT, int NT, int WM, int WN, int WK, int U>
-void launch_mma(GemvParams p, bool clusters, cudaStream_t stream) {
-  constexpr int kTM = 16 * MT * WM, kTN = 8 * NT * WN;
-  const int tiles = ((p.T + kTM - 1) / kTM) * ((p.R + kTN - 1) / kTN);
-  // Enough CTAs to have the whole weight read in flight at once (~2 per SM), at most 8 per cluster.
-  int cluster = clusters ? std::clamp((264 + tiles - 1) / tiles, 1, 8) : 1;
-  cluster = std::max(1, std::min(cluster, p.H / 256));
-  p.cluster = cluster;
-  p.k_per_cta = (((p.H + cluster - 1) / cluster) + 31) / 32 * 32;
-
-  const dim3 grid(cluster, (p.R + kTN - 1) / kTN, (p.T + kTM - 1) / kTM);
-  cuda::launch({grid, dim3(WM * WN * WK * 32), 0, stream, clusters ? cluster : 0, clusters && cuda::selection_pdl()},
-               router_predict_mma_kernel<T, MT, NT, WM, WN, WK, U>, p);
+int multiprocessors(int device) {
+  static std::atomic<int> memo[cuda::kMaxDevices];
+  return cuda::once_per_device(memo, device, 132, [&] {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return std::max(n, 1);
+  });
 }
 
+// Largest cluster (16, 8, or 1 without clusters) the device co-schedules for this instance, asked once per device
+// (which also raises the instance's shared-memory limit to what it needs).
+template <typename T, int MT, int NT, int WM, int WN>
+int mma_max_cluster(int device) {
+  static std::atomic<int> memo[cuda::kMaxDevices];
+  return cuda::once_per_device(memo, device, 1, [&] {
+    constexpr int kBytes = mma_smem_bytes<16 * MT * WM>();
+    auto kernel = router_predict_mma_kernel<T, MT, NT, WM, WN>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+    if (!cuda::device_has_clusters(device)) return 1;
+    for (int c : {16, 8}) {
+      if (cuda::cluster_fits(kernel, c, kMmaThreads, kBytes)) return c;
+    }
+    return 1;
+  });
+}
+
+// About one CTA per SM: the cluster splits H as far as the tiles leave SMs free (at least one 64-column stage each).
+// Clusters of 16 where the tiles are few: 0.3-3.3 us faster than 8 at Qwen3's T <= 128 and DeepSeek's T <= 64, 0.26
+// slower at Qwen3's T = 256 (session 46, call 2).
+template <typename T, int MT, int NT, int WM, int WN>
+void launch_mma(GemvParams p, bool clusters, cudaStream_t stream, int device) {
+  constexpr int BM = 16 * MT * WM;
+  const int max_c = mma_max_cluster<T, MT, NT, WM, WN>(device);
+  const int tiles = ((p.T + BM - 1) / BM) * ((p.R + kTileRows - 1) / kTileRows);
+  int cluster = clusters ? std::clamp((multiprocessors(device) + tiles - 1) / tiles, 1, max_c) : 1;
+  cluster = std::max(1, std::min(cluster, (p.H + kBK - 1) / kBK));
+  p.cluster = cluster;
+  p.k_per_cta = ((p.H + cluster - 1) / cluster + kBK - 1) / kBK * kBK;
+  const dim3 grid(cluster, (p.R + kTileRows - 1) / kTileRows, (p.T + BM - 1) / BM);
+  cuda::launch({grid, dim3(kMmaThreads), static_cast<size_t>(mma_smem_bytes<BM>()), stream, clusters ? cluster : 0,
+                clusters && cuda::selection_pdl()},
+               router_predict_mma_kernel<T, MT, NT, WM, WN>, p);
+}
+
+// Token tiles of 16, 32 or 64 (BM) by the batch: no more padding than a 16-token MMA needs.
 template <typename T>
-void launch_tiles(const GemvParams& p, bool clusters, cudaStream_t stream) {
+void launch_tiles(const GemvParams& p, bool clusters, cudaStream_t stream, int device) {
   if (p.T <= 16) {
-    launch_mma<T, 1, 2, 1, 1, 4, 4>(p, clusters, stream);
+    launch_mma<T, 1, 2, 1, 8>(p, clusters, stream, device);
   } else if (p.T <= 32) {
-    launch_mma<T, 2, 2, 1, 1, 4, 2>(p, clusters, stream);
-  } else if (p.T <= 64) {
-    launch_mma<T, 4, 2, 1, 1, 4, 2>(p, clusters, stream);
+    launch_mma<T, 1, 4, 2, 4>(p, clusters, stream, device);
   } else {
-    launch_mma<T, 4, 4, 1, 1, 4, 2>(p, clusters, stream);
+    launch_mma<T, 2, 4, 2, 4>(p, clusters, stream, device);
   }
 }
 
@@ -216,9 +291,9 @@ void router_predict_launch(GemvParams p, FloatDtype dtype, bool vectorised, int 
   p.k_per_cta = p.H;
   p.cluster = 1;
   if (vectorised && dtype == FloatDtype::kBFloat16) {
-    launch_tiles<__nv_bfloat16>(p, clusters, stream);
+    launch_tiles<__nv_bfloat16>(p, clusters, stream, device);
   } else if (vectorised && dtype == FloatDtype::kHalf) {
-    launch_tiles<__half>(p, clusters, stream);
+    launch_tiles<__half>(p, clusters, stream, device);
   } else {
     const dim3 grid((p.R + 7) / 8, (p.T + 15) / 16);
     if (dtype == FloatDtype::kFloat) {

@@ -154,6 +154,8 @@ GEMV_CASES = [
     (1000, 1024, 512, torch.bfloat16, True, False),
     (4096, 2048, 128, torch.bfloat16, True, False),
     (4096, 512, 64, torch.float16, False, True),
+    (9, 1088, 61, torch.bfloat16, True, True),  # odd E; H / 64 = 17 stages over up to 16 CTAs: some get none
+    (40, 1088, 61, torch.float16, True, False),
     (7, 204, 64, torch.bfloat16, True, True),  # H % 8 != 0: scalar kernel
     (5, 64, 8, torch.float32, True, True),
     (130, 2048, 128, torch.float32, True, False),

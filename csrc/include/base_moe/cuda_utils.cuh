@@ -283,6 +283,11 @@ __device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src) : "memory");
 }
+// 16 bytes to shared-memory address `dst`, or 16 zero bytes when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
 // 4 bytes (cp.async.ca: the .cg form takes 16 bytes only).
 __device__ __forceinline__ void cp_async4(void* shared_dst, const void* global_src) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));

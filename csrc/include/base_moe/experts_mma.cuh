@@ -36,12 +36,7 @@ __device__ __forceinline__ void cp_async16_nohint(uint32_t dst, const void* src)
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
-// 16 bytes, or 16 zero bytes when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-
+using cuda::cp_async16_zfill;
 using cuda::cp_async_commit;
 using cuda::cp_async_wait;
 

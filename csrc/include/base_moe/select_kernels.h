@@ -19,7 +19,7 @@ struct GemvParams {
   float* logits;                 // [T, E]
   float* log_norms;              // [T, E] (unused without predictor)
   int T, H, E, R;                // R = E or 2E
-  int k_per_cta;                 // slice of H per CTA of a cluster (multiple of 32); set by the launcher
+  int k_per_cta;                 // slice of H per CTA of a cluster (multiple of 64); set by the launcher
   int cluster;                   // CTAs per cluster (split of H); set by the launcher
 };
 
