@@ -254,13 +254,14 @@ int mma_max_cluster(int device) {
 }
 
 // About one CTA per SM: the cluster splits H as far as the tiles leave SMs free (at least one 64-column stage each).
-// Clusters of 16 where the tiles are few: 0.3-3.3 us faster than 8 at Qwen3's T <= 128 and DeepSeek's T <= 64, 0.26
-// slower at Qwen3's T = 256 (session 46, call 2).
+// Clusters of 16 only while the grid stays within 64 CTAs (up to 4 tiles): there they made router_predict alone
+// 0.3-3.3 us faster than clusters of 8 (Qwen3's T <= 128, DeepSeek's T <= 64), but at Qwen3's T = 256 (8 tiles, 128
+// CTAs) 0.26 us slower alone and the whole two-kernel selection 1.66 us slower (session 46, calls 2-3).
 template <typename T, int MT, int NT, int WM, int WN>
 void launch_mma(GemvParams p, bool clusters, cudaStream_t stream, int device) {
   constexpr int BM = 16 * MT * WM;
-  const int max_c = mma_max_cluster<T, MT, NT, WM, WN>(device);
   const int tiles = ((p.T + BM - 1) / BM) * ((p.R + kTileRows - 1) / kTileRows);
+  const int max_c = std::min(mma_max_cluster<T, MT, NT, WM, WN>(device), tiles <= 4 ? 16 : 8);
   int cluster = clusters ? std::clamp((multiprocessors(device) + tiles - 1) / tiles, 1, max_c) : 1;
   cluster = std::max(1, std::min(cluster, (p.H + kBK - 1) / kBK));
   p.cluster = cluster;
