@@ -44,9 +44,9 @@ __device__ __forceinline__ void store_output(const GemvParams& p, int token, int
   }
 }
 
-constexpr int kBK = 64, kTileRows = 128, kStages = 4, kMmaThreads = 256;
+constexpr int kBK = 64, kTileRows = 128, kMmaThreads = 256;
 
-template <int BM>
+template <int BM, int kStages>
 constexpr int mma_smem_bytes() {
   return kStages * (BM + kTileRows) * kBK * 2;
 }
@@ -61,10 +61,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) 
                : "r"(address));
 }
 
-// 8 warps, WM x WN, each 16 MT tokens x 8 NT weight rows of the CTA's BM x 128 tile. Fragments come from shared
-// memory by ldmatrix: stage rows of 64 elements, their 16-byte chunks XOR-swizzled by row so that the 8 rows one
-// ldmatrix reads fall on distinct banks.
-template <typename T, int MT, int NT, int WM, int WN>
+// 8 warps, WM x WN, each 16 MT tokens x 8 NT weight rows of the CTA's BM x 128 tile; a ring of kStages stages.
+// Fragments come from shared memory by ldmatrix: stage rows of 64 elements, their 16-byte chunks XOR-swizzled by row
+// so that the 8 rows one ldmatrix reads fall on distinct banks.
+template <typename T, int MT, int NT, int WM, int WN, int kStages>
 __global__ void __launch_bounds__(kMmaThreads) router_predict_mma_kernel(const GemvParams p) {
   static_assert(WM * WN * 32 == kMmaThreads && 8 * NT * WN == kTileRows && NT % 2 == 0, "tile shape");
   constexpr int BM = 16 * MT * WM, kStageBytes = (BM + kTileRows) * kBK * 2, kPad = 8;
@@ -238,12 +238,12 @@ int multiprocessors(int device) {
 
 // Largest cluster (16, 8, or 1 without clusters) the device co-schedules for this instance, asked once per device
 // (which also raises the instance's shared-memory limit to what it needs).
-template <typename T, int MT, int NT, int WM, int WN>
+template <typename T, int MT, int NT, int WM, int WN, int kStages>
 int mma_max_cluster(int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];
   return cuda::once_per_device(memo, device, 1, [&] {
-    constexpr int kBytes = mma_smem_bytes<16 * MT * WM>();
-    auto kernel = router_predict_mma_kernel<T, MT, NT, WM, WN>;
+    constexpr int kBytes = mma_smem_bytes<16 * MT * WM, kStages>();
+    auto kernel = router_predict_mma_kernel<T, MT, NT, WM, WN, kStages>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
     if (!cuda::device_has_clusters(device)) return 1;
     for (int c : {16, 8}) {
@@ -253,34 +253,61 @@ int mma_max_cluster(int device) {
   });
 }
 
-// About one CTA per SM: the cluster splits H as far as the tiles leave SMs free (at least one 64-column stage each).
-// Clusters of 16 only while the grid stays within 64 CTAs (up to 4 tiles): there they made router_predict alone
-// 0.3-3.3 us faster than clusters of 8 (Qwen3's T <= 128, DeepSeek's T <= 64), but at Qwen3's T = 256 (8 tiles, 128
-// CTAs) 0.26 us slower alone and the whole two-kernel selection 1.66 us slower (session 46, calls 2-3).
-template <typename T, int MT, int NT, int WM, int WN>
-void launch_mma(GemvParams p, bool clusters, cudaStream_t stream, int device) {
+// The grid: about one CTA per SM, the cluster splitting H as far as the tiles leave SMs free (at least one 64-column
+// stage each). Clusters of 16 only while the grid stays within 64 CTAs (up to 4 tiles): there they made router_predict
+// alone 0.3-3.3 us faster than clusters of 8 (Qwen3's T <= 128, DeepSeek's T <= 64), but at Qwen3's T = 256 (8 tiles,
+// 128 CTAs) 0.26 us slower alone and the whole two-kernel selection 1.66 us slower (session 46, calls 2-3).
+struct MmaGrid {
+  int tiles, cluster;
+};
+
+template <int BM>
+MmaGrid mma_grid(const GemvParams& p, bool clusters, int max_cluster, int device) {
+  MmaGrid g{((p.T + BM - 1) / BM) * ((p.R + kTileRows - 1) / kTileRows), 1};
+  if (clusters) g.cluster = std::clamp((multiprocessors(device) + g.tiles - 1) / g.tiles, 1, g.tiles <= 4 ? 16 : 8);
+  g.cluster = std::max(1, std::min({g.cluster, max_cluster, (p.H + kBK - 1) / kBK}));
+  return g;
+}
+
+template <typename T, int MT, int NT, int WM, int WN, int kStages>
+void launch_mma(GemvParams p, const MmaGrid& g, bool clusters, cudaStream_t stream) {
   constexpr int BM = 16 * MT * WM;
-  const int tiles = ((p.T + BM - 1) / BM) * ((p.R + kTileRows - 1) / kTileRows);
-  const int max_c = std::min(mma_max_cluster<T, MT, NT, WM, WN>(device), tiles <= 4 ? 16 : 8);
-  int cluster = clusters ? std::clamp((multiprocessors(device) + tiles - 1) / tiles, 1, max_c) : 1;
-  cluster = std::max(1, std::min(cluster, (p.H + kBK - 1) / kBK));
-  p.cluster = cluster;
-  p.k_per_cta = ((p.H + cluster - 1) / cluster + kBK - 1) / kBK * kBK;
-  const dim3 grid(cluster, (p.R + kTileRows - 1) / kTileRows, (p.T + BM - 1) / BM);
-  cuda::launch({grid, dim3(kMmaThreads), static_cast<size_t>(mma_smem_bytes<BM>()), stream, clusters ? cluster : 0,
-                clusters && cuda::selection_pdl()},
-               router_predict_mma_kernel<T, MT, NT, WM, WN>, p);
+  p.cluster = g.cluster;
+  p.k_per_cta = ((p.H + g.cluster - 1) / g.cluster + kBK - 1) / kBK * kBK;
+  const dim3 grid(g.cluster, (p.R + kTileRows - 1) / kTileRows, (p.T + BM - 1) / BM);
+  cuda::launch({grid, dim3(kMmaThreads), static_cast<size_t>(mma_smem_bytes<BM, kStages>()), stream,
+                clusters ? g.cluster : 0, clusters && cuda::selection_pdl()},
+               router_predict_mma_kernel<T, MT, NT, WM, WN, kStages>, p);
+}
+
+// A ring of 6 stages (144 KB at BM = 64) where the grid leaves half the SMs free, 4 (96 KB) elsewhere. With 6, a CTA
+// of Qwen3's T = 256 (4 stages of H) has every weight stage in flight before its PDL wait: router_predict alone 8.09 ->
+// 5.73 us, the two-kernel selection 16.09 -> 15.63. Where the grid fills the SMs, the 4-stage ring leaves room for the
+// next call's CTAs beside each CTA: 6 stages made DeepSeek's T = 256 (128 CTAs) 17.94 -> 21.47 alone (session 46,
+// calls 4 and 8).
+template <typename T, int MT, int NT, int WM, int WN>
+void launch_tile_shape(const GemvParams& p, bool clusters, cudaStream_t stream, int device) {
+  constexpr int BM = 16 * MT * WM;
+  // the shape (cluster and tiles) does not depend on the ring: both instances co-schedule clusters of 16 (one CTA
+  // per SM needs at most 144 KB)
+  const MmaGrid g = mma_grid<BM>(p, clusters, mma_max_cluster<T, MT, NT, WM, WN, 6>(device), device);
+  if (2 * g.tiles * g.cluster <= multiprocessors(device)) {
+    launch_mma<T, MT, NT, WM, WN, 6>(p, g, clusters, stream);
+  } else {
+    mma_max_cluster<T, MT, NT, WM, WN, 4>(device);  // its shared-memory limit
+    launch_mma<T, MT, NT, WM, WN, 4>(p, g, clusters, stream);
+  }
 }
 
 // Token tiles of 16, 32 or 64 (BM) by the batch: no more padding than a 16-token MMA needs.
 template <typename T>
 void launch_tiles(const GemvParams& p, bool clusters, cudaStream_t stream, int device) {
   if (p.T <= 16) {
-    launch_mma<T, 1, 2, 1, 8>(p, clusters, stream, device);
+    launch_tile_shape<T, 1, 2, 1, 8>(p, clusters, stream, device);
   } else if (p.T <= 32) {
-    launch_mma<T, 1, 4, 2, 4>(p, clusters, stream, device);
+    launch_tile_shape<T, 1, 4, 2, 4>(p, clusters, stream, device);
   } else {
-    launch_mma<T, 2, 4, 2, 4>(p, clusters, stream, device);
+    launch_tile_shape<T, 2, 4, 2, 4>(p, clusters, stream, device);
   }
 }
 
