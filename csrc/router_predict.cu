@@ -10,9 +10,10 @@
 // order, so the result is deterministic and the grid has about one CTA per SM.
 // This replaced a kernel that fed each warp's MMAs straight from global memory (16-byte loads into registers, no
 // reuse across warps: ~12 MB of L2 -> SM traffic at Qwen3's T = 256 against ~6 here). Router_predict alone, H200,
-// graph replay of consecutive calls on rotated inputs (device_runs/session46.txt, call 2), us at T = 1 / 16 / 64 /
-// 256: Qwen3 (H 2048, E 128) 3.75 / 4.17 / 8.63 / 9.96 -> 3.44 / 4.17 / 5.30 / 8.06, DeepSeek-like (H 7168, E 256)
-// 8.18 / 8.90 / 21.64 / 34.59 -> 5.63 / 6.37 / 8.47 / 17.81.
+// graph replay of consecutive calls on rotated inputs, us at T = 1 / 16 / 64 / 256: Qwen3 (H 2048, E 128) 3.75 / 4.17 /
+// 8.63 / 9.96 -> 3.38 / 4.13 / 5.23 / 5.73, DeepSeek-like (H 7168, E 256) 8.18 / 8.90 / 21.64 / 34.59 -> 5.66 / 6.47 /
+// 8.58 / 17.94 (device_runs/session46.txt: the old kernel in call 2, this one in calls 8 and, at DeepSeek's T = 256,
+// 4).
 // fp32 inputs (and unaligned or H % 8 != 0 shapes) take a plain fp32 FMA kernel.
 // The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
 #include <c10/cuda/CUDAException.h>
