@@ -14,7 +14,8 @@
 // 8.63 / 9.96 -> 3.38 / 4.13 / 5.23 / 5.73, DeepSeek-like (H 7168, E 256) 8.18 / 8.90 / 21.64 / 34.59 -> 5.66 / 6.47 /
 // 8.58 / 17.94 (device_runs/session46.txt: the old kernel in call 2, this one in calls 8 and, at DeepSeek's T = 256,
 // 4).
-// fp32 inputs (and unaligned or H % 8 != 0 shapes) take a plain fp32 FMA kernel.
+// fp32 inputs (and unaligned or H % 8 != 0 shapes) take a plain fp32 FMA kernel, as do devices whose shared memory
+// is too small for the 4-stage tiles (below 72-96 KB per CTA).
 // The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -228,17 +229,28 @@ __global__ void __launch_bounds__(256) router_predict_simple_kernel(const GemvPa
   }
 }
 
-int multiprocessors(int device) {
+// A device attribute that never changes (SM count, shared-memory limit), asked once per device.
+template <cudaDeviceAttr kAttribute>
+int device_attribute(int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];
-  return cuda::once_per_device(memo, device, 132, [&] {
+  return cuda::once_per_device(memo, device, 1, [&] {
     int n = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, kAttribute, device));
     return std::max(n, 1);
   });
 }
 
+int multiprocessors(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
+
+// Whether a CTA of BM tokens with a ring of kStages fits the device's shared memory: the 6-stage rings (108-144 KB)
+// do not on sm_86 / sm_89 GPUs (99 KB per CTA), which run the 4-stage ones (72-96 KB).
+template <int BM, int kStages>
+bool mma_fits(int device) {
+  return mma_smem_bytes<BM, kStages>() <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device);
+}
+
 // Largest cluster (16, 8, or 1 without clusters) the device co-schedules for this instance, asked once per device
-// (which also raises the instance's shared-memory limit to what it needs).
+// (which also raises the instance's shared-memory limit to what it needs; only for an instance that fits, mma_fits).
 template <typename T, int MT, int NT, int WM, int WN, int kStages>
 int mma_max_cluster(int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];
@@ -287,29 +299,26 @@ void launch_mma(GemvParams p, const MmaGrid& g, bool clusters, cudaStream_t stre
 // next call's CTAs beside each CTA: 6 stages made DeepSeek's T = 256 (128 CTAs) 17.94 -> 21.47 alone (session 46,
 // calls 4 and 8).
 template <typename T, int MT, int NT, int WM, int WN>
-void launch_tile_shape(const GemvParams& p, bool clusters, cudaStream_t stream, int device) {
+bool launch_tile_shape(const GemvParams& p, bool clusters, cudaStream_t stream, int device) {
   constexpr int BM = 16 * MT * WM;
-  // the shape (cluster and tiles) does not depend on the ring: both instances co-schedule clusters of 16 (one CTA
-  // per SM needs at most 144 KB)
-  const MmaGrid g = mma_grid<BM>(p, clusters, mma_max_cluster<T, MT, NT, WM, WN, 6>(device), device);
-  if (2 * g.tiles * g.cluster <= multiprocessors(device)) {
+  if (!mma_fits<BM, 4>(device)) return false;
+  const MmaGrid g = mma_grid<BM>(p, clusters, mma_max_cluster<T, MT, NT, WM, WN, 4>(device), device);
+  if (2 * g.tiles * g.cluster <= multiprocessors(device) && mma_fits<BM, 6>(device) &&
+      mma_max_cluster<T, MT, NT, WM, WN, 6>(device) >= g.cluster) {
     launch_mma<T, MT, NT, WM, WN, 6>(p, g, clusters, stream);
   } else {
-    mma_max_cluster<T, MT, NT, WM, WN, 4>(device);  // its shared-memory limit
     launch_mma<T, MT, NT, WM, WN, 4>(p, g, clusters, stream);
   }
+  return true;
 }
 
-// Token tiles of 16, 32 or 64 (BM) by the batch: no more padding than a 16-token MMA needs.
+// Token tiles of 16, 32 or 64 (BM) by the batch: no more padding than a 16-token MMA needs. False where the device's
+// shared memory is too small for the tiles (the simple kernel runs).
 template <typename T>
-void launch_tiles(const GemvParams& p, bool clusters, cudaStream_t stream, int device) {
-  if (p.T <= 16) {
-    launch_tile_shape<T, 1, 2, 1, 8>(p, clusters, stream, device);
-  } else if (p.T <= 32) {
-    launch_tile_shape<T, 1, 4, 2, 4>(p, clusters, stream, device);
-  } else {
-    launch_tile_shape<T, 2, 4, 2, 4>(p, clusters, stream, device);
-  }
+bool launch_tiles(const GemvParams& p, bool clusters, cudaStream_t stream, int device) {
+  if (p.T <= 16) return launch_tile_shape<T, 1, 2, 1, 8>(p, clusters, stream, device);
+  if (p.T <= 32) return launch_tile_shape<T, 1, 4, 2, 4>(p, clusters, stream, device);
+  return launch_tile_shape<T, 2, 4, 2, 4>(p, clusters, stream, device);
 }
 
 }  // namespace
@@ -319,21 +328,17 @@ void router_predict_launch(GemvParams p, FloatDtype dtype, bool vectorised, int 
   const bool clusters = cuda::device_has_clusters(device);
   p.k_per_cta = p.H;
   p.cluster = 1;
-  if (vectorised && dtype == FloatDtype::kBFloat16) {
-    launch_tiles<__nv_bfloat16>(p, clusters, stream, device);
-  } else if (vectorised && dtype == FloatDtype::kHalf) {
-    launch_tiles<__half>(p, clusters, stream, device);
+  if (vectorised && dtype == FloatDtype::kBFloat16 && launch_tiles<__nv_bfloat16>(p, clusters, stream, device)) return;
+  if (vectorised && dtype == FloatDtype::kHalf && launch_tiles<__half>(p, clusters, stream, device)) return;
+  const dim3 grid((p.R + 7) / 8, (p.T + 15) / 16);
+  if (dtype == FloatDtype::kFloat) {
+    router_predict_simple_kernel<float><<<grid, 256, 0, stream>>>(p);
+  } else if (dtype == FloatDtype::kHalf) {
+    router_predict_simple_kernel<__half><<<grid, 256, 0, stream>>>(p);
   } else {
-    const dim3 grid((p.R + 7) / 8, (p.T + 15) / 16);
-    if (dtype == FloatDtype::kFloat) {
-      router_predict_simple_kernel<float><<<grid, 256, 0, stream>>>(p);
-    } else if (dtype == FloatDtype::kHalf) {
-      router_predict_simple_kernel<__half><<<grid, 256, 0, stream>>>(p);
-    } else {
-      router_predict_simple_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    router_predict_simple_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(p);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace base_moe

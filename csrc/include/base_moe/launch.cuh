@@ -44,8 +44,8 @@ inline bool env_flag(const char* name, bool fallback) {
 }
 
 // Programmatic dependent launch for the selection kernels (router_predict, route_select, select_experts): on
-// unless BASE_MOE_PDL=0. Before its griddepcontrol.wait a kernel touches only weight matrices (select_experts copies
-// them to shared memory, router_predict prefetches them into L2), which must not be written by the kernel just
+// unless BASE_MOE_PDL=0. Before its griddepcontrol.wait a kernel touches only weight matrices (select_experts and
+// router_predict copy them to shared memory and compute on that copy), which must not be written by the kernel just
 // before (the op docs say so); everything else is read after the wait.
 inline bool selection_pdl() {
   static const bool enabled = env_flag("BASE_MOE_PDL", true);
