@@ -17,6 +17,7 @@
 // fp32 inputs (and unaligned or H % 8 != 0 shapes) take a plain fp32 FMA kernel, as do devices whose shared memory
 // is too small for the 4-stage tiles (below 72-96 KB per CTA).
 // The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -106,7 +107,8 @@ __global__ void __launch_bounds__(kMmaThreads) router_predict_mma_kernel(const G
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
       const bool ok = w_ok[j] && k < k_end;
-      cuda::cp_async16_zfill(base + swizzled(first_row + 32 * j, chunk), ok ? w_src[j] + (k - chunk * 8) : w_src[j], ok);
+      cuda::cp_async16_zfill(base + swizzled(first_row + 32 * j, chunk), ok ? w_src[j] + (k - chunk * 8) : w_src[j],
+                             ok);
     }
   };
   auto load_hidden = [&](int s) {  // stage s's hidden tile, zeros past the tokens and the slice
@@ -116,7 +118,8 @@ __global__ void __launch_bounds__(kMmaThreads) router_predict_mma_kernel(const G
     for (int j = 0; j < kTokensPerThread; ++j) {
       if (first_row + 32 * j >= BM) continue;
       const bool ok = x_ok[j] && k < k_end;
-      cuda::cp_async16_zfill(base + swizzled(first_row + 32 * j, chunk), ok ? x_src[j] + (k - chunk * 8) : x_src[j], ok);
+      cuda::cp_async16_zfill(base + swizzled(first_row + 32 * j, chunk), ok ? x_src[j] + (k - chunk * 8) : x_src[j],
+                             ok);
     }
   };
 
@@ -229,24 +232,13 @@ __global__ void __launch_bounds__(256) router_predict_simple_kernel(const GemvPa
   }
 }
 
-// A device attribute that never changes (SM count, shared-memory limit), asked once per device.
-template <cudaDeviceAttr kAttribute>
-int device_attribute(int device) {
-  static std::atomic<int> memo[cuda::kMaxDevices];
-  return cuda::once_per_device(memo, device, 1, [&] {
-    int n = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, kAttribute, device));
-    return std::max(n, 1);
-  });
-}
-
-int multiprocessors(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
-
 // Whether a CTA of BM tokens with a ring of kStages fits the device's shared memory: the 6-stage rings (108-144 KB)
-// do not on sm_86 / sm_89 GPUs (99 KB per CTA), which run the 4-stage ones (72-96 KB).
+// do not on sm_86 / sm_89 GPUs (99 KB per CTA), which run the 4-stage ones (72-96 KB). (PyTorch caches the device
+// properties.)
 template <int BM, int kStages>
 bool mma_fits(int device) {
-  return mma_smem_bytes<BM, kStages>() <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device);
+  const size_t bytes = mma_smem_bytes<BM, kStages>();
+  return bytes <= at::cuda::getDeviceProperties(device)->sharedMemPerBlockOptin;
 }
 
 // Largest cluster (16, 8, or 1 without clusters) the device co-schedules for this instance, asked once per device
@@ -258,11 +250,7 @@ int mma_max_cluster(int device) {
     constexpr int kBytes = mma_smem_bytes<16 * MT * WM, kStages>();
     auto kernel = router_predict_mma_kernel<T, MT, NT, WM, WN, kStages>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
-    if (!cuda::device_has_clusters(device)) return 1;
-    for (int c : {16, 8}) {
-      if (cuda::cluster_fits(kernel, c, kMmaThreads, kBytes)) return c;
-    }
-    return 1;
+    return cuda::device_has_clusters(device) ? cuda::largest_cluster(kernel, kMmaThreads, kBytes) : 1;
   });
 }
 
@@ -275,9 +263,9 @@ struct MmaGrid {
 };
 
 template <int BM>
-MmaGrid mma_grid(const GemvParams& p, bool clusters, int max_cluster, int device) {
+MmaGrid mma_grid(const GemvParams& p, bool clusters, int max_cluster, int sms) {
   MmaGrid g{((p.T + BM - 1) / BM) * ((p.R + kTileRows - 1) / kTileRows), 1};
-  if (clusters) g.cluster = std::clamp((multiprocessors(device) + g.tiles - 1) / g.tiles, 1, g.tiles <= 4 ? 16 : 8);
+  if (clusters) g.cluster = std::clamp((sms + g.tiles - 1) / g.tiles, 1, g.tiles <= 4 ? 16 : 8);
   g.cluster = std::max(1, std::min({g.cluster, max_cluster, (p.H + kBK - 1) / kBK}));
   return g;
 }
@@ -302,8 +290,9 @@ template <typename T, int MT, int NT, int WM, int WN>
 bool launch_tile_shape(const GemvParams& p, bool clusters, cudaStream_t stream, int device) {
   constexpr int BM = 16 * MT * WM;
   if (!mma_fits<BM, 4>(device)) return false;
-  const MmaGrid g = mma_grid<BM>(p, clusters, mma_max_cluster<T, MT, NT, WM, WN, 4>(device), device);
-  if (2 * g.tiles * g.cluster <= multiprocessors(device) && mma_fits<BM, 6>(device) &&
+  const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  const MmaGrid g = mma_grid<BM>(p, clusters, mma_max_cluster<T, MT, NT, WM, WN, 4>(device), sms);
+  if (2 * g.tiles * g.cluster <= sms && mma_fits<BM, 6>(device) &&
       mma_max_cluster<T, MT, NT, WM, WN, 6>(device) >= g.cluster) {
     launch_mma<T, MT, NT, WM, WN, 6>(p, g, clusters, stream);
   } else {

@@ -536,10 +536,7 @@ int max_cluster(size_t smem, int device) {
   return cuda::once_per_device(memo, device, 0, [&] {
     auto kernel = select_experts_kernel<T, EPL, GENERIC>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
-    for (int c : {16, 8}) {
-      if (cuda::cluster_fits(kernel, c, kThreads, smem)) return c;
-    }
-    return 1;
+    return cuda::largest_cluster(kernel, kThreads, smem);
   });
 }
 

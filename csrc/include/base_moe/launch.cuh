@@ -65,6 +65,15 @@ bool cluster_fits(Kernel kernel, int size, int threads, size_t smem) {
   return false;
 }
 
+// The largest cluster (16, 8, or 1 if neither) of `kernel` that the device co-schedules (cluster_fits).
+template <typename Kernel>
+int largest_cluster(Kernel kernel, int threads, size_t smem) {
+  for (int c : {16, 8}) {
+    if (cluster_fits(kernel, c, threads, smem)) return c;
+  }
+  return 1;
+}
+
 template <typename Kernel, typename... Args>
 void launch(const LaunchShape& shape, Kernel kernel, Args... args) {
   const LaunchConfig config(shape);
