@@ -96,7 +96,11 @@ __device__ __forceinline__ void load_token(const SelectParams& p, int64_t t, int
   }
 }
 
-template <int EPL, int NW>
+// GENERIC = false: softmax routing without a group limit at budgets up to 32 (score_token), whose instance leaves the
+// other modes' code out, as select_experts' does (Qwen3's instance 4728 -> 3032 SASS instructions; route_select alone
+// at Qwen3's T = 1 / 16 / 64 / 256 4.84 / 6.80 / 7.74 / 9.51 -> 4.64 / 6.18 / 6.97 / 8.60 us, the two-kernel selection
+// at T = 256 15.63 -> 14.73; the generic instances' SASS is unchanged; device_runs/session47.txt, call 3).
+template <int EPL, int NW, bool GENERIC>
 __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectParams p) {
   static_assert(NW % 2 == 0, "own_stride is odd only for an even NW");
   extern __shared__ __align__(16) float smem[];
@@ -171,10 +175,10 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     if (local < B) {
       const int64_t t = first_token + local;
       load_token<EPL>(p, t, lane, s);
-      score_token<EPL>(p, lane, my_row, my_group_scratch, s);
+      score_token<EPL, GENERIC>(p, lane, my_row, my_group_scratch, s);
       float w, log_norm;
       int32_t id;
-      route_token<EPL>(p, s, lane, id, w, log_norm);
+      route_token<EPL, GENERIC>(p, s, lane, id, w, log_norm);
       if (id < E) {
         const unsigned owner = static_cast<unsigned>(id >> owner_shift);
         const int e = id & (EPC - 1);
@@ -282,7 +286,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     const int64_t t = first_token + local;
     if (!single_chunk) {
       load_token<EPL>(p, t, lane, s);
-      score_token<EPL>(p, lane, my_row, my_group_scratch, s);
+      score_token<EPL, GENERIC>(p, lane, my_row, my_group_scratch, s);
       s.slot_id = lane < k ? p.ids[t * k + lane] : E;
       s.slot_weight = lane < k ? p.weights[t * k + lane] : 0.0f;
       __syncwarp();  // every lane has read its routed slot before any lane overwrites it
@@ -291,7 +295,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     int32_t id;
     float w;
     const FillScratch fill_scratch{my_row, reinterpret_cast<uint32_t*>(my_fill_words)};
-    fill_token<EPL, true>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, fill_scratch, slot, id, w);
+    fill_token<EPL, GENERIC>(p, s, lane, kept, [&](int u) { return kept_flag[u] != 0; }, fill_scratch, slot, id, w);
     if (lane < k) {
       p.ids[t * k + slot] = id;
       p.weights[t * k + slot] = w;
@@ -316,29 +320,46 @@ void allow_smem(Kernel kernel, size_t smem) {
 // per device with the first call's shared memory: every shape needs at most ~59 KB per CTA (E 256 at C 15, where the
 // owned experts' power of two rounds 18 up to 32; ~92 KB with as many groups as experts), far below an SM's, so
 // whether 16 CTAs fit depends on the device's GPCs, not on the call, and the answer holds for every call.
-template <int EPL, int NW>
+template <int EPL, int NW, bool GENERIC>
 int max_select_cluster(size_t smem, int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];
   return cuda::once_per_device(memo, device, 8, [&] {
-    auto kernel = route_select_kernel<EPL, NW>;
+    auto kernel = route_select_kernel<EPL, NW, GENERIC>;
     allow_smem(kernel, smem);
     return cuda::cluster_fits(kernel, 16, NW * 32, smem) ? 16 : 8;
   });
 }
 
-template <int EPL, int NW>
+template <int EPL, int NW, bool GENERIC>
 void launch_select(SelectParams p, int groups, bool clusters, int device, cudaStream_t stream) {
   // One token per warp per chunk: as many CTAs as the group's tokens need (routing and fill are issue-bound, so 16
   // warps per SM on 16 SMs beat 32 on 8: Qwen3 shape, T = 256, 26.1 -> 23.1 us, session 39).
   int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, 16) : 1;
-  if (C > 8) C = std::min(C, max_select_cluster<EPL, NW>(select_smem(p, NW, C), device));
+  if (C > 8) C = std::min(C, max_select_cluster<EPL, NW, GENERIC>(select_smem(p, NW, C), device));
   p.cluster = C;
   p.experts_per_cta = owned_experts_per_cta(p.E, C);
   const size_t smem = select_smem(p, NW, C);
-  auto kernel = route_select_kernel<EPL, NW>;
+  auto kernel = route_select_kernel<EPL, NW, GENERIC>;
   allow_smem(kernel, smem);
   cuda::launch({dim3(groups * C), dim3(NW * 32), smem, stream, clusters ? C : 0, clusters && cuda::selection_pdl()},
                kernel, p);
+}
+
+// One instance per (experts per lane, GENERIC).
+template <bool GENERIC>
+void launch_by_experts(const SelectParams& p, int groups, bool clusters, int device, cudaStream_t stream) {
+  const int epl = (p.E + 31) / 32;
+  if (epl <= 1) {
+    launch_select<1, 16, GENERIC>(p, groups, clusters, device, stream);
+  } else if (epl <= 2) {
+    launch_select<2, 16, GENERIC>(p, groups, clusters, device, stream);
+  } else if (epl <= 4) {
+    launch_select<4, 16, GENERIC>(p, groups, clusters, device, stream);
+  } else if (epl <= 8) {
+    launch_select<8, 16, GENERIC>(p, groups, clusters, device, stream);
+  } else {
+    launch_select<16, 8, GENERIC>(p, groups, clusters, device, stream);
+  }
 }
 
 }  // namespace
@@ -346,17 +367,12 @@ void launch_select(SelectParams p, int groups, bool clusters, int device, cudaSt
 void route_select_launch(SelectParams p, int groups, int device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   const bool clusters = cuda::device_has_clusters(device);
-  const int epl = (p.E + 31) / 32;
-  if (epl <= 1) {
-    launch_select<1, 16>(p, groups, clusters, device, stream);
-  } else if (epl <= 2) {
-    launch_select<2, 16>(p, groups, clusters, device, stream);
-  } else if (epl <= 4) {
-    launch_select<4, 16>(p, groups, clusters, device, stream);
-  } else if (epl <= 8) {
-    launch_select<8, 16>(p, groups, clusters, device, stream);
+  // GENERIC = false (the condition select_experts uses): Qwen3-MoE, OLMoE at budgets up to 32
+  const bool generic = p.scoring != static_cast<int>(Scoring::kSoftmax) || p.n_group > 1 || p.W > 32;
+  if (generic) {
+    launch_by_experts<true>(p, groups, clusters, device, stream);
   } else {
-    launch_select<16, 8>(p, groups, clusters, device, stream);
+    launch_by_experts<false>(p, groups, clusters, device, stream);
   }
 }
 
