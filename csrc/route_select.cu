@@ -36,6 +36,8 @@ namespace {
 using cuda::kFullMask;
 using namespace routing_device;
 
+constexpr int kMaxCluster = 16;  // CTAs per group (the non-portable cluster size; 8 where the device lacks it)
+
 struct SharedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
   int rows, scratch, own, own_flags, own_cost, kept_flag, cost_key, kept, inbox, total;
@@ -207,7 +209,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     } else {
       for (int e = warp; e < owned; e += NW) {
         float* row = own + e * stride;
-        const float d = warp_add_nonzero_in_order(own_cost[e], row, per_chunk, lane);
+        const float d = warp_add_nonzero_in_order<kMaxCluster * NW / 32>(own_cost[e], row, per_chunk, lane);
         if (chunk + 1 < chunks) {
           for (int i = lane; i < per_chunk; i += 32) row[i] = 0.0f;
         }
@@ -334,7 +336,7 @@ template <int EPL, int NW, bool GENERIC>
 void launch_select(SelectParams p, int groups, bool clusters, int device, cudaStream_t stream) {
   // One token per warp per chunk: as many CTAs as the group's tokens need (routing and fill are issue-bound, so 16
   // warps per SM on 16 SMs beat 32 on 8: Qwen3 shape, T = 256, 26.1 -> 23.1 us, session 39).
-  int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, 16) : 1;
+  int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, kMaxCluster) : 1;
   if (C > 8) C = std::min(C, max_select_cluster<EPL, NW, GENERIC>(select_smem(p, NW, C), device));
   p.cluster = C;
   p.experts_per_cta = owned_experts_per_cta(p.E, C);
