@@ -369,9 +369,7 @@ void launch_by_experts(const SelectParams& p, int groups, bool clusters, int dev
 void route_select_launch(SelectParams p, int groups, int device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   const bool clusters = cuda::device_has_clusters(device);
-  // GENERIC = false (the condition select_experts uses): Qwen3-MoE, OLMoE at budgets up to 32
-  const bool generic = p.scoring != static_cast<int>(Scoring::kSoftmax) || p.n_group > 1 || p.W > 32;
-  if (generic) {
+  if (needs_generic_routing(p)) {
     launch_by_experts<true>(p, groups, clusters, device, stream);
   } else {
     launch_by_experts<false>(p, groups, clusters, device, stream);

@@ -607,10 +607,7 @@ bool launch_by_experts(const FusedSelectParams& f, int groups, int device, cudaS
 
 template <typename T>
 bool launch_by_shape(const FusedSelectParams& f, int groups, int device, cudaStream_t stream) {
-  const SelectParams& p = f.sel;
-  // GENERIC = false: softmax routing without a group limit at budgets up to 32 (Qwen3-MoE, OLMoE)
-  const bool generic = p.scoring != static_cast<int>(Scoring::kSoftmax) || p.n_group > 1 || p.W > 32;
-  if (generic) return launch_by_experts<T, true>(f, groups, device, stream);
+  if (needs_generic_routing(f.sel)) return launch_by_experts<T, true>(f, groups, device, stream);
   return launch_by_experts<T, false>(f, groups, device, stream);
 }
 

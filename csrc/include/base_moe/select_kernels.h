@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "base_moe/float_dtype.h"
+#include "base_moe/routing.h"
 
 namespace base_moe {
 
@@ -93,6 +94,13 @@ inline int owned_experts_per_cta(int E, int C) {
   int n = 1;
   while (n * C < E) n *= 2;
   return n;
+}
+
+// Whether a selection needs the kernels' generic instances: a scoring mode other than softmax, DeepSeek's group limit or
+// backfill over more than 32 kept experts. Softmax models at budgets up to 32 (Qwen3-MoE, OLMoE) run instances without
+// that code (GENERIC = false), which are shorter and faster per call.
+inline bool needs_generic_routing(const SelectParams& p) {
+  return p.scoring != static_cast<int>(Scoring::kSoftmax) || p.n_group > 1 || p.W > 32;
 }
 
 // Launch on the current CUDA stream of `device` (the caller holds a device guard).
