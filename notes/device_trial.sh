@@ -48,6 +48,8 @@ for step in "$@"; do
     phases) timeout 60 python3 benchmarks/micro/select_phases.py > $OUT/phases.log 2>&1; tail -40 $OUT/phases.log;;
     # select_experts' stamps in graph replay of consecutive calls (needs notes/select_phases_graph.patch)
     phasesg) timeout 120 python3 benchmarks/micro/select_phases_graph.py > $OUT/phases.log 2>&1; tail -20 $OUT/phases.log;;
+    # route_select's phase stamps in graph replay of the two-kernel path (needs notes/route_phases_graph.patch applied)
+    rphasesg) timeout 120 python3 benchmarks/micro/route_phases_graph.py > $OUT/rphases.log 2>&1; tail -8 $OUT/rphases.log;;
     texp) timeout 150 python3 -m pytest -m cuda tests/test_experts_cuda.py -q -x > $OUT/pytest_experts.log 2>&1; tail -15 $OUT/pytest_experts.log;;
     tall) timeout 300 python3 -m pytest -m cuda tests -q -x > $OUT/pytest_all.log 2>&1; tail -15 $OUT/pytest_all.log;;
     var) timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,T16,T32,W64,W128,WS} --out $OUT/variants.json > $OUT/variants.log 2>&1; tail -45 $OUT/variants.log;;
