@@ -210,10 +210,12 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       for (int e = warp; e < owned; e += NW) {
         float* row = own + e * stride;
         const float d = warp_add_nonzero_in_order<kMaxCluster * NW / 32>(own_cost[e], row, per_chunk, lane);
+        // every lane has read the row (every lane adds all its values) and own_cost[e] (the sum's start) before any
+        // lane clears the row or lane 0 overwrites own_cost[e]
+        __syncwarp();
         if (chunk + 1 < chunks) {
           for (int i = lane; i < per_chunk; i += 32) row[i] = 0.0f;
         }
-        __syncwarp();  // every lane has read own_cost[e] (the sum's start) before lane 0 overwrites it
         if (lane == 0) own_cost[e] = d;
       }
     }
@@ -328,7 +330,7 @@ int max_select_cluster(size_t smem, int device) {
   return cuda::once_per_device(memo, device, 8, [&] {
     auto kernel = route_select_kernel<EPL, NW, GENERIC>;
     allow_smem(kernel, smem);
-    return cuda::cluster_fits(kernel, 16, NW * 32, smem) ? 16 : 8;
+    return cuda::cluster_fits(kernel, kMaxCluster, NW * 32, smem) ? kMaxCluster : 8;
   });
 }
 

@@ -251,14 +251,15 @@ __device__ __forceinline__ float slot_weight(const SelectParams& p, const Token<
 }
 
 // d + the values of row[0, n) in that order, the zeros skipped, by one warp (a batch cost D is a few routed tokens'
-// costs among many zeros), for n <= 32 kWindows. The non-zero values move, in order, to the front of the row (each to
+// costs among many zeros), for n <= 32 * kWindows. The non-zero values move, in order, to the front of the row (each to
 // its rank among them: a ballot per 32 values, all loaded first), then every lane adds them in turn from shared memory:
 // their loads are independent and only the adds form a chain. Adding each value from its lane by a shuffle put a
 // shuffle's latency on the chain per value: this form made route_select alone at 256 tokens 8.60 -> 7.45 us (Qwen3;
-// DeepSeek-like 19.53 -> 16.72) and select_experts at 64 tokens 12.24 -> 12.17, but select_experts at T <= 16, where
-// an expert has a value or two, 0.04-0.05 us slower (device_runs/session47.txt, call 4). The row is consumed: its front
-// is overwritten. Skipping a zero (+0 or -0) is exact unless d is -0, which a sum starting at +0 never is (an exact
-// zero sum rounds to +0; no flush-to-zero in these builds). Every lane returns the sum.
+// DeepSeek-like 19.53 -> 16.72) and select_experts at 64 tokens 12.24 -> 12.17, but select_experts at T <= 16, where an
+// expert has a value or two, 0.04-0.05 us slower (device_runs/session47.txt, call 4). The row is consumed: its front is
+// overwritten, and every lane reads all of it, so a caller that writes the row again needs a __syncwarp first. Skipping
+// a zero (+0 or -0) is exact unless d is -0, which a sum starting at +0 never is (an exact zero sum rounds to +0; no
+// flush-to-zero in these builds). Every lane returns the sum.
 template <int kWindows>
 __device__ __forceinline__ float warp_add_nonzero_in_order(float d, float* row, int n, int lane) {
   float v[kWindows];
