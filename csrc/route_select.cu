@@ -102,7 +102,9 @@ __device__ __forceinline__ void load_token(const SelectParams& p, int64_t t, int
 // other modes' code out, as select_experts' does (Qwen3's instance 4728 -> 3032 SASS instructions; route_select alone
 // at Qwen3's T = 1 / 16 / 64 / 256 4.84 / 6.80 / 7.74 / 9.51 -> 4.64 / 6.18 / 6.97 / 8.60 us, the two-kernel selection
 // at T = 256 15.63 -> 14.73; the generic instances' SASS is unchanged; device_runs/session47.txt, call 3).
-template <int EPL, int NW, bool GENERIC>
+// kOneChunk: the launcher guarantees one chunk of more than 32 tokens (B <= C * NW, C * NW > 32: a T = 256 decode batch
+// on 16 CTAs), and the instance leaves the other chunk shapes' code out.
+template <int EPL, int NW, bool GENERIC, bool kOneChunk>
 __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectParams p) {
   static_assert(NW % 2 == 0, "own_stride is odd only for an even NW");
   extern __shared__ __align__(16) float smem[];
@@ -145,7 +147,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   if (p.select) cuda::inbox_init(inbox, tid == 0);
   // Arithmetic that needs no input, done while the previous kernel finishes: each division here would be a
   // ~20-instruction chain after the wait (the chunk count, the first key push's cell, the ranking's geometry).
-  const int chunks = (B + per_chunk - 1) / per_chunk;
+  const int chunks = kOneChunk ? 1 : (B + per_chunk - 1) / per_chunk;
   // EPC is a power of two (owned_experts_per_cta). select_experts reads its shift from plan instead: one params field
   // for both kernels measured slower in both, and __ffs in select_experts slower there (device_runs/session45.txt and
   // session44.txt, call 1 each).
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     if (!p.compute_cost && chunk + 1 < chunks) continue;  // the flags only need the last chunk's barrier
     cuda::cluster_sync();  // the chunk's slot costs and flags are at their owners
     if (!p.compute_cost) continue;
-    if (per_chunk <= 32) {
+    if (!kOneChunk && per_chunk <= 32) {
       // Few tokens per chunk, many owned experts (up to all E at C = 1): a thread per expert, not a warp.
       for (int e = tid; e < owned; e += kThreads) {
         float* row = own + e * stride;
@@ -324,14 +326,27 @@ void allow_smem(Kernel kernel, size_t smem) {
 // per device with the first call's shared memory: every shape needs at most ~59 KB per CTA (E 256 at C 15, where the
 // owned experts' power of two rounds 18 up to 32; ~92 KB with as many groups as experts), far below an SM's, so
 // whether 16 CTAs fit depends on the device's GPCs, not on the call, and the answer holds for every call.
-template <int EPL, int NW, bool GENERIC>
+template <int EPL, int NW, bool GENERIC, bool kOneChunk>
 int max_select_cluster(size_t smem, int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];
   return cuda::once_per_device(memo, device, 8, [&] {
-    auto kernel = route_select_kernel<EPL, NW, GENERIC>;
+    auto kernel = route_select_kernel<EPL, NW, GENERIC, kOneChunk>;
     allow_smem(kernel, smem);
     return cuda::cluster_fits(kernel, kMaxCluster, NW * 32, smem) ? kMaxCluster : 8;
   });
+}
+
+template <int EPL, int NW, bool GENERIC, bool kOneChunk>
+void launch_instance(SelectParams p, int groups, int C, bool clusters, int device, cudaStream_t stream) {
+  // (the same answer for both instances of a shape; the query also allows this one's non-portable cluster size)
+  if (C > 8) C = std::min(C, max_select_cluster<EPL, NW, GENERIC, kOneChunk>(select_smem(p, NW, C), device));
+  p.cluster = C;
+  p.experts_per_cta = owned_experts_per_cta(p.E, C);
+  const size_t smem = select_smem(p, NW, C);
+  auto kernel = route_select_kernel<EPL, NW, GENERIC, kOneChunk>;
+  allow_smem(kernel, smem);
+  cuda::launch({dim3(groups * C), dim3(NW * 32), smem, stream, clusters ? C : 0, clusters && cuda::selection_pdl()},
+               kernel, p);
 }
 
 template <int EPL, int NW, bool GENERIC>
@@ -339,14 +354,12 @@ void launch_select(SelectParams p, int groups, bool clusters, int device, cudaSt
   // One token per warp per chunk: as many CTAs as the group's tokens need (routing and fill are issue-bound, so 16
   // warps per SM on 16 SMs beat 32 on 8: Qwen3 shape, T = 256, 26.1 -> 23.1 us, session 39).
   int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, kMaxCluster) : 1;
-  if (C > 8) C = std::min(C, max_select_cluster<EPL, NW, GENERIC>(select_smem(p, NW, C), device));
-  p.cluster = C;
-  p.experts_per_cta = owned_experts_per_cta(p.E, C);
-  const size_t smem = select_smem(p, NW, C);
-  auto kernel = route_select_kernel<EPL, NW, GENERIC>;
-  allow_smem(kernel, smem);
-  cuda::launch({dim3(groups * C), dim3(NW * 32), smem, stream, clusters ? C : 0, clusters && cuda::selection_pdl()},
-               kernel, p);
+  if (C > 8) C = std::min(C, max_select_cluster<EPL, NW, GENERIC, false>(select_smem(p, NW, C), device));
+  if (C * NW > 32 && p.B <= C * NW) {
+    launch_instance<EPL, NW, GENERIC, true>(p, groups, C, clusters, device, stream);
+  } else {
+    launch_instance<EPL, NW, GENERIC, false>(p, groups, C, clusters, device, stream);
+  }
 }
 
 // One instance per (experts per lane, GENERIC).
