@@ -127,7 +127,8 @@ def hf_router(x, W_r, routing: Routing, bias):
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", weights: str = "rotated") -> list[dict]:
+def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", weights: str = "rotated",
+                tokens: tuple[int, ...] = TOKENS) -> list[dict]:
     H, E, routing = cfg["H"], cfg["E"], cfg["routing"]
     dtype = torch.bfloat16
     weight_bytes = 2 * E * H * 2
@@ -148,7 +149,7 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
         s["b_cat"] = torch.cat([torch.zeros(E, device="cuda"), s["bp"]])
     sets = sets * (rot // len(sets))  # "hot": one weight set for every call
     rows = []
-    for T in TOKENS:
+    for T in tokens:
         copies = rot if hidden == "rotated" else 1
         xs = [torch.randn(T, H, device="cuda", generator=gen).to(dtype) for _ in range(copies)]
         xs = xs * (rot // len(xs))  # "hot": one buffer for every call
@@ -246,11 +247,19 @@ def main():
                              "--hidden or --weights is hot)")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)),
+                        help="tokens per call, comma-separated (the issue's table: %(default)s)")
     parser.add_argument("--hidden", choices=("rotated", "hot"), default="rotated",
                         help="hidden states: one copy per call (from HBM) or one buffer for all calls (from L2)")
     parser.add_argument("--weights", choices=("rotated", "hot"), default="rotated",
                         help="router and predictor weights: one copy per call (from HBM) or one set for all (from L2)")
     args = parser.parse_args()
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(","))
+    except ValueError:
+        tokens = ()
+    if not tokens or min(tokens) < 1:
+        parser.error(f"--tokens takes positive integers separated by commas, got {args.tokens!r}")
     assert base_moe.cuda_available(), "needs a GPU and base_moe built with its CUDA kernels"
     torch.backends.cuda.matmul.allow_tf32 = False
     bandwidth = copy_bandwidth()
@@ -258,7 +267,7 @@ def main():
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows = []
     for name in args.models.split(","):
-        rows += bench_model(name, MODELS[name], args.replays, args.hidden, args.weights)
+        rows += bench_model(name, MODELS[name], args.replays, args.hidden, args.weights, tokens)
     hbm = args.weights == "rotated"  # HBM bytes per second: meaningless when the weights come from L2
     for row in rows:
         row["weight_bandwidth_TBps"] = row["weight_bytes"] / (row["select_experts_us"] * 1e-6) / 1e12 if hbm else None

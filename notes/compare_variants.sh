@@ -59,7 +59,7 @@ run() {  # NAME STEP...
   echo "### $name: experts.cu $(md5sum csrc/experts.cu | cut -c1-8)"
   local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|^T= *[0-9]+ |== |^qwen3|^olmoe|^\\| qwen3|^select_experts after|stalled_|gpu__time_duration|issue_active|^batch +[0-9]+ |^recompile lines|^\\| |^rc |^BASE_MOE_WS_PAIR|[Cc]luster|^M(16|32)$|lts__t|dram__|pipe_tensor|ws_gemm_kernel|^ws |^wsstamps|^prefetch |^sel |^selstamps|^select batch|call to call| start +[0-9.]+ end "
   bash notes/device_trial.sh "$@" | grep -E "$keep"
-  for f in variants pytest_experts memcheck racecheck bench_layer_q bench_layer_o bench_select ncuicache_select ncuicache_layer timeline \
+  for f in variants pytest_experts memcheck racecheck bench_layer bench_layer_q bench_layer_o bench_select bench_select_t rphases ncuicache_select ncuicache_layer timeline \
       phases e2enorm bench_e2e_norm e2e bench_e2e quickstart_cuda e2eeager bench_e2e_norm_eager bench_layer_q_nopair \
       wspair_1 wspair_0 ncu_plan_m16 ncu_plan_m32; do
     for x in json log txt; do [ -f "$OUT/$f.$x" ] && mv "$OUT/$f.$x" "$OUT/${f}_$name.$x"; done

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ncu phases phasesg ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselt bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ncu phases phasesg ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
@@ -105,6 +105,8 @@ for step in "$@"; do
         BASE_MOE_DIAG=64 timeout 60 python3 benchmarks/profile_layer.py --op experts --calls 4 --batch $b ${m:+--budget $m} 2>&1 | grep -E "^(gate_up|down)" | tail -2
       done;;
     bselall) timeout 200 python3 benchmarks/bench_select.py --replays 30 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -14 $OUT/bench_select.log;;
+    # both models at the token counts in $TOKENS (default: around the fused / two-kernel boundary)
+    bselt) timeout 200 python3 benchmarks/bench_select.py --replays 30 --tokens ${TOKENS:-16,24,32,40,48,64} --out $OUT/bench_select_t.json > $OUT/bench_select_t.log 2>&1; grep -E "^\| " $OUT/bench_select_t.log;;
     ptx80) # the fallbacks of a build without sm_90 code, run on the H200 through the driver's JIT (last step: it replaces the build)
       TORCH_CUDA_ARCH_LIST="8.0+PTX" MAX_JOBS=16 python3 setup.py build_ext --inplace > $OUT/build80.log 2>&1 || { tail -30 $OUT/build80.log; exit 1; }
       echo "build80 $((SECONDS-s)) s"
