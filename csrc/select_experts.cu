@@ -38,8 +38,8 @@
 // W > 32 path (GENERIC = false: 2904 instructions; one call 7.14 / 8.29 / 9.15 / 13.99 -> 6.94 / 7.98 / 8.73 / 13.53
 // us, b16/M16 54.9 -> 54.4; device_runs/session34.txt, calls 1-2).
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
-// does not take (fp32, H % 8 != 0, more than 64 tokens per group, weight rows that do not fit in shared memory) run
-// the two-kernel path (router_predict + route_select), which is faster there; csrc/select_cuda.cpp falls back.
+// does not take (fp32, H % 8 != 0, more than kMaxFusedTokens (16) tokens per group, weight rows that do not fit in
+// shared memory) run the two-kernel path (router_predict + route_select); csrc/select_cuda.cpp falls back.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -63,7 +63,12 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;  // 32-column chunks whose loads are in flight at once per warp
 constexpr int kSmemWeightBytes = 140 * 1024;  // stage the CTA's weight rows in shared memory up to this size
 constexpr int kMaxSmemBytes = 220 * 1024;
-constexpr int kMaxFusedTokens = 64;  // tokens per group up to which one launch beats the two-kernel path
+// Tokens per group up to which the one launch runs. Above 16 the two kernels win wherever a norm runs before the
+// selection, as in every decode step (H200, Qwen3 shape, us, fused vs two kernels behind base_moe's rms_norm: T = 16
+// 9.53 vs 9.43, 24 11.09 vs 9.93, 32 12.30 vs 10.25, 64 14.98 vs 11.35; behind torch's norm 12.61 / 12.58 at 16, 15.49 /
+// 12.41 at 32), though a lone call of the fused kernel is faster up to 48 tokens (16: 7.92 vs 10.14, 32: 9.56 vs
+// 10.94); device_runs/session48.txt, call 2.
+constexpr int kMaxFusedTokens = 16;
 
 struct FusedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
@@ -489,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   for (int e = warp; e < EO; e += kWarps) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u >= E) break;
-    float d = warp_add_nonzero_in_order<kMaxFusedTokens / 32>(0.0f, own + e * B, B, lane);
+    float d = warp_add_nonzero_in_order<(kMaxFusedTokens + 31) / 32>(0.0f, own + e * B, B, lane);
     const int fl = flags[e];
     if (p.cost == static_cast<int>(Cost::kTop1Union) && (fl & 2)) d = d + p.top1_offset;
     if (lane < C) cuda::inbox_push(rank_key + u, static_cast<unsigned>(lane), (fl & 1) ? candidate_key(d) : 0u, inbox);
@@ -541,9 +546,8 @@ int max_cluster(size_t smem, int device) {
 }
 
 // Picks the cluster shape: among the (token groups, row groups) splits whose weight rows fit in shared memory, the
-// one that reads the fewest bytes per CTA. False when none fits (large H x E) or the batch is large: the two-kernel
-// path is faster there, its GEMV spreading over the whole GPU (H200, Qwen3 shape: one launch 17.8 us vs two 26.3
-// at 64 tokens, but 38.0 vs 29.3 at 256; bench_select.json at commit 03e8031).
+// one that reads the fewest bytes per CTA. False when none fits (large H x E) or the batch has more than
+// kMaxFusedTokens tokens.
 bool plan(FusedSelectParams& f, int max_c) {
   const int B = f.sel.B, E = f.sel.E, H = f.gemv.H;
   if (B > kMaxFusedTokens) return false;

@@ -333,18 +333,19 @@ FUSED_CASES = [
     (1, 4, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, True),
     (1, 16, 2048, 128, 8, "softmax_renorm", torch.float16, True, True, False),
     (1, 64, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),
-    (1, 256, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, True),  # > 64 tokens per group: two kernels
+    (1, 256, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, True),  # > 16 tokens per group: two kernels
     (3, 16, 1024, 60, 4, "softmax", torch.bfloat16, True, True, False),
-    (2, 100, 512, 64, 8, "softmax_after_topk", torch.bfloat16, False, True, False),  # > 64 tokens: two kernels
+    (2, 100, 512, 64, 8, "softmax_after_topk", torch.bfloat16, False, True, False),  # > 16 tokens: two kernels
     (1, 16, 1024, 256, 8, "sigmoid_groups8_4", torch.bfloat16, True, False, False),
     (4, 64, 1024, 256, 8, "sigmoid_groups8_4", torch.bfloat16, True, False, True),
     (1, 33, 512, 512, 16, "sigmoid_bias_renorm", torch.bfloat16, True, False, False),
+    (1, 13, 512, 512, 16, "sigmoid_bias_renorm", torch.bfloat16, True, False, False),  # E 512 in one launch
     (4, 64, 7168, 256, 8, "sigmoid_groups8_4", torch.bfloat16, True, False, True),  # weights too big: two kernels
     (5, 7, 64, 8, 2, "sigmoid", torch.float16, True, True, False),
     (2, 3, 256, 12, 3, "softmax_renorm", torch.bfloat16, False, False, True),
     (3, 1, 64, 8, 2, "softmax", torch.bfloat16, True, False, False),  # B = 1, E < 16: one-CTA clusters
     (1, 1, 256, 12, 3, "sigmoid", torch.float16, False, True, True),  # the same
-    (1, 300, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),  # > 64 tokens per group: two kernels
+    (1, 300, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),  # > 16 tokens per group: two kernels
     (2, 5, 1000, 64, 4, "softmax_renorm", torch.bfloat16, True, True, False),  # k slices ending inside a 32-chunk
     (2, 5, 1000, 32, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # a token group past the batch
     (1, 2, 512, 129, 4, "softmax_renorm", torch.bfloat16, True, False, False),  # a row group past the experts
