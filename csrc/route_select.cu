@@ -363,7 +363,26 @@ void launch_select(SelectParams p, int groups, bool clusters, int device, cudaSt
   }
 }
 
-// One instance per (experts per lane, GENERIC).
+// Batches of 9-64 tokens with E 65-256 run on CTAs of 4 warps, one token per warp, so that the routing and the fill,
+// issue-bound per SM, spread over up to 16 SMs instead of 1-4, and the cost sums over the owned experts of more CTAs
+// (route_select alone, us, 16 warps -> 4: Qwen3 shape at T = 16 / 32 / 64 6.10 / 6.45 / 6.51 -> 5.44 / 5.87 / 5.38,
+// DeepSeek-like 15.00 / 15.20 / 16.21 -> 11.84 / 12.01 / 12.52; the selection at Qwen3's T = 64 11.79 -> 10.68). Up
+// to 4 tokens, one CTA either way, its 4 warps lost (DeepSeek-like T = 1 / 4 8.66 / 10.63 -> 10.19 / 11.88):
+// device_runs/session48.txt, call 4 (5-8 tokens, two CTAs, not measured: they keep 16 warps). Only where the cluster
+// holds the whole batch in one pass.
+template <int EPL, bool GENERIC>
+void launch_by_tokens(const SelectParams& p, int groups, bool clusters, int device, cudaStream_t stream) {
+  constexpr int kFewWarps = 4;
+  const int C = (p.B + kFewWarps - 1) / kFewWarps;
+  if (clusters && p.B > 2 * kFewWarps && C <= kMaxCluster &&
+      (C <= 8 || max_select_cluster<EPL, kFewWarps, GENERIC, false>(select_smem(p, kFewWarps, C), device) >= C)) {
+    launch_select<EPL, kFewWarps, GENERIC>(p, groups, clusters, device, stream);
+  } else {
+    launch_select<EPL, 16, GENERIC>(p, groups, clusters, device, stream);
+  }
+}
+
+// One instance per (experts per lane, GENERIC), and for E 65-256 one per warps per CTA.
 template <bool GENERIC>
 void launch_by_experts(const SelectParams& p, int groups, bool clusters, int device, cudaStream_t stream) {
   const int epl = (p.E + 31) / 32;
@@ -372,9 +391,9 @@ void launch_by_experts(const SelectParams& p, int groups, bool clusters, int dev
   } else if (epl <= 2) {
     launch_select<2, 16, GENERIC>(p, groups, clusters, device, stream);
   } else if (epl <= 4) {
-    launch_select<4, 16, GENERIC>(p, groups, clusters, device, stream);
+    launch_by_tokens<4, GENERIC>(p, groups, clusters, device, stream);
   } else if (epl <= 8) {
-    launch_select<8, 16, GENERIC>(p, groups, clusters, device, stream);
+    launch_by_tokens<8, GENERIC>(p, groups, clusters, device, stream);
   } else {
     launch_select<16, 8, GENERIC>(p, groups, clusters, device, stream);
   }
