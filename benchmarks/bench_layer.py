@@ -175,7 +175,8 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
     selection = ("base_moe CUDA router_predict + route_select (two launches)" if args.select == "two" else
-                 "base_moe CUDA select_experts (one launch for T <= 64, else router_predict + route_select)")
+                 "base_moe CUDA select_experts (one launch for up to 16 tokens where the router fits a cluster, "
+                 "else router_predict + route_select)")
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_bw / 1e12:.2f} TB/s (the % below; the final "
           "table divides by the faster of this and a copy at the end)")
     print("budget rows: expert op and HF use random routing restricted to M random experts; "

@@ -337,10 +337,10 @@ int max_select_cluster(size_t smem, int device) {
   });
 }
 
+// C is final here: for C > 8 the caller has asked this instance's max_select_cluster, which also allows its
+// non-portable cluster size.
 template <int EPL, int NW, bool GENERIC, bool kOneChunk>
 void launch_instance(SelectParams p, int groups, int C, bool clusters, int device, cudaStream_t stream) {
-  // (the same answer for both instances of a shape; the query also allows this one's non-portable cluster size)
-  if (C > 8) C = std::min(C, max_select_cluster<EPL, NW, GENERIC, kOneChunk>(select_smem(p, NW, C), device));
   p.cluster = C;
   p.experts_per_cta = owned_experts_per_cta(p.E, C);
   const size_t smem = select_smem(p, NW, C);
@@ -356,7 +356,9 @@ void launch_select(SelectParams p, int groups, bool clusters, int device, cudaSt
   // warps per SM on 16 SMs beat 32 on 8: Qwen3 shape, T = 256, 26.1 -> 23.1 us, session 39).
   int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, kMaxCluster) : 1;
   if (C > 8) C = std::min(C, max_select_cluster<EPL, NW, GENERIC, false>(select_smem(p, NW, C), device));
-  if (C * NW > 32 && p.B <= C * NW) {
+  // The one-chunk instance only where its own cluster limit also holds C (the kernel routes tokens [0, C * NW) only)
+  if (C * NW > 32 && p.B <= C * NW &&
+      (C <= 8 || max_select_cluster<EPL, NW, GENERIC, true>(select_smem(p, NW, C), device) >= C)) {
     launch_instance<EPL, NW, GENERIC, true>(p, groups, C, clusters, device, stream);
   } else {
     launch_instance<EPL, NW, GENERIC, false>(p, groups, C, clusters, device, stream);
@@ -367,9 +369,9 @@ void launch_select(SelectParams p, int groups, bool clusters, int device, cudaSt
 // issue-bound per SM, spread over up to 16 SMs instead of 1-4, and the cost sums over the owned experts of more CTAs
 // (route_select alone, us, 16 warps -> 4: Qwen3 shape at T = 16 / 32 / 64 6.10 / 6.45 / 6.51 -> 5.44 / 5.87 / 5.38,
 // DeepSeek-like 15.00 / 15.20 / 16.21 -> 11.84 / 12.01 / 12.52; the selection at Qwen3's T = 64 11.79 -> 10.68). Up
-// to 4 tokens, one CTA either way, its 4 warps lost (DeepSeek-like T = 1 / 4 8.66 / 10.63 -> 10.19 / 11.88):
-// device_runs/session48.txt, call 4 (5-8 tokens, two CTAs, not measured: they keep 16 warps). Only where the cluster
-// holds the whole batch in one pass.
+// to 4 tokens the batch is on one CTA either way: 4 warps lost there for DeepSeek-like (T = 1 / 4 8.66 / 10.63 ->
+// 10.19 / 11.88), gained 0.1-0.2 us for Qwen3; device_runs/session48.txt, call 4 (5-8 tokens, two CTAs, not
+// measured: they keep 16 warps). Only where the cluster holds the whole batch in one pass.
 template <int EPL, bool GENERIC>
 void launch_by_tokens(const SelectParams& p, int groups, bool clusters, int device, cudaStream_t stream) {
   constexpr int kFewWarps = 4;

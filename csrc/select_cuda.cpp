@@ -208,7 +208,8 @@ SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& rout
   check_route_cost(logits, predict ? OptTensor(log_norms) : std::nullopt, num_groups, cost);
   check_budget_fill(budget, fill);
   check_token_count(logits);
-  const bool fusable = hidden.scalar_type() != at::kFloat && H % 8 == 0 && T > 0 && aligned16(hidden.data_ptr()) &&
+  const bool fusable = hidden.scalar_type() != at::kFloat && H % 8 == 0 && T > 0 &&
+                       T <= kMaxFusedTokens * num_groups && aligned16(hidden.data_ptr()) &&
                        aligned16(router_weight.data_ptr()) &&
                        aligned16(predict ? predictor_weight->data_ptr() : nullptr);
   if (fusable) {

@@ -63,12 +63,11 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;  // 32-column chunks whose loads are in flight at once per warp
 constexpr int kSmemWeightBytes = 140 * 1024;  // stage the CTA's weight rows in shared memory up to this size
 constexpr int kMaxSmemBytes = 220 * 1024;
-// Tokens per group up to which the one launch runs. Above 16 the two kernels win wherever a norm runs before the
-// selection, as in every decode step (H200, Qwen3 shape, us, fused vs two kernels behind base_moe's rms_norm: T = 16
-// 9.53 vs 9.43, 24 11.09 vs 9.93, 32 12.30 vs 10.25, 64 14.98 vs 11.35; behind torch's norm 12.61 / 12.58 at 16, 15.49 /
-// 12.41 at 32), though a lone call of the fused kernel is faster up to 48 tokens (16: 7.92 vs 10.14, 32: 9.56 vs
-// 10.94); device_runs/session48.txt, call 2.
-constexpr int kMaxFusedTokens = 16;
+// kMaxFusedTokens (select_kernels.h) = 16: above 16 tokens per group the two kernels win wherever a norm runs before
+// the selection, as in every decode step (H200, Qwen3 shape, us, fused vs two kernels behind base_moe's rms_norm: T =
+// 16 9.53 vs 9.43, 24 11.09 vs 9.93, 32 12.30 vs 10.25, 64 14.98 vs 11.35; behind torch's norm 12.61 / 12.58 at 16,
+// 15.49 / 12.41 at 32), though a lone call of the fused kernel is faster up to 48 tokens (16: 7.92 vs 10.14, 32: 9.56
+// vs 10.94); device_runs/session48.txt, call 2.
 
 struct FusedLayout {
   // Offsets in 4-byte words into dynamic shared memory.

@@ -103,6 +103,10 @@ inline bool needs_generic_routing(const SelectParams& p) {
   return p.scoring != static_cast<int>(Scoring::kSoftmax) || p.n_group > 1 || p.W > 32;
 }
 
+// Tokens per group up to which select_experts runs as one launch (csrc/select_experts.cu: above, the two kernels are
+// faster behind the norm that precedes the selection in a decode step; device_runs/session48.txt, call 2).
+constexpr int kMaxFusedTokens = 16;
+
 // Launch on the current CUDA stream of `device` (the caller holds a device guard).
 void router_predict_launch(GemvParams p, FloatDtype dtype, bool vectorised, int device);
 void route_select_launch(SelectParams p, int groups, int device);
