@@ -84,8 +84,10 @@ def select_experts(
     predictor_bias: torch.Tensor | None = None,
     correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Stages 1-3 in one call (one kernel launch on CUDA for decode batches): ``router_predict`` then
-    ``route_select`` on its outputs: ``(logits, log_norms, ids, weights, kept, counts, batch_cost)``.
+    """Stages 1-3 in one call: ``router_predict`` then ``route_select`` on its outputs:
+    ``(logits, log_norms, ids, weights, kept, counts, batch_cost)``. On CUDA, batches of up to 16 tokens per group
+    whose router and predictor rows fit one thread-block cluster's shared memory run as one kernel launch, others as
+    the two kernels.
     ``Cost.BASE`` needs the predictor; the other costs ignore it.
 
     On CUDA the kernel starts reading ``router_weight`` and ``predictor_weight`` while the previous kernel on the
