@@ -350,12 +350,18 @@ void launch_instance(SelectParams p, int groups, int C, bool clusters, int devic
                kernel, p);
 }
 
+// CTAs per group on CTAs of NW warps: one token per warp per chunk, as many CTAs as the group's tokens need (routing
+// and fill are issue-bound, so 16 warps per SM on 16 SMs beat 32 on 8: Qwen3 shape, T = 256, 26.1 -> 23.1 us, session
+// 39), within the device's cluster limit.
+template <int EPL, int NW, bool GENERIC>
+int select_cluster(const SelectParams& p, bool clusters, int device) {
+  const int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, kMaxCluster) : 1;
+  return C > 8 ? std::min(C, max_select_cluster<EPL, NW, GENERIC, false>(select_smem(p, NW, C), device)) : C;
+}
+
 template <int EPL, int NW, bool GENERIC>
 void launch_select(SelectParams p, int groups, bool clusters, int device, cudaStream_t stream) {
-  // One token per warp per chunk: as many CTAs as the group's tokens need (routing and fill are issue-bound, so 16
-  // warps per SM on 16 SMs beat 32 on 8: Qwen3 shape, T = 256, 26.1 -> 23.1 us, session 39).
-  int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, kMaxCluster) : 1;
-  if (C > 8) C = std::min(C, max_select_cluster<EPL, NW, GENERIC, false>(select_smem(p, NW, C), device));
+  const int C = select_cluster<EPL, NW, GENERIC>(p, clusters, device);
   // The one-chunk instance only where its own cluster limit also holds C (the kernel routes tokens [0, C * NW) only)
   if (C * NW > 32 && p.B <= C * NW &&
       (C <= 8 || max_select_cluster<EPL, NW, GENERIC, true>(select_smem(p, NW, C), device) >= C)) {
@@ -375,9 +381,8 @@ void launch_select(SelectParams p, int groups, bool clusters, int device, cudaSt
 template <int EPL, bool GENERIC>
 void launch_by_tokens(const SelectParams& p, int groups, bool clusters, int device, cudaStream_t stream) {
   constexpr int kFewWarps = 4;
-  const int C = (p.B + kFewWarps - 1) / kFewWarps;
-  if (clusters && p.B > 2 * kFewWarps && C <= kMaxCluster &&
-      (C <= 8 || max_select_cluster<EPL, kFewWarps, GENERIC, false>(select_smem(p, kFewWarps, C), device) >= C)) {
+  if (clusters && p.B > 2 * kFewWarps && p.B <= kMaxCluster * kFewWarps &&
+      p.B <= select_cluster<EPL, kFewWarps, GENERIC>(p, clusters, device) * kFewWarps) {
     launch_select<EPL, kFewWarps, GENERIC>(p, groups, clusters, device, stream);
   } else {
     launch_select<EPL, 16, GENERIC>(p, groups, clusters, device, stream);
