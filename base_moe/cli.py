@@ -27,6 +27,59 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(arg: str | None) -> str:
+    """``--device`` checked before any work: the default (cuda when available, else cpu), or a device torch
+    knows and this machine has."""
+    if arg is None:
+        return default_device()
+    try:
+        device = torch.device(arg)
+    except RuntimeError:
+        raise SystemExit(f"error: --device {arg!r} is not a device (cuda, cpu, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {arg}: no CUDA device is available here (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SystemExit(f"error: --device {arg}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return arg
+
+
+def check_input_file(path: str, flag: str) -> None:
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {flag} {path!r} is not a file")
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Before the work, not after it: the file's folder must exist and be writable."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise SystemExit(f"error: {flag} {path!r} is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise SystemExit(f"error: {flag} {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise SystemExit(f"error: {flag} {path!r}: the folder {folder!r} is not writable")
+
+
+def bounded(kind: type, low: float, high: float | None = None, high_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` that parses ``kind`` and checks ``low <= value`` (and ``value <= high``, or
+    ``< high`` with ``high_open``), so that a bad value is a usage error before the model loads."""
+    name = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
+        if value < low or (high is not None and (value >= high if high_open else value > high)):
+            upper = "" if high is None else f" and {'<' if high_open else '<='} {high}"
+            raise argparse.ArgumentTypeError(f"expected {name} >= {low}{upper}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = bounded(int, 1)
+
+
 def load_model(path: str, device: str, dtype: str = "auto") -> torch.nn.Module:
     """A causal LM from a local directory (never the network), in eval mode, on ``device``."""
     from transformers import AutoModelForCausalLM
@@ -111,18 +164,22 @@ def add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model directory")
     p.add_argument("--text", required=True, metavar="FILE", help="calibration text file (UTF-8, or raw bytes with --bytes)")
     p.add_argument("--out", required=True, metavar="FILE", help="predictors file to write (.safetensors)")
-    p.add_argument("--tokens", type=int, default=65536, metavar="N", help="calibration tokens (default: 65536)")
-    p.add_argument("--seq", type=int, default=512, metavar="S", help="tokens per sequence (default: 512)")
+    p.add_argument("--tokens", type=positive_int, default=65536, metavar="N",
+                   help="calibration tokens (default: 65536)")
+    p.add_argument("--seq", type=positive_int, default=512, metavar="S", help="tokens per sequence (default: 512)")
     p.add_argument("--bytes", action="store_true", help="byte-level model: each byte of --text is a token id")
     p.add_argument("--device", default=None, help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default: 8)")
-    p.add_argument("--ridge", type=float, default=1e-3, metavar="L", help="relative ridge strength (default: 1e-3)")
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="B",
+                   help="sequences per forward pass (default: 8)")
+    p.add_argument("--ridge", type=bounded(float, 0.0), default=1e-3, metavar="L",
+                   help="relative ridge strength, >= 0 (default: 1e-3)")
     p.add_argument(
-        "--ridge-sweep", default="", metavar="L1,L2,...",
+        "--ridge-sweep", type=_ridge_list, default=[], metavar="L1,L2,...",
         help="also fit these ridge values from the same sums and print their held-out R^2 (to choose --ridge)",
     )
-    p.add_argument("--holdout", type=float, default=0.1, metavar="H", help="held-out fraction of sequences (default: 0.1)")
+    p.add_argument("--holdout", type=bounded(float, 0.0, 1.0, high_open=True), default=0.1, metavar="H",
+                   help="held-out fraction of sequences, in [0, 1) (default: 0.1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_calibrate)
 
@@ -130,7 +187,11 @@ def add_calibrate(subparsers: argparse._SubParsersAction) -> None:
 def run_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
 
-    device = args.device or default_device()
+    device = resolve_device(args.device)
+    if args.tokens < args.seq:
+        raise SystemExit(f"error: --tokens {args.tokens} is fewer than one sequence of --seq {args.seq}")
+    check_input_file(args.text, "--text")
+    check_output_file(args.out, "--out")
     start = time.perf_counter()
     model = load_model(args.model, device, args.dtype)
     vocab = getattr(model.config, "vocab_size", None)
@@ -138,12 +199,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     loaded = time.perf_counter() - start
     predictors = calibrate(
         model, ids, batch_size=args.batch_size, ridge=args.ridge, holdout=args.holdout,
-        progress=not args.no_progress, device=device, ridge_sweep=_floats(args.ridge_sweep),
+        progress=not args.no_progress, device=device, ridge_sweep=args.ridge_sweep,
     )
-    predictors.save(args.out)
-    print(format_table(predictors))
+    print(format_table(predictors))  # before the save: a failed save still shows the fit
     if "r2_by_ridge" in predictors.stats:
         print(format_sweep(predictors))
+    predictors.save(args.out)
     stats = predictors.stats
     print(
         f"{stats['tokens']} tokens ({predictors.metadata['tokens_holdout']} held out) on {device}: calibration "
@@ -185,21 +246,16 @@ def format_sweep(predictors) -> str:
     return "\n".join(rows)
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"error: --ridge-sweep takes comma-separated numbers, got {text!r}") from None
+def _ridge_list(text: str) -> list[float]:
+    parse = bounded(float, 0.0)
+    return [parse(v) for v in text.split(",") if v.strip()]
 
 
 # ---------------------------------------------------------------------------------------------
 # eval
 # ---------------------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+def _budget_list(text: str) -> list[int]:
+    return [positive_int(x) for x in text.split(",") if x.strip()]
 
 
 def add_eval(subparsers: argparse._SubParsersAction) -> None:
@@ -215,17 +271,22 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--text", required=True, metavar="FILE", help="held-out text (UTF-8, or raw bytes with --bytes)")
     p.add_argument("--bytes", action="store_true", help="byte-level model: each byte of --text is a token id")
     p.add_argument("--predictors", metavar="FILE", help="predictors from `calibrate` (needed by base, static_energy)")
-    p.add_argument("--batch", type=int, default=16, metavar="B", help="sequences per decode batch (default: 16)")
-    p.add_argument("--seq", type=int, default=256, metavar="S", help="tokens per sequence (default: 256)")
-    p.add_argument("--prefill", type=int, default=32, metavar="P", help="dense prefill positions (default: 32)")
-    p.add_argument("--batches", type=int, default=8, metavar="N", help="evaluation batches (default: 8)")
-    p.add_argument("--budgets", type=_int_list, default=None, metavar="M,M,...",
+    p.add_argument("--batch", type=positive_int, default=16, metavar="B",
+                   help="sequences per decode batch (default: 16)")
+    p.add_argument("--seq", type=positive_int, default=256, metavar="S", help="tokens per sequence (default: 256)")
+    p.add_argument("--prefill", type=bounded(int, 0), default=32, metavar="P",
+                   help="dense prefill positions, at most S - 2 (default: 32)")
+    p.add_argument("--batches", type=positive_int, default=8, metavar="N", help="evaluation batches (default: 8)")
+    p.add_argument("--budgets", type=_budget_list, default=None, metavar="M,M,...",
                    help="expert budgets (default: every integer between a third and a half of the measured dense "
                    "union)")
     p.add_argument("--policies", default="base,router_sum,router_sq,frequency,top1_union,static_energy,oracle",
                    metavar="P,P,...", help="policies; options as name:key=value, e.g. oea:k0=2, topk_reduce:k=2, "
                    "lynx:threshold=4 (default: %(default)s)")
-    p.add_argument("--fill", default="backfill", choices=["backfill", "drop", "drop_renorm"])
+    p.add_argument("--fill", default="backfill", choices=["backfill", "drop", "drop_renorm"],
+                   help="a token whose routed experts were not all kept: re-routed to its top-k among the kept "
+                   "(backfill), keeps only its kept ones (drop), or those rescaled to its original total weight "
+                   "(drop_renorm) (default: %(default)s)")
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's; "
                    "float32 on CPU)")
@@ -242,7 +303,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from .evaluate import budgets_between, dense_union, evaluate, format_table, plot
     from .policies import get_policy
 
-    device = args.device or default_device()
+    device = resolve_device(args.device)
     dtype = args.dtype if not (args.dtype == "auto" and torch.device(device).type == "cpu") else "float32"
     try:
         policies = [get_policy(name) for name in args.policies.split(",") if name]
@@ -251,16 +312,22 @@ def run_eval(args: argparse.Namespace) -> int:
     if any(p.needs_predictors or p.needs_statistics for p in policies) and not args.predictors:
         needing = ", ".join(p.name for p in policies if p.needs_predictors or p.needs_statistics)
         raise SystemExit(f"error: policies {needing} need --predictors FILE (from `python -m base_moe calibrate`)")
+    check_input_file(args.text, "--text")
+    if args.predictors:
+        check_input_file(args.predictors, "--predictors")
+    check_output_file(args.json, "--json")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     model = load_model(args.model, device, dtype)
     vocab = getattr(model.config, "vocab_size", None)
     ids = load_token_ids(args.text, args.model, args.batches * args.batch * args.seq, args.seq, args.bytes, vocab)
     budgets = args.budgets
-    if budgets is None:
-        union = dense_union(model, ids, batch=args.batch, seq=args.seq, prefill=args.prefill,
-                            batches=min(args.batches, 4), device=device)
-        budgets = budgets_between(union)
-        print(f"dense union {union:.2f} experts per layer and decode batch: budgets {budgets}")
     try:
+        if budgets is None:
+            union = dense_union(model, ids, batch=args.batch, seq=args.seq, prefill=args.prefill,
+                                batches=min(args.batches, 4), device=device)
+            budgets = budgets_between(union)
+            print(f"dense union {union:.2f} experts per layer and decode batch: budgets {budgets}")
         result = evaluate(
             model, ids, predictors=args.predictors, policies=policies, budgets=budgets, batch=args.batch,
             seq=args.seq, prefill=args.prefill, batches=args.batches, fill=args.fill, device=device,

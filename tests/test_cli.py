@@ -112,3 +112,49 @@ def test_bytes_and_argument_errors(tmp_path):
         build_parser().parse_args(["calibrate", "--model", "m", "--text", "t"])
     args = build_parser().parse_args(["calibrate", "--model", "m", "--text", "t", "--out", "o"])
     assert (args.tokens, args.seq, args.batch_size, args.ridge, args.holdout, args.bytes) == (65536, 512, 8, 1e-3, 0.1, False)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--holdout", "1.5"], "--holdout: expected a number >= 0.0 and < 1.0"),
+        (["--batch-size", "0"], "--batch-size: expected an integer >= 1"),
+        (["--ridge", "-1"], "--ridge: expected a number >= 0.0"),
+        (["--ridge-sweep", "0.1,x"], "--ridge-sweep: expected a number, got 'x'"),
+        (["--tokens", "64", "--seq", "128"], "--tokens 64 is fewer than one sequence of --seq 128"),
+        (["--device", "bogus"], "--device 'bogus' is not a device"),
+    ],
+)
+def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, message):
+    """Bad values stop the command before the model loads (the model path does not even exist here)."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    argv = ["calibrate", "--model", str(tmp_path / "none"), "--text", str(text), "--out", str(tmp_path / "p"), *extra]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    shown = str(exit_info.value.code) + capsys.readouterr().err
+    assert message in shown and "not a directory" not in shown
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["calibrate", "--text", "{missing}", "--out", "{tmp}/p"], "--text .* is not a file"),
+        (["calibrate", "--text", "{text}", "--out", "{tmp}/no/p"], "--out .* does not exist"),
+        (["calibrate", "--text", "{text}", "--out", "{tmp}"], "--out .* is a directory"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/no/o.json", "--policies", "router_sq"],
+         "--json .* does not exist"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--predictors", "{missing}"],
+         "--predictors .* not a file"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--policies", "router_sq", "--plot", "{tmp}/no/o.png"],
+         "--plot .* does not exist"),
+    ],
+)
+def test_paths_checked_before_loading(tmp_path, argv, message):
+    """Input files must exist and output folders be writable before the model loads (it does not exist here)."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    paths = {"tmp": str(tmp_path), "text": str(text), "missing": str(tmp_path / "missing")}
+    argv = [arg.format(**paths) for arg in argv] + ["--model", str(tmp_path / "none"), "--device", "cpu"]
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
