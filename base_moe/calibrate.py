@@ -262,7 +262,7 @@ def calibrate_layouts(
         if getattr(getattr(state, "settings", None), "active", False):
             raise ValueError(
                 "calibration runs the dense model, but this model has an expert budget (base_moe.apply): call "
-                "base_moe.configure(model, budget=None) or base_moe.restore(model) first"
+                "base_moe.configure(model, policy='dense') or base_moe.restore(model) first"
             )
     device = torch.device(device) if device is not None else _input_device(model)
     sums: dict[int, RidgeAccumulator] = {}

@@ -8,8 +8,9 @@ working; ``restore`` puts the original classes back.
 
 What a patched block does with a call:
 
-* the budget is off (``budget=None`` or ``policy="dense"``), or the call has more than one token per sequence
-  (prefill): the model's own forward, unchanged;
+* the budget is off (``policy="dense"``, or ``budget=None`` with a policy that needs a budget: every one but
+  ``oea``, ``topk_reduce`` and ``lynx:threshold=...``, which prune per token without one), or the call has more
+  than one token per sequence (prefill): the model's own forward, unchanged;
 * a decode call (``[B, 1, H]``): the B tokens are one decode batch. ``base_moe.ops.router_predict`` (router +
   predictor GEMV) -> the policy (``base_moe.ops.route_select`` for the cost-based policies) -> the routed experts
   over the kept set only (``base_moe.ops.experts`` for the fused HF v5 layout; the model's own experts module,
@@ -30,6 +31,7 @@ one of those families' (by class name), it is re-classed as well, so that its re
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 from dataclasses import dataclass, replace
 
@@ -39,7 +41,7 @@ from torch import nn
 from . import ops, reference
 from .layouts import MoELayout, find_moe_layouts
 from .policies import DecodeStep, Policy, Selection, get_policy, has_kernel, parse_fill
-from .routing import Fill
+from .routing import MAX_EXPERTS, MAX_TOP_K, Fill
 
 __all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections", "post_attention"]
 
@@ -83,7 +85,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     """Make every MoE block of ``model`` budget-aware, in place; returns ``model``.
 
     ``predictors``: a ``base_moe.Predictors`` or the path of a saved one (needed by ``base`` and
-    ``static_energy``). ``budget``: experts kept per layer and decode batch (None: the model's own routing).
+    ``static_energy``). ``budget``: experts kept per layer and decode batch (None: the model's own routing, for every
+    policy that needs a budget; ``oea``, ``topk_reduce`` and ``lynx:threshold=...`` prune without one).
     ``policy``: a name from ``base_moe.policies.available_policies()``. ``fill``: ``backfill``, ``drop`` or
     ``drop_renorm``. Options: ``group_by``, ``dense_positions``, ``experts``, ``norm``, ``record`` (see
     ``_OPTIONS``).
@@ -192,12 +195,9 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
         changes["policy"] = get_policy(changes["policy"])
     if "fill" in changes:
         changes["fill"] = parse_fill(changes["fill"])
+    if changes.get("budget") is not None:
+        changes["budget"] = _budget(changes["budget"])
     s = replace(current, **changes)
-
-    if s.budget is not None and (isinstance(s.budget, bool) or not isinstance(s.budget, int) or s.budget < 1):
-        raise ValueError(
-            f"budget must be a positive int (experts kept per MoE layer and decode batch) or None, got {s.budget!r}"
-        )
     if s.group_by not in _GROUP_BY:
         raise ValueError(f"group_by must be one of {_GROUP_BY}, got {s.group_by!r}")
     if isinstance(s.dense_positions, bool) or not isinstance(s.dense_positions, int) or s.dense_positions < 0:
@@ -215,6 +215,13 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
                 )
     if not isinstance(s.record, bool):
         raise ValueError(f"record must be a bool, got {s.record!r}")
+    if s.active:
+        for layout in found:
+            if layout.routing.top_k > MAX_TOP_K or layout.num_experts > MAX_EXPERTS:
+                raise ValueError(
+                    f"MoE block '{layout.name}' routes each token to {layout.routing.top_k} of {layout.num_experts} "
+                    f"experts; base_moe's ops take at most {MAX_TOP_K} of {MAX_EXPERTS} (policy='dense' runs it as is)"
+                )
     if s.active and s.policy.needs_predictors and predictors is None:
         raise ValueError(
             f"policy '{s.policy.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path "
@@ -227,6 +234,19 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
                 "(from base_moe.calibrate(...), which stores them)"
             )
     return s
+
+
+def _budget(budget) -> int:
+    """A positive int from anything ``operator.index`` takes (int, numpy or torch integers), never a bool."""
+    try:
+        value = None if isinstance(budget, bool) else operator.index(budget)
+    except TypeError:
+        value = None
+    if value is None or value < 1:
+        raise ValueError(
+            f"budget must be a positive int (experts kept per MoE layer and decode batch) or None, got {budget!r}"
+        )
+    return value
 
 
 def _load_predictors(predictors, model: nn.Module):

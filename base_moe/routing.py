@@ -36,6 +36,12 @@ class Cost(enum.IntEnum):
     """w, and every expert that is some token's top-1 ranks above all others."""
 
 
+MAX_EXPERTS = 512
+"""Routed experts per MoE layer that the ops take at most (``kMaxExperts`` in csrc/include/base_moe/routing.h)."""
+MAX_TOP_K = 16
+"""Experts per token that the ops take at most (``kMaxTopK`` there)."""
+
+
 class Fill(enum.IntEnum):
     """What a token does when some of its routed experts were not kept."""
 

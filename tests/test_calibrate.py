@@ -258,7 +258,10 @@ def test_calibrate_every_supported_family(family):
             model(input_ids=ids[:4])
         with pytest.raises(ValueError, match="calibration runs the dense model"):
             base_moe.calibrate(model, ids, progress=False)
-        base_moe.configure(model, budget=None)
+        base_moe.configure(model, budget=None, policy="oea")  # prunes per token without a budget: still refused
+        with pytest.raises(ValueError, match="configure\\(model, policy='dense'\\)"):
+            base_moe.calibrate(model, ids, progress=False)
+        base_moe.configure(model, policy="dense")
         again = base_moe.calibrate(model, ids, progress=False)  # dense again: the same predictors
         assert all(torch.equal(again.weight[i], predictors.weight[i]) for i in layers)
     finally:

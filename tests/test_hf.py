@@ -5,15 +5,17 @@ from __future__ import annotations
 import copy
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from hf_models import FAMILIES, NUM_EXPERTS, VOCAB, StandInPredictors, tiny_model
 
 import base_moe
-from base_moe import reference
+from base_moe import ops, reference
 from base_moe.hf import moe_layouts, selections
 from base_moe.policies import CostPolicy, Policy, available_policies, get_policy, parse_fill
+from base_moe.routing import Cost, Routing
 
 BUDGETED = [name for name in available_policies() if get_policy(name).budgeted]
 
@@ -482,6 +484,8 @@ def test_decode_path_traces_without_graph_breaks(family):
         (dict(budget=0, policy="router_sum"), ValueError, r"budget must be a positive int"),
         (dict(budget=2.0, policy="router_sum"), ValueError, r"budget must be a positive int"),
         (dict(budget=True, policy="router_sum"), ValueError, r"budget must be a positive int"),
+        (dict(budget="2", policy="router_sum"), ValueError, r"budget must be a positive int"),
+        (dict(budget=torch.tensor(0), policy="router_sum"), ValueError, r"budget must be a positive int"),
         (dict(budget=2, policy="router_sum", group_by="token"), ValueError, r"group_by must be one of"),
         (dict(budget=2, policy="router_sum", dense_positions=-1), ValueError, r"dense_positions must be"),
         (dict(budget=2, policy="router_sum", colour="red"), TypeError, r"unknown option\(s\) 'colour'"),
@@ -491,6 +495,29 @@ def test_decode_path_traces_without_graph_breaks(family):
 def test_bad_options(kwargs, error, message):
     with pytest.raises(error, match=message):
         base_moe.apply(fresh("gpt_oss"), **kwargs)
+
+
+def test_budget_takes_any_integer_type():
+    model = base_moe.apply(fresh("qwen3_moe"), budget=np.int64(3), policy="router_sum")
+    states = [layout.block._base_moe for layout in moe_layouts(model)]
+    assert all(type(state.settings.budget) is int and state.settings.budget == 3 for state in states)
+    base_moe.configure(model, budget=torch.tensor(2))
+    assert all(type(state.settings.budget) is int and state.settings.budget == 2 for state in states)
+
+
+def test_routing_beyond_the_ops_limits_is_refused_up_front():
+    """top_k > MAX_TOP_K would only fail at the first decode step: apply and configure refuse a budget at once."""
+    from base_moe.routing import MAX_TOP_K
+
+    model = tiny_model("qwen3_moe", num_experts=MAX_TOP_K + 4, num_experts_per_tok=MAX_TOP_K + 1)
+    with pytest.raises(ValueError, match=f"routes each token to {MAX_TOP_K + 1} of {MAX_TOP_K + 4} experts"):
+        base_moe.apply(model, budget=4, policy="router_sum")
+    base_moe.apply(model)  # budget=None runs the model as it is
+    with pytest.raises(ValueError, match=f"at most {MAX_TOP_K} of"):
+        base_moe.configure(model, budget=4, policy="router_sum")
+    with pytest.raises(RuntimeError, match=f"top_k must be in \\[1, {MAX_TOP_K}\\]"):  # the op's own limit agrees
+        ops.route_select(torch.randn(2, MAX_TOP_K + 4), Routing(MAX_TOP_K + 1), budget=4, cost=Cost.ROUTER_SQ)
+    ops.route_select(torch.randn(2, MAX_TOP_K + 4), Routing(MAX_TOP_K), budget=4, cost=Cost.ROUTER_SQ)
 
 
 def test_static_energy_needs_calibration_statistics():
