@@ -174,6 +174,10 @@ def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int) 
             item = item[None]
         if item.dim() != 2:
             raise ValueError(f"input_ids batches must be [N, S], got shape {tuple(item.shape)}")
+        if item.is_floating_point() or item.is_complex() or item.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {item.dtype}")
+        if item.numel() == 0:
+            raise ValueError(f"input_ids batches must hold tokens, got shape {tuple(item.shape)}")
         yield from item.split(batch_size)
 
 
@@ -220,7 +224,7 @@ def calibrate(
 
     Returns a :class:`Predictors`; ``.r2`` holds each layer's held-out R^2 and ``.stats`` the time and peak
     memory of the run. The result depends only on the model, the tokens and these options (fixed split, fp64
-    sums in a fixed order). Memory: see the module docstring (``base_moe.calibrate``), independent of ``N``.
+    sums in a fixed order). Memory: see the docstring of the module ``base_moe/calibrate.py``, independent of ``N``.
     """
     from .layouts import find_moe_layouts
 

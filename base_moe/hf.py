@@ -168,6 +168,7 @@ def restore(model: nn.Module) -> nn.Module:
 
 
 def is_applied(model: nn.Module) -> bool:
+    """Whether ``apply`` patched ``model`` (and ``restore`` has not undone it)."""
     return getattr(model, "_base_moe_layouts", None) is not None
 
 
@@ -291,9 +292,28 @@ def _patched_class(mixin: type, cls: type) -> type:
     key = (mixin, cls)
     if key not in _PATCHED_CLASSES:
         _PATCHED_CLASSES[key] = type(
-            f"BaseMoE{cls.__name__}", (mixin, cls), {"_base_moe_original_class": cls, "__module__": __name__}
+            f"BaseMoE{cls.__name__}",
+            (mixin, cls),
+            {
+                "_base_moe_original_class": cls,
+                "_base_moe_mixin": mixin,
+                "__module__": __name__,
+                "__reduce_ex__": _reduce_patched,
+            },
         )
     return _PATCHED_CLASSES[key]
+
+
+def _reduce_patched(self, protocol):
+    """Pickles a patched module by its mixin and original class, which pickle finds by name (the generated class
+    is not a module attribute), so ``torch.save(model)`` and multiprocessing work; the rest as for any object."""
+    _, _, *rest = object.__reduce_ex__(self, protocol)
+    return (_new_patched, (self._base_moe_mixin, self._base_moe_original_class), *rest)
+
+
+def _new_patched(mixin: type, cls: type) -> nn.Module:
+    patched = _patched_class(mixin, cls)
+    return patched.__new__(patched)
 
 
 class _BaseMoERouter:

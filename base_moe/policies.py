@@ -117,6 +117,10 @@ class Policy:
     log-norms): the decode path then runs stages 1-3 as one ``select_experts`` call."""
 
     def select(self, step: DecodeStep) -> Selection:  # pragma: no cover - interface
+        """The decode step's experts: every token's final ``ids`` and ``weights`` (see :class:`Selection`), at
+        most ``step.budget`` distinct experts per group of ``T / step.num_groups`` tokens when the policy
+        ``needs_budget``. Called once per MoE layer and decode call, possibly inside a CUDA graph capture: no
+        host synchronisation, and output shapes that depend only on the input shapes and the budget."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -198,6 +202,9 @@ def get_policy(policy: str | Policy) -> Policy:
 
 
 def available_policies() -> list[str]:
+    """The names :func:`get_policy` (and ``base_moe.apply(policy=...)``) takes, built-in and registered, in
+    registration order; ``name:key=value`` forms of the registered factories (``oea``, ``lynx``,
+    ``topk_reduce``) set their options."""
     return list(_REGISTRY)
 
 

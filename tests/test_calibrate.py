@@ -200,6 +200,10 @@ def test_calibrate_rejects_bad_options():
         calibrate_layouts(model, layouts, ids, holdout=1.0, progress=False)
     with pytest.raises(ValueError, match="input_ids batches must be"):
         calibrate_layouts(model, layouts, ids[None], progress=False)
+    with pytest.raises(ValueError, match="input_ids batches must hold tokens"):
+        calibrate_layouts(model, layouts, ids[:0], progress=False)
+    with pytest.raises(TypeError, match="integer token ids, got dtype torch.float32"):
+        calibrate_layouts(model, layouts, ids.float(), progress=False)
 
 
 # ---------------------------------------------------------------------------------------------

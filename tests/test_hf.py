@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import numpy as np
@@ -14,6 +17,7 @@ from hf_models import FAMILIES, NUM_EXPERTS, VOCAB, StandInPredictors, tiny_mode
 import base_moe
 from base_moe import ops, reference
 from base_moe.hf import moe_layouts, selections
+from base_moe.layouts import find_moe_layouts
 from base_moe.policies import CostPolicy, Policy, available_policies, get_policy, parse_fill
 from base_moe.routing import Cost, Routing
 
@@ -401,6 +405,31 @@ def test_bfloat16_on_cpu(family):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     base_moe.configure(model, budget=NUM_EXPERTS)
     assert (logits_of(model, step).float() - ref.float()).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_patched_model_pickles(family, tmp_path):
+    """torch.save of a patched model loads in a fresh process (multiprocessing too): the generated classes are
+    pickled as their mixin and original class and rebuilt there."""
+    model = base_moe.apply(fresh(family), budget=2, policy="router_sq")
+    step = decode_ids()
+    torch.save({"model": model, "step": step, "logits": logits_of(model, step)}, tmp_path / "model.pt")
+    code = (
+        "import sys, torch, base_moe\n"
+        "saved = torch.load(sys.argv[1], weights_only=False)\n"
+        "model = saved['model']\n"
+        "assert base_moe.hf.is_applied(model)\n"
+        "with torch.no_grad():\n"
+        "    assert torch.equal(model(saved['step']).logits, saved['logits'])\n"
+        "base_moe.restore(model)\n"
+        "print('loaded', type(base_moe.layouts.find_moe_layouts(model)[0].block).__name__)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pt")], capture_output=True, text=True,
+                            cwd=repo, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    original = type(find_moe_layouts(fresh(family))[0].block).__name__
+    assert f"loaded {original}" in result.stdout  # restore() gave the loaded model its original classes back
 
 
 def test_predictors_from_a_file(tmp_path):
