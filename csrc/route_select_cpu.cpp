@@ -106,6 +106,12 @@ void check_finite_logits(const Tensor& logits) {
   BASE_MOE_CHECK(at::isfinite(logits).all().item<bool>(), "logits must be finite (found NaN or infinity)");
 }
 
+// A NaN has no place in the ranking, and the CUDA kernel ranks costs by their bits, where -0 and 0 differ.
+void check_batch_cost_values(const Tensor& batch_cost) {
+  BASE_MOE_CHECK((at::isfinite(batch_cost) & (batch_cost >= 0)).all().item<bool>(),
+                 "batch_cost must be finite and >= 0 (found NaN, infinity or a negative value)");
+}
+
 // Per-token scratch space for the routing of one token.
 struct TokenScratch {
   explicit TokenScratch(int64_t E) : choice(E), allowed(E), candidates(E) {}
@@ -310,6 +316,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cpu(const Tensor& logits,
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_select_fill(logits, batch_cost, budget, fill);
   check_finite_logits(logits);
+  check_batch_cost_values(batch_cost);
   auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
   return keep_and_fill(logits, correction_bias, r, routed, routed_w, batch_cost, budget, fill);
 }

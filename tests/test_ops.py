@@ -392,6 +392,18 @@ def test_non_finite_logits_raise_on_cpu():
             ops.route_select(logits, routing, budget=2, cost=Cost.ROUTER_SUM)
 
 
+def test_bad_batch_costs_raise_on_cpu():
+    routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
+    logits = torch.randn(4, 8)
+    good = torch.rand(1, 8)
+    ops.select_fill(logits, good, routing, budget=3)
+    for bad in (float("nan"), float("inf"), -1.0):
+        cost = good.clone()
+        cost[0, 5] = bad
+        with pytest.raises(RuntimeError, match="batch_cost must be finite and >= 0"):
+            ops.select_fill(logits, cost, routing, budget=3)
+
+
 def test_mixed_devices_raise():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU to mix devices")
