@@ -43,6 +43,12 @@ def resolve_device(arg: str | None) -> str:
     return arg
 
 
+def model_dtype(arg: str, device: str) -> str:
+    """``--dtype``: ``auto`` is the checkpoint's dtype, except float32 on the CPU (whose bf16 matmuls are slow and
+    round more), for calibration and evaluation alike."""
+    return "float32" if arg == "auto" and torch.device(device).type == "cpu" else arg
+
+
 def check_input_file(path: str, flag: str) -> None:
     if not os.path.isfile(path):
         raise SystemExit(f"error: {flag} {path!r} is not a file")
@@ -169,7 +175,8 @@ def add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=positive_int, default=512, metavar="S", help="tokens per sequence (default: 512)")
     p.add_argument("--bytes", action="store_true", help="byte-level model: each byte of --text is a token id")
     p.add_argument("--device", default=None, help="cuda, cpu, cuda:1, ... (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's)")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's; "
+                   "float32 on CPU)")
     p.add_argument("--batch-size", type=positive_int, default=8, metavar="B",
                    help="sequences per forward pass (default: 8)")
     p.add_argument("--ridge", type=bounded(float, 0.0), default=1e-3, metavar="L",
@@ -193,7 +200,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     check_input_file(args.text, "--text")
     check_output_file(args.out, "--out")
     start = time.perf_counter()
-    model = load_model(args.model, device, args.dtype)
+    model = load_model(args.model, device, model_dtype(args.dtype, device))
     vocab = getattr(model.config, "vocab_size", None)
     ids = load_token_ids(args.text, args.model, args.tokens, args.seq, args.bytes, vocab)
     loaded = time.perf_counter() - start
@@ -304,7 +311,6 @@ def run_eval(args: argparse.Namespace) -> int:
     from .policies import get_policy
 
     device = resolve_device(args.device)
-    dtype = args.dtype if not (args.dtype == "auto" and torch.device(device).type == "cpu") else "float32"
     try:
         policies = [get_policy(name) for name in args.policies.split(",") if name]
     except ValueError as err:
@@ -318,7 +324,7 @@ def run_eval(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")
     if args.plot:
         check_output_file(args.plot, "--plot")
-    model = load_model(args.model, device, dtype)
+    model = load_model(args.model, device, model_dtype(args.dtype, device))
     vocab = getattr(model.config, "vocab_size", None)
     ids = load_token_ids(args.text, args.model, args.batches * args.batch * args.seq, args.seq, args.bytes, vocab)
     budgets = args.budgets

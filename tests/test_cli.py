@@ -158,3 +158,10 @@ def test_paths_checked_before_loading(tmp_path, argv, message):
     argv = [arg.format(**paths) for arg in argv] + ["--model", str(tmp_path / "none"), "--device", "cpu"]
     with pytest.raises(SystemExit, match=message):
         main(argv)
+
+
+def test_auto_dtype_is_float32_on_cpu():
+    from base_moe.cli import model_dtype
+
+    assert model_dtype("auto", "cpu") == "float32" and model_dtype("auto", "cuda:1") == "auto"
+    assert model_dtype("bfloat16", "cpu") == "bfloat16"
