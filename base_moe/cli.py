@@ -8,6 +8,7 @@ are shared by every command that reads a local model directory and a text file.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import shlex
@@ -36,6 +37,8 @@ def resolve_device(arg: str | None) -> str:
         device = torch.device(arg)
     except RuntimeError:
         raise SystemExit(f"error: --device {arg!r} is not a device (cuda, cpu, cuda:1, ...)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"error: --device {arg}: base_moe runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"error: --device {arg}: no CUDA device is available here (use --device cpu)")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
@@ -55,10 +58,12 @@ def check_input_file(path: str, flag: str) -> None:
 
 
 def check_output_file(path: str, flag: str) -> None:
-    """Before the work, not after it: the file's folder must exist and be writable."""
+    """Before the work, not after it: the file's folder must exist and be writable (and the file, if it exists)."""
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise SystemExit(f"error: {flag} {path!r} is a directory; give a file name")
+    if not path or os.path.isdir(path):
+        raise SystemExit(f"error: {flag} {path!r} is a directory or empty; give a file name")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise SystemExit(f"error: {flag} {path!r} exists and is not writable")
     if not os.path.isdir(folder):
         raise SystemExit(f"error: {flag} {path!r}: the folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK):
@@ -66,7 +71,7 @@ def check_output_file(path: str, flag: str) -> None:
 
 
 def bounded(kind: type, low: float, high: float | None = None, high_open: bool = False) -> Callable[[str], float]:
-    """An argparse ``type`` that parses ``kind`` and checks ``low <= value`` (and ``value <= high``, or
+    """An argparse ``type`` that parses ``kind`` (finite) and checks ``low <= value`` (and ``value <= high``, or
     ``< high`` with ``high_open``), so that a bad value is a usage error before the model loads."""
     name = "an integer" if kind is int else "a number"
 
@@ -75,7 +80,8 @@ def bounded(kind: type, low: float, high: float | None = None, high_open: bool =
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
-        if value < low or (high is not None and (value >= high if high_open else value > high)):
+        above = high is not None and (value >= high if high_open else value > high)
+        if not math.isfinite(value) or value < low or above:
             upper = "" if high is None else f" and {'<' if high_open else '<='} {high}"
             raise argparse.ArgumentTypeError(f"expected {name} >= {low}{upper}, got {text}")
         return value
@@ -84,14 +90,19 @@ def bounded(kind: type, low: float, high: float | None = None, high_open: bool =
 
 
 positive_int = bounded(int, 1)
+nonnegative_float = bounded(float, 0.0)
+
+
+def check_model_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise SystemExit(f"error: --model {path!r} is not a directory (a local Hugging Face checkpoint is needed)")
 
 
 def load_model(path: str, device: str, dtype: str = "auto") -> torch.nn.Module:
     """A causal LM from a local directory (never the network), in eval mode, on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    if not os.path.isdir(path):
-        raise SystemExit(f"error: --model {path!r} is not a directory (a local Hugging Face checkpoint is needed)")
+    check_model_dir(path)
     kwargs = dict(local_files_only=True, dtype=DTYPES[dtype])
     try:
         model = AutoModelForCausalLM.from_pretrained(path, device_map=device, **kwargs)
@@ -110,8 +121,7 @@ def load_token_ids(
     if seq < 1 or tokens < seq:
         raise SystemExit(f"error: need --tokens >= --seq >= 1, got --tokens {tokens} --seq {seq}")
     if byte_level:
-        if vocab_size is not None and vocab_size < 256:
-            raise SystemExit(f"error: --bytes needs a vocabulary of at least 256 tokens, the model has {vocab_size}")
+        check_byte_vocabulary(vocab_size)
         with open(text_path, "rb") as f:
             data = f.read(tokens)
         ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
@@ -123,6 +133,12 @@ def load_token_ids(
     if n * seq < tokens:
         print(f"note: {text_path} gives {ids.numel()} tokens; using {n} sequences of {seq} ({n * seq} tokens)")
     return ids[: n * seq].reshape(n, seq).clone()
+
+
+def check_byte_vocabulary(vocab_size: int | None) -> None:
+    """``--bytes`` feeds byte values as token ids: the model's vocabulary must hold all 256."""
+    if vocab_size is not None and vocab_size < 256:
+        raise SystemExit(f"error: --bytes needs a vocabulary of at least 256 tokens, the model has {vocab_size}")
 
 
 def _tokenize(text_path: str, model_path: str, tokens: int) -> torch.Tensor:
@@ -179,7 +195,7 @@ def add_calibrate(subparsers: argparse._SubParsersAction) -> None:
                    "float32 on CPU)")
     p.add_argument("--batch-size", type=positive_int, default=8, metavar="B",
                    help="sequences per forward pass (default: 8)")
-    p.add_argument("--ridge", type=bounded(float, 0.0), default=1e-3, metavar="L",
+    p.add_argument("--ridge", type=nonnegative_float, default=1e-3, metavar="L",
                    help="relative ridge strength, >= 0 (default: 1e-3)")
     p.add_argument(
         "--ridge-sweep", type=_ridge_list, default=[], metavar="L1,L2,...",
@@ -195,19 +211,22 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
 
     device = resolve_device(args.device)
-    if args.tokens < args.seq:
-        raise SystemExit(f"error: --tokens {args.tokens} is fewer than one sequence of --seq {args.seq}")
+    check_model_dir(args.model)
     check_input_file(args.text, "--text")
     check_output_file(args.out, "--out")
     start = time.perf_counter()
+    ids = load_token_ids(args.text, args.model, args.tokens, args.seq, args.bytes)  # before the model: fails fast
     model = load_model(args.model, device, model_dtype(args.dtype, device))
-    vocab = getattr(model.config, "vocab_size", None)
-    ids = load_token_ids(args.text, args.model, args.tokens, args.seq, args.bytes, vocab)
+    if args.bytes:
+        check_byte_vocabulary(getattr(model.config, "vocab_size", None))
     loaded = time.perf_counter() - start
-    predictors = calibrate(
-        model, ids, batch_size=args.batch_size, ridge=args.ridge, holdout=args.holdout,
-        progress=not args.no_progress, device=device, ridge_sweep=args.ridge_sweep,
-    )
+    try:
+        predictors = calibrate(
+            model, ids, batch_size=args.batch_size, ridge=args.ridge, holdout=args.holdout,
+            progress=not args.no_progress, device=device, ridge_sweep=args.ridge_sweep,
+        )
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     print(format_table(predictors))  # before the save: a failed save still shows the fit
     if "r2_by_ridge" in predictors.stats:
         print(format_sweep(predictors))
@@ -254,8 +273,7 @@ def format_sweep(predictors) -> str:
 
 
 def _ridge_list(text: str) -> list[float]:
-    parse = bounded(float, 0.0)
-    return [parse(v) for v in text.split(",") if v.strip()]
+    return [nonnegative_float(v) for v in text.split(",") if v.strip()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,15 +336,20 @@ def run_eval(args: argparse.Namespace) -> int:
     if any(p.needs_predictors or p.needs_statistics for p in policies) and not args.predictors:
         needing = ", ".join(p.name for p in policies if p.needs_predictors or p.needs_statistics)
         raise SystemExit(f"error: policies {needing} need --predictors FILE (from `python -m base_moe calibrate`)")
+    if args.prefill > args.seq - 2:
+        raise SystemExit(f"error: --prefill {args.prefill} leaves no scored decode position in --seq {args.seq} "
+                         "(at most --seq - 2)")
+    check_model_dir(args.model)
     check_input_file(args.text, "--text")
     if args.predictors:
         check_input_file(args.predictors, "--predictors")
     check_output_file(args.json, "--json")
     if args.plot:
         check_output_file(args.plot, "--plot")
+    ids = load_token_ids(args.text, args.model, args.batches * args.batch * args.seq, args.seq, args.bytes)
     model = load_model(args.model, device, model_dtype(args.dtype, device))
-    vocab = getattr(model.config, "vocab_size", None)
-    ids = load_token_ids(args.text, args.model, args.batches * args.batch * args.seq, args.seq, args.bytes, vocab)
+    if args.bytes:
+        check_byte_vocabulary(getattr(model.config, "vocab_size", None))
     budgets = args.budgets
     try:
         if budgets is None:

@@ -239,8 +239,9 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
 
 def _budget(budget) -> int:
     """A positive int from anything ``operator.index`` takes (int, numpy or torch integers), never a bool."""
+    is_bool = isinstance(budget, bool) or (isinstance(budget, torch.Tensor) and budget.dtype == torch.bool)
     try:
-        value = None if isinstance(budget, bool) else operator.index(budget)
+        value = None if is_bool else operator.index(budget)
     except TypeError:
         value = None
     if value is None or value < 1:

@@ -121,19 +121,22 @@ def test_bytes_and_argument_errors(tmp_path):
         (["--batch-size", "0"], "--batch-size: expected an integer >= 1"),
         (["--ridge", "-1"], "--ridge: expected a number >= 0.0"),
         (["--ridge-sweep", "0.1,x"], "--ridge-sweep: expected a number, got 'x'"),
-        (["--tokens", "64", "--seq", "128"], "--tokens 64 is fewer than one sequence of --seq 128"),
+        (["--ridge", "nan"], "--ridge: expected a number >= 0.0, got nan"),
+        (["--holdout", "inf"], "--holdout: expected a number >= 0.0 and < 1.0, got inf"),
+        (["--tokens", "64", "--seq", "128"], "need --tokens >= --seq >= 1, got --tokens 64 --seq 128"),
         (["--device", "bogus"], "--device 'bogus' is not a device"),
+        (["--device", "meta"], "--device meta: base_moe runs on cpu or cuda"),
     ],
 )
 def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, message):
-    """Bad values stop the command before the model loads (the model path does not even exist here)."""
+    """Bad values stop the command before the model loads (its directory is empty here: loading would fail)."""
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
-    argv = ["calibrate", "--model", str(tmp_path / "none"), "--text", str(text), "--out", str(tmp_path / "p"), *extra]
+    (tmp_path / "model").mkdir()
+    argv = ["calibrate", "--model", str(tmp_path / "model"), "--text", str(text), "--out", str(tmp_path / "p"), *extra]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    shown = str(exit_info.value.code) + capsys.readouterr().err
-    assert message in shown and "not a directory" not in shown
+    assert message in str(exit_info.value.code) + capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -148,14 +151,20 @@ def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, messa
          "--predictors .* not a file"),
         (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--policies", "router_sq", "--plot", "{tmp}/no/o.png"],
          "--plot .* does not exist"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--policies", "router_sq", "--seq", "16", "--prefill",
+          "15"], "--prefill 15 leaves no scored decode position"),
+        (["calibrate", "--text", "{text}", "--out", "{tmp}/p", "--model", "{tmp}/none"],
+         "--model .* is not a directory"),
     ],
 )
 def test_paths_checked_before_loading(tmp_path, argv, message):
-    """Input files must exist and output folders be writable before the model loads (it does not exist here)."""
+    """Input files must exist and output folders be writable before the model loads (its directory is empty)."""
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
+    (tmp_path / "model").mkdir()
     paths = {"tmp": str(tmp_path), "text": str(text), "missing": str(tmp_path / "missing")}
-    argv = [arg.format(**paths) for arg in argv] + ["--model", str(tmp_path / "none"), "--device", "cpu"]
+    command, *rest = [arg.format(**paths) for arg in argv]
+    argv = [command, "--model", str(tmp_path / "model"), *rest, "--device", "cpu"]  # a later --model wins
     with pytest.raises(SystemExit, match=message):
         main(argv)
 

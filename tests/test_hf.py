@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import subprocess
 import sys
 from unittest import mock
@@ -19,7 +20,7 @@ from base_moe import ops, reference
 from base_moe.hf import moe_layouts, selections
 from base_moe.layouts import find_moe_layouts
 from base_moe.policies import CostPolicy, Policy, available_policies, get_policy, parse_fill
-from base_moe.routing import Cost, Routing
+from base_moe.routing import MAX_TOP_K, Cost, Routing
 
 BUDGETED = [name for name in available_policies() if get_policy(name).budgeted]
 
@@ -409,10 +410,13 @@ def test_bfloat16_on_cpu(family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_patched_model_pickles(family, tmp_path):
-    """torch.save of a patched model loads in a fresh process (multiprocessing too): the generated classes are
-    pickled as their mixin and original class and rebuilt there."""
+    """torch.save of a patched model loads in a fresh process (as multiprocessing would): the generated classes
+    are pickled as their mixin and original class and rebuilt there. In process, every pickle protocol."""
     model = base_moe.apply(fresh(family), budget=2, policy="router_sq")
     step = decode_ids()
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        copied = pickle.loads(pickle.dumps(model, protocol))
+        assert type(copied.model) is type(model.model) and torch.equal(logits_of(copied, step), logits_of(model, step))
     torch.save({"model": model, "step": step, "logits": logits_of(model, step)}, tmp_path / "model.pt")
     code = (
         "import sys, torch, base_moe\n"
@@ -515,6 +519,7 @@ def test_decode_path_traces_without_graph_breaks(family):
         (dict(budget=True, policy="router_sum"), ValueError, r"budget must be a positive int"),
         (dict(budget="2", policy="router_sum"), ValueError, r"budget must be a positive int"),
         (dict(budget=torch.tensor(0), policy="router_sum"), ValueError, r"budget must be a positive int"),
+        (dict(budget=torch.tensor(True), policy="router_sum"), ValueError, r"budget must be a positive int"),
         (dict(budget=2, policy="router_sum", group_by="token"), ValueError, r"group_by must be one of"),
         (dict(budget=2, policy="router_sum", dense_positions=-1), ValueError, r"dense_positions must be"),
         (dict(budget=2, policy="router_sum", colour="red"), TypeError, r"unknown option\(s\) 'colour'"),
@@ -536,8 +541,6 @@ def test_budget_takes_any_integer_type():
 
 def test_routing_beyond_the_ops_limits_is_refused_up_front():
     """top_k > MAX_TOP_K would only fail at the first decode step: apply and configure refuse a budget at once."""
-    from base_moe.routing import MAX_TOP_K
-
     model = tiny_model("qwen3_moe", num_experts=MAX_TOP_K + 4, num_experts_per_tok=MAX_TOP_K + 1)
     with pytest.raises(ValueError, match=f"routes each token to {MAX_TOP_K + 1} of {MAX_TOP_K + 4} experts"):
         base_moe.apply(model, budget=4, policy="router_sum")

@@ -392,16 +392,19 @@ def test_non_finite_logits_raise_on_cpu():
             ops.route_select(logits, routing, budget=2, cost=Cost.ROUTER_SUM)
 
 
-def test_bad_batch_costs_raise_on_cpu():
+def test_nan_batch_cost_raises_on_cpu():
     routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
     logits = torch.randn(4, 8)
-    good = torch.rand(1, 8)
-    ops.select_fill(logits, good, routing, budget=3)
-    for bad in (float("nan"), float("inf"), -1.0):
-        cost = good.clone()
-        cost[0, 5] = bad
-        with pytest.raises(RuntimeError, match="batch_cost must be finite and >= 0"):
-            ops.select_fill(logits, cost, routing, budget=3)
+    for value in (float("inf"), -1.0, -float("inf")):  # any other float ranks by value, as in the reference
+        cost = torch.rand(1, 8)
+        cost[0, 5] = value
+        ids, weights, kept, counts = ops.select_fill(logits, cost, routing, budget=3)
+        ids_ref, weights_ref, kept_ref, counts_ref = ref.select_fill(logits, cost, None, routing, 3, Fill.BACKFILL)
+        assert torch.equal(kept, kept_ref) and torch.equal(ids, ids_ref) and torch.equal(counts, counts_ref)
+        torch.testing.assert_close(weights, weights_ref)
+    cost[0, 5] = float("nan")
+    with pytest.raises(RuntimeError, match="batch_cost must not hold NaN"):
+        ops.select_fill(logits, cost, routing, budget=3)
 
 
 def test_mixed_devices_raise():
