@@ -6,12 +6,19 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(c
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
 s=$SECONDS
 # The synced tree keeps this machine's mtimes, older than a warm machine's objects: after compare_variants reverted a
-# variant's patches, ninja rebuilt nothing and session 27's call 6 ran the variant's library. Whenever csrc differs
-# from what the last build here compiled, every source is touched, so all of it is rebuilt.
-csrc_sums=$(find csrc -type f | sort | xargs md5sum | md5sum)
-[ "$csrc_sums" = "$(cat build/.csrc_sums 2>/dev/null)" ] || find csrc -type f -exec touch {} +
+# variant's patches, ninja rebuilt nothing and session 27's call 6 ran the variant's library. So every file of csrc
+# whose content differs from what the last build here compiled is touched (a header's dependents then rebuild through
+# ninja's depfiles), and only those rebuild: a variant of one kernel file costs that file's compile, not all of csrc's.
+# (Session 49: before, any difference touched every file.)
+find csrc -type f | sort | xargs md5sum > /tmp/csrc_sums_now
+if [ -f build/.csrc_file_sums ]; then
+  diff <(cat build/.csrc_file_sums) /tmp/csrc_sums_now | awk '/^> /{print $3}' | xargs -r touch
+else
+  find csrc -type f -exec touch {} +
+fi
+rm -f build/.csrc_file_sums  # until this build succeeds: a failed build leaves every file to be touched next time
 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > $OUT/build.log 2>&1 || { tail -50 $OUT/build.log; exit 1; }
-mkdir -p build && echo "$csrc_sums" > build/.csrc_sums
+mkdir -p build && cp /tmp/csrc_sums_now build/.csrc_file_sums
 # a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13, call 11): name what it compiled
 echo "build $((SECONDS-s)) s; compiled: $(grep -o 'csrc/[a-z_]*\.cu' $OUT/build.log | sort -u | tr '\n' ' ')"
 # ncu --metrics output FILE: the kernel name lines (KERNEL, a regex), duration, issue activity and the stall ratios of
