@@ -223,6 +223,7 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
                     f"MoE block '{layout.name}' routes each token to {layout.routing.top_k} of {layout.num_experts} "
                     f"experts; base_moe's ops take at most {MAX_TOP_K} of {MAX_EXPERTS} (policy='dense' runs it as is)"
                 )
+            s.policy.check_layout(layout)
     if s.active and s.policy.needs_predictors and predictors is None:
         raise ValueError(
             f"policy '{s.policy.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path "

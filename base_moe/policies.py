@@ -116,6 +116,10 @@ class Policy:
     """Set when the policy is ``route_select`` with this cost on the router's own outputs (the predicted or no
     log-norms): the decode path then runs stages 1-3 as one ``select_experts`` call."""
 
+    def check_layout(self, layout: MoELayout) -> None:
+        """Raises ``ValueError`` when an option of the policy is out of range for this MoE layer's routing (e.g. more
+        experts per token than the model routes); ``apply`` / ``configure`` ask it for every layer up front."""
+
     def select(self, step: DecodeStep) -> Selection:  # pragma: no cover - interface
         """The decode step's experts: every token's final ``ids`` and ``weights`` (see :class:`Selection`), at
         most ``step.budget`` distinct experts per group of ``T / step.num_groups`` tokens when the policy
@@ -177,8 +181,10 @@ _REGISTRY: dict[str, Policy] = {}
 
 def register_policy(policy: Policy, *, replace: bool = False) -> Policy:
     """Make ``policy`` available by its name to ``base_moe.apply``/``configure``."""
-    if not policy.name:
-        raise ValueError("a policy needs a name")
+    if not isinstance(policy, Policy):
+        raise TypeError(f"register_policy takes a base_moe.policies.Policy, got {type(policy).__name__}")
+    if not policy.name or ":" in policy.name:
+        raise ValueError(f"a policy needs a name without ':' (which separates options), got {policy.name!r}")
     if policy.name in _REGISTRY and not replace:
         raise ValueError(f"policy '{policy.name}' is already registered (pass replace=True to override it)")
     _REGISTRY[policy.name] = policy
@@ -354,6 +360,14 @@ def _check_int(name: str, value, low: int) -> int:
     return value
 
 
+def _check_experts_per_token(policy: str, option: str, value: int, layout: MoELayout) -> None:
+    if value > layout.routing.top_k:
+        raise ValueError(
+            f"policy '{policy}': {option}={value} is more experts per token than MoE block '{layout.name}' routes "
+            f"(top-{layout.routing.top_k})"
+        )
+
+
 class OEAPolicy(Policy):
     """OEA(k0): A = the union of every token's top-``k0`` experts in its decode batch (no budget: |A| follows the
     batch); each token then takes its top-k experts within A in its own rank order (the ``backfill`` rule; the
@@ -367,6 +381,9 @@ class OEAPolicy(Policy):
         self.k0 = _check_int("oea k0", k0, 1)
         self.name = "oea" if k0 == 1 else f"oea:k0={k0}"
         self.description = f"A = union of every token's top-{k0}; tokens re-routed within A (no budget)"
+
+    def check_layout(self, layout: MoELayout) -> None:
+        _check_experts_per_token(self.name, "k0", self.k0, layout)
 
     def select(self, step: DecodeStep) -> Selection:
         routing, E = step.routing, step.logits.shape[1]
@@ -386,16 +403,20 @@ class LynxPolicy(Policy):
         self.bins = _check_int("lynx bins", bins, 1)
         if not width > 0 or not 0 < decay <= 1:
             raise ValueError(f"lynx needs width > 0 and 0 < decay <= 1, got width={width!r}, decay={decay!r}")
-        if threshold is not None and not isinstance(threshold, (int, float)):
-            raise ValueError(f"lynx threshold must be a number or None, got {threshold!r}")
+        if threshold is not None and (
+            isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf
+        ):
+            raise ValueError(f"lynx threshold must be a number > 0 (a discounted count of tokens) or None, "
+                             f"got {threshold!r}")
         self.threshold, self.width, self.decay = threshold, float(width), float(decay)
         self.needs_budget = threshold is None
-        options = [f"threshold={threshold:g}"] if threshold is not None else []
+        # options written as repr: the name parses back to the same policy (and two policies never share a name)
+        options = [f"threshold={threshold!r}"] if threshold is not None else []
         options += [f"bins={bins}"] if bins != 4 else []
-        options += [f"width={width:g}"] if width != math.log(2.0) else []
-        options += [f"decay={decay:g}"] if decay != 0.5 else []
+        options += [f"width={width!r}"] if width != math.log(2.0) else []
+        options += [f"decay={decay!r}"] if decay != 0.5 else []
         self.name = ":".join(["lynx", *options])
-        self.description = "Lynx-style confidence bins" + (f", threshold {threshold:g}" if threshold is not None else "")
+        self.description = "Lynx-style confidence bins" + ("" if threshold is None else f", threshold {threshold!r}")
 
     def batch_scores(self, step: DecodeStep) -> torch.Tensor:
         """``D [G, E]``: each expert's confidence-discounted count of routed tokens."""
@@ -428,6 +449,10 @@ class TopKReducePolicy(Policy):
         self.k = None if k is None else _check_int("topk_reduce k", k, 1)
         self.name = "topk_reduce" if k is None else f"topk_reduce:k={k}"
         self.description = f"per-token top-{k if k is not None else 'k/2'} (not batch-aware), renormalised"
+
+    def check_layout(self, layout: MoELayout) -> None:
+        if self.k is not None:
+            _check_experts_per_token(self.name, "k", self.k, layout)
 
     def select(self, step: DecodeStep) -> Selection:
         E, top_k = step.logits.shape[1], step.routing.top_k

@@ -13,12 +13,14 @@ import base_moe
 from base_moe import Fill, Routing, Scoring, reference
 from base_moe.hf import moe_layouts, selections
 from base_moe.policies import (
+    CostPolicy,
     DecodeStep,
     LynxPolicy,
     OEAPolicy,
     TopKReducePolicy,
     available_policies,
     get_policy,
+    register_policy,
 )
 
 DESIGN_POLICIES = ["dense", "base", "oracle", "static_energy", "router_sum", "router_sq", "frequency", "top1_union",
@@ -221,6 +223,8 @@ def test_every_design_policy_is_registered():
     ("topk_reduce:k=2", TopKReducePolicy, {"k": 2}),
     ("lynx:threshold=2.5", LynxPolicy, {"threshold": 2.5, "needs_budget": False}),
     ("lynx:bins=2", LynxPolicy, {"bins": 2, "needs_budget": True, "threshold": None}),
+    ("lynx:threshold=1234567", LynxPolicy, {"threshold": 1234567, "name": "lynx:threshold=1234567"}),
+    ("lynx:threshold=2.5000001", LynxPolicy, {"threshold": 2.5000001, "name": "lynx:threshold=2.5000001"}),
 ])
 def test_policy_specs(spec, cls, attrs):
     policy = get_policy(spec)
@@ -237,10 +241,31 @@ def test_policy_specs(spec, cls, attrs):
     ("base:x=1", "take options"),
     ("topk_reduce:k=1.5", "must be an int"),
     ("lynx:decay=2", "decay"),
+    ("lynx:threshold=0", "threshold must be a number > 0"),
+    ("lynx:threshold=-5", "threshold must be a number > 0"),
+    ("lynx:threshold=nan", "threshold must be a number > 0"),
+    ("lynx:threshold=inf", "threshold must be a number > 0"),
 ])
 def test_bad_policy_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         get_policy(spec)
+
+
+@pytest.mark.parametrize("spec", ["oea:k0=3", "topk_reduce:k=3"])
+def test_more_experts_per_token_than_routed_is_refused_at_apply(spec):
+    """The tiny models route top-2: an option above it would silently run the dense model."""
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match=r"=3 is more experts per token than MoE block .* routes \(top-2\)"):
+        base_moe.apply(model, policy=spec)
+    base_moe.apply(model, policy=spec.replace("3", "2"))  # top-2 itself is allowed (and dense)
+
+
+def test_register_policy_checks_its_argument():
+    with pytest.raises(TypeError, match="takes a base_moe.policies.Policy"):
+        register_policy("router_sq")
+    renamed = get_policy("router_sq")
+    with pytest.raises(ValueError, match="without ':'"):
+        register_policy(CostPolicy("router_sq:v2", renamed.cost, renamed.log_norms))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
