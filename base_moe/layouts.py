@@ -153,7 +153,8 @@ class MoELayout:
 def find_moe_layouts(model: nn.Module) -> list[MoELayout]:
     """Every MoE block of ``model``, in module order.
 
-    A module is an MoE block when it has a child named ``experts`` or a child holding 3-D parameters. Raises
+    A module is an MoE block when it has a child named ``experts`` or a child holding fused 3-D ``gate_up_proj``
+    and ``down_proj`` weights (so a hybrid model's convolutions, also 3-D, are not taken for experts). Raises
     :class:`MoELayoutError` (a ``ValueError``) naming the module when such a block is not understood.
     """
     layouts = []
@@ -167,7 +168,8 @@ def find_moe_layouts(model: nn.Module) -> list[MoELayout]:
 
 def _experts_child(module: nn.Module) -> str | None:
     for child_name, child in module.named_children():
-        if child_name == "experts" or any(p.dim() == 3 for p in child.parameters(recurse=False)):
+        fused = [getattr(child, w, None) for w in ("gate_up_proj", "down_proj")]
+        if child_name == "experts" or all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in fused):
             return child_name
     return None
 

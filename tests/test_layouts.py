@@ -100,6 +100,15 @@ def test_dense_model_has_no_moe_blocks():
     assert find_moe_layouts(transformers.LlamaForCausalLM(cfg)) == []
 
 
+def test_hybrid_models_convolutions_are_not_experts():
+    """A hybrid model (Jamba's Mamba mixers, Qwen3-Next's linear attention) has 3-D convolution weights beside its
+    MoE blocks: only the MoE blocks are found."""
+    model = tiny_model("qwen3_moe")
+    model.model.layers[0].mixer = nn.Module()
+    model.model.layers[0].mixer.conv1d = nn.Conv1d(32, 32, kernel_size=4, groups=32)
+    assert [layout.name for layout in find_moe_layouts(model)] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Blocks that look like MoE but are not understood: a clear error naming the module
 # ---------------------------------------------------------------------------------------------------------------
