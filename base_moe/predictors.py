@@ -55,18 +55,28 @@ class Predictors:
         expert_r2: dict[int, torch.Tensor] | None = None,
     ) -> None:
         layers = sorted(weight)
+        if not layers:
+            raise ValueError("predictors need at least one layer (got no weight)")
         if sorted(bias) != layers or sorted(mean_log_norm) != layers:
             raise ValueError(
                 f"weight, bias and mean_log_norm must name the same layers; got {layers}, {sorted(bias)}, "
                 f"{sorted(mean_log_norm)}"
             )
+        hidden_sizes = {w.shape[-1] for w in weight.values()}
         for i in layers:
+            if weight[i].dim() != 2 or len(hidden_sizes) != 1:
+                raise ValueError(
+                    f"every layer's weight must be [experts, hidden_size] with one hidden size; layer {i} has "
+                    f"{tuple(weight[i].shape)}, hidden sizes {sorted(hidden_sizes)}"
+                )
             E, _ = weight[i].shape
             if bias[i].shape != (E,) or mean_log_norm[i].shape != (E,):
                 raise ValueError(
                     f"layer {i}: weight is {tuple(weight[i].shape)}, so bias and mean_log_norm must be [{E}]; got "
                     f"{tuple(bias[i].shape)} and {tuple(mean_log_norm[i].shape)}"
                 )
+            if not all(bool(torch.isfinite(t).all()) for t in (weight[i], bias[i], mean_log_norm[i])):
+                raise ValueError(f"layer {i}: the predictor holds NaN or infinite values")
         self.weight = {i: weight[i].float().contiguous() for i in layers}
         self.bias = {i: bias[i].float().contiguous() for i in layers}
         self.mean_log_norm = {i: mean_log_norm[i].float().contiguous() for i in layers}
@@ -135,16 +145,23 @@ class Predictors:
         """Read a file written by :meth:`save`."""
         from safetensors import safe_open
 
-        with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
-            raw = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        try:
+            with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
+                raw = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except OSError:
+            raise
+        except Exception as err:  # safetensors' own error: a truncated file, or not safetensors at all
+            raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
         try:
             metadata = {k: json.loads(v) for k, v in raw.items()}
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not a base_moe predictors file (metadata is not JSON: {err})") from None
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path}: not a base_moe predictors file (metadata format={metadata.get('format')!r})")
-        if int(metadata.get("format_version", -1)) > FORMAT_VERSION:
+        if not isinstance(metadata.get("format_version"), int):
+            raise ValueError(f"{path}: predictors format_version must be an int, got {metadata.get('format_version')!r}")
+        if metadata["format_version"] > FORMAT_VERSION:
             raise ValueError(
                 f"{path}: predictors format version {metadata['format_version']} is newer than this base_moe "
                 f"understands ({FORMAT_VERSION}); upgrade base_moe"
@@ -152,11 +169,14 @@ class Predictors:
         fields: dict[str, dict[int, torch.Tensor]] = {"weight": {}, "bias": {}, "mean_log_norm": {}, "expert_r2": {}}
         for name, tensor in tensors.items():
             parts = name.split(".")
-            if len(parts) != 3 or parts[0] != "layers" or parts[2] not in fields:
+            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in fields:
                 raise ValueError(f"{path}: unexpected tensor {name!r} in a predictors file")
             fields[parts[2]][int(parts[1])] = tensor
         r2 = {int(i): float(v) for i, v in metadata.get("r2", {}).items()}
-        return cls(fields["weight"], fields["bias"], fields["mean_log_norm"], r2, metadata, fields["expert_r2"])
+        try:
+            return cls(fields["weight"], fields["bias"], fields["mean_log_norm"], r2, metadata, fields["expert_r2"])
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
 
     # -----------------------------------------------------------------------------------------
     def check_compatible(self, model: torch.nn.Module) -> None:

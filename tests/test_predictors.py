@@ -75,11 +75,42 @@ def test_load_rejects_other_files(tmp_path):
         Predictors.load(tmp_path / "other.safetensors")
 
 
+def test_broken_predictor_files_are_clear_errors(tmp_path):
+    """Truncated, empty, malformed or non-finite files: a ValueError naming the file and the problem."""
+    good = tmp_path / "good.safetensors"
+    make_predictors(layers=(0, 1)).save(good)
+    meta = {"format": json.dumps("base_moe.predictors"), "format_version": "1"}
+    cases = {
+        "truncated": (good.read_bytes()[:-20], "not a readable safetensors file"),
+        "empty": (b"", "not a readable safetensors file"),
+    }
+    for name, (data, message) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=f"{name}: {message}"):
+            Predictors.load(tmp_path / name)
+    files = {
+        "no_tensors": ({}, meta, "at least one layer"),
+        "one_dim": ({"layers.0.weight": torch.zeros(4), "layers.0.bias": torch.zeros(4),
+                     "layers.0.mean_log_norm": torch.zeros(4)}, meta, r"must be \[experts, hidden_size\]"),
+        "bad_name": ({"layers.x.weight": torch.zeros(4, 8)}, meta, "unexpected tensor 'layers.x.weight'"),
+        "bad_version": ({}, {**meta, "format_version": json.dumps("2b")}, "format_version must be an int"),
+        "nan": ({"layers.0.weight": torch.full((4, 8), math.nan), "layers.0.bias": torch.zeros(4),
+                 "layers.0.mean_log_norm": torch.zeros(4)}, meta, "NaN or infinite"),
+    }
+    for name, (tensors, metadata, message) in files.items():
+        save_file(tensors, tmp_path / name, metadata=metadata)
+        with pytest.raises(ValueError, match=f"{name}: .*{message}"):
+            Predictors.load(tmp_path / name)
+
+
 def test_inconsistent_shapes_are_refused():
     with pytest.raises(ValueError, match="same layers"):
         Predictors({0: torch.zeros(4, 8)}, {1: torch.zeros(4)}, {0: torch.zeros(4)})
     with pytest.raises(ValueError, match=r"must be \[4\]"):
         Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(5)}, {0: torch.zeros(4)})
+    with pytest.raises(ValueError, match="one hidden size"):
+        Predictors({0: torch.zeros(4, 8), 1: torch.zeros(4, 6)}, {i: torch.zeros(4) for i in (0, 1)},
+                   {i: torch.zeros(4) for i in (0, 1)})
 
 
 # ---------------------------------------------------------------------------------------------
