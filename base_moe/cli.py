@@ -325,7 +325,7 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     import json
 
-    from .evaluate import budgets_between, dense_union, evaluate, format_table, plot
+    from .evaluate import budgets_between, dense_union, evaluate, format_table, json_ready, plot
     from .policies import get_policy
 
     device = resolve_device(args.device)
@@ -360,7 +360,7 @@ def run_eval(args: argparse.Namespace) -> int:
         result = evaluate(
             model, ids, predictors=args.predictors, policies=policies, budgets=budgets, batch=args.batch,
             seq=args.seq, prefill=args.prefill, batches=args.batches, fill=args.fill, device=device,
-            progress=not args.no_progress, energy=not args.no_energy,
+            progress=not args.no_progress, energy=not args.no_energy, byte_level=args.bytes,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
@@ -368,7 +368,7 @@ def run_eval(args: argparse.Namespace) -> int:
     result["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "argv")}
     print(format_table(result))
     with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(json_ready(result), f, indent=1, allow_nan=False)
     print(f"wrote {args.json}")
     if args.plot:
         plot(result, args.plot)

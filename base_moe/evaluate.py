@@ -27,6 +27,7 @@ on CUDA), one line per policy, and ``python -m base_moe eval`` runs it all from 
 from __future__ import annotations
 
 import math
+import operator
 import os
 import platform
 import statistics
@@ -69,6 +70,8 @@ def make_batches(input_ids: torch.Tensor, batch: int, seq: int, batches: int) ->
 
 def budgets_between(union: float, low: float = 1 / 3, high: float = 1 / 2) -> list[int]:
     """Every integer budget in ``[low * union, high * union]`` (at least one: the nearest to their middle)."""
+    if not 0 < union < math.inf:
+        raise ValueError(f"the dense union must be a positive number of experts, got {union}")
     lo, hi = math.ceil(low * union - 1e-9), math.floor(high * union + 1e-9)
     return list(range(lo, hi + 1)) if lo <= hi else [max(1, round((low + high) / 2 * union))]
 
@@ -81,6 +84,7 @@ def dense_union(model, input_ids, *, batch: int, seq: int, prefill: int, batches
     reference for choosing budgets (e.g. :func:`budgets_between`)."""
     from .layouts import find_moe_layouts
 
+    _check_prefill(prefill, seq)
     layouts = hf.moe_layouts(model) if hf.is_applied(model) else find_moe_layouts(model)
     if hf.is_applied(model) and hf.moe_layouts(model)[0].block._base_moe.settings.active:
         raise ValueError("dense_union needs the model's own routing: configure(model, policy='dense') first")
@@ -230,6 +234,34 @@ def _time_layers(model, layouts, inputs: dict[int, torch.Tensor], batch: int, re
 # ---------------------------------------------------------------------------------------------
 # The harness
 # ---------------------------------------------------------------------------------------------
+def _check_prefill(prefill: int, seq: int) -> None:
+    if not 0 <= prefill < seq - 1:
+        raise ValueError(f"prefill must be in [0, seq - 2] (at least one scored decode position), got {prefill}")
+
+
+def _budgets(budgets: Sequence[int]) -> list[int]:
+    """Sorted distinct positive ints (2.9 is refused, not run as 2)."""
+    try:
+        values = sorted({operator.index(b) for b in budgets})
+    except TypeError:
+        raise ValueError(f"budgets must be ints, got {list(budgets)}") from None
+    if any(b < 1 for b in values):
+        raise ValueError(f"budgets must be positive, got {values}")
+    return values
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` (e.g. :func:`evaluate`'s result) with every NaN or infinity as None: strict JSON (a one-batch
+    run has no standard error)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
 def _resolve_policies(policies: Sequence[str | Policy]) -> list[Policy]:
     out = []
     for p in policies:
@@ -263,6 +295,7 @@ def evaluate(
     energy: bool = True,
     timing: bool | None = None,
     repeats: int = 50,
+    byte_level: bool | None = None,
 ) -> dict[str, Any]:
     """Evaluate budgeted decoding under each policy and budget with the forced-token protocol (module docstring).
 
@@ -281,20 +314,18 @@ def evaluate(
         fill: ``backfill`` (default), ``drop`` or ``drop_renorm``.
         device: where to run (default: the model's device; the model is moved there).
         energy: compute the retained energy (runs each expert on its routed tokens once more per run).
-        timing: time one MoE block per decode batch (default: on CUDA only).
+        timing: time one MoE block per decode batch (default: on CUDA only; CUDA needed).
         repeats: timing repeats (median).
+        byte_level: each token is a byte, so the unit is bits per byte (default: a vocabulary of exactly 256).
 
     Returns a JSON-ready dict: ``protocol``, ``model``, ``predictors``, ``unit``, ``dense`` (bits, union per layer,
     time), ``results`` (one entry per policy and budget), ``machine`` and ``seconds``.
     """
     start = time.perf_counter()
-    if not 0 <= prefill < seq - 1:
-        raise ValueError(f"prefill must be in [0, seq - 2] (at least one scored decode position), got {prefill}")
+    _check_prefill(prefill, seq)
     fill_rule = parse_fill(fill)
     pols = [p for p in _resolve_policies(policies) if p.budgeted]
-    budgets = sorted({int(b) for b in budgets})
-    if any(b < 1 for b in budgets):
-        raise ValueError(f"budgets must be positive, got {budgets}")
+    budgets = _budgets(budgets)
     if not budgets and any(p.needs_budget for p in pols):
         raise ValueError(
             "policies " + ", ".join(p.name for p in pols if p.needs_budget) + " need budgets (e.g. budgets=[8, 16])"
@@ -303,6 +334,8 @@ def evaluate(
     if _device_of(model) != device:
         model.to(device)
     timing = device.type == "cuda" if timing is None else bool(timing)
+    if timing and device.type != "cuda":
+        raise ValueError(f"timing=True needs a CUDA device, the run is on {device}")
     data = make_batches(input_ids, batch, seq, batches)
 
     patched_here = not hf.is_applied(model)
@@ -380,7 +413,7 @@ def evaluate(
 
     return _report(model, layouts, dense, results, runs, state.predictors, locals_=dict(
         batch=batch, seq=seq, prefill=prefill, batches=batches, fill=fill_rule.name.lower(), device=str(device),
-        timing=timing, energy=energy, repeats=repeats, seconds=time.perf_counter() - start))
+        timing=timing, energy=energy, repeats=repeats, byte_level=byte_level, seconds=time.perf_counter() - start))
 
 
 def _layer_means(d: dict[int, list[float]]) -> dict[str, float]:
@@ -390,7 +423,7 @@ def _layer_means(d: dict[int, list[float]]) -> dict[str, float]:
 def _report(model, layouts, dense: _Run, results: list[_Run], runs, predictors, locals_) -> dict[str, Any]:
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
-    byte_level = vocab == 256
+    byte_level = vocab == 256 if locals_["byte_level"] is None else locals_["byte_level"]
     dense_bits_batches = [n / t for n, t in zip(dense.nll_bits, dense.tokens)]
     dense_bits = sum(dense.nll_bits) / sum(dense.tokens)
     union = _layer_means(dense.active)
@@ -536,9 +569,14 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     timed = result["dense"].get("time_us") is not None
     fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(12 if timed else 7, 5), squeeze=False)
+    # one line per budgeted policy over its budgets, and one per family of policies with their own size rule over
+    # their options (oea, oea:k0=2, ...), marked when the family also runs budgeted (lynx, lynx:threshold=4)
+    budgeted = {r["policy"] for r in result["results"] if r["budget"] is not None}
     by_policy: dict[str, list[dict]] = {}
     for r in result["results"]:
-        family = r["policy"].split(":")[0] if r["budget"] is None else r["policy"]
+        family = r["policy"] if r["budget"] is not None else r["policy"].split(":")[0]
+        if r["budget"] is None and family in budgeted:
+            family += " (no budget)"
         by_policy.setdefault(family, []).append(r)
     xs = [("active", "active experts per layer and decode batch", result["dense"]["union"])]
     if timed:

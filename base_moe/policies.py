@@ -440,7 +440,8 @@ class LynxPolicy(Policy):
 
 class TopKReducePolicy(Policy):
     """Every token keeps its top-k' of its k routed experts (not batch-aware), the weights rescaled so they sum to
-    the token's routed total (the ``drop_renorm`` rule: renormalised for models that renormalise)."""
+    the token's routed total (the ``drop_renorm`` rule: renormalised for models that renormalise; the ``fill``
+    setting does not apply, as no kept set is imposed on the tokens)."""
 
     needs_budget = False
 

@@ -19,6 +19,7 @@ from base_moe.evaluate import (
     dense_union,
     evaluate,
     format_table,
+    json_ready,
     machine_info,
     make_batches,
     plot,
@@ -70,6 +71,10 @@ def test_make_batches_and_budgets():
     assert budgets_between(20.2) == [7, 8, 9, 10]
     assert budgets_between(12) == [4, 5, 6]
     assert budgets_between(2.5) == [1]
+    for union in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="positive number of experts"):
+            budgets_between(union)
+    assert json_ready({"a": [1.0, math.nan, {"b": math.inf}], "c": "x"}) == {"a": [1.0, None, {"b": None}], "c": "x"}
 
 
 def test_dense_bits_and_union_match_a_direct_computation(result):
@@ -171,6 +176,13 @@ def test_errors():
         evaluate(model, ids, policies=["oea"], batch=B, seq=S, prefill=S - 1, batches=1)
     with pytest.raises(ValueError, match="unknown policy"):
         evaluate(model, ids, policies=["nope"], budgets=[2], batch=B, seq=S, prefill=P, batches=1)
+    with pytest.raises(ValueError, match="budgets must be ints"):
+        evaluate(model, ids, policies=["router_sum"], budgets=[2.9], batch=B, seq=S, prefill=P, batches=1)
+    with pytest.raises(ValueError, match="timing=True needs a CUDA device"):
+        evaluate(model, ids, policies=["router_sum"], budgets=[2], batch=B, seq=S, prefill=P, batches=1,
+                 device="cpu", timing=True)
+    with pytest.raises(ValueError, match="prefill"):
+        dense_union(model, ids, batch=B, seq=S, prefill=S - 1, batches=1)
     assert not hf.is_applied(model)
 
 
@@ -182,6 +194,19 @@ def test_table_json_and_plot(result, tmp_path):
     assert {"torch", "transformers", "platform"} <= set(result["machine"])
     plot(result, str(tmp_path / "q.png"))
     assert (tmp_path / "q.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_keeps_a_familys_budgeted_and_unbudgeted_runs_apart(result, tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    labels = []
+    original = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **k: labels.append(k.get("label")) or original(self, *a, **k))
+    with_budgets = {**result, "results": result["results"] + [{**r, "policy": "lynx", "budget": 3}
+                                                              for r in result["results"] if r["policy"] == "base"]}
+    plot(with_budgets, str(tmp_path / "q.png"))
+    assert "lynx" in labels and "lynx (no budget)" in labels and "oea" in labels
 
 
 # ---------------------------------------------------------------------------------------------
