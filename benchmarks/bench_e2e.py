@@ -240,6 +240,14 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v] + [f"base_M{m}" for m in args.budgets.split(",") if m]
     for name in variants:
         parse_base_variant(name)  # a misspelt name fails here, not after building the model
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+        budgets = [int(m) for m in args.budgets.split(",") if m]
+    except ValueError:
+        parser.error(f"--batches and --budgets take integers separated by commas, got {args.batches!r}, "
+                     f"{args.budgets!r}")
+    if min(batches, default=0) < 1 or min(budgets, default=1) < 1:
+        parser.error(f"--batches and --budgets must be positive, got {batches}, {budgets}")
 
     t0 = time.time()
     model = build_model(args.layers)
@@ -248,7 +256,7 @@ def main() -> None:
     predictors = random_predictors(model)
     compile_attention = args.non_moe == "compiled"
     rows = []
-    for batch in map(int, args.batches.split(",")):
+    for batch in batches:
         configure_variant(model, "hf_grouped_mm", predictors)
         attention_only = time_decode(model, batch, args.prompt, args.decode, args.repeats, skip_moe=True,
                                      compile_attention=compile_attention)

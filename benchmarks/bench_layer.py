@@ -25,7 +25,7 @@ import zlib
 
 import torch
 import torch.nn.functional as F
-from common import copy_bandwidth, graph_time_us, median, run_metadata, write_json
+from common import copy_bandwidth, graph_time_us, median, names_from, require_cuda, run_metadata, write_json
 
 import base_moe.ops  # noqa: F401
 
@@ -171,6 +171,14 @@ def main():
     ap.add_argument("--variant-points", choices=["acceptance", "all"], default="acceptance",
                     help="time the variants on the acceptance points of issue 8, or on every (batch, budget)")
     args = ap.parse_args()
+    models = names_from(args.models, MODELS, "--models")
+    for var in args.variants.split(","):  # a bad variant fails here, not after every model's rows
+        try:
+            set_variant(var)
+        except ValueError as err:
+            ap.error(str(err))
+    set_variant("default")
+    require_cuda("bench_layer.py")
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -182,7 +190,7 @@ def main():
     print("budget rows: expert op and HF use random routing restricted to M random experts; "
           "the BASE layer selects with its own kernels (budget M)")
     rows, variants = [], []
-    for name in args.models.split(","):
+    for name in models:
         cfg = MODELS[name]
         E = cfg["E"]
         expert_bytes = 3 * cfg["H"] * cfg["I"] * 2

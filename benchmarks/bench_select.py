@@ -33,7 +33,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from common import copy_bandwidth, graph_time_us, median, run_metadata, write_json
+from common import copy_bandwidth, graph_time_us, median, names_from, require_cuda, run_metadata, write_json
 
 import base_moe
 from base_moe import Cost, Fill, Routing, Scoring, ops
@@ -260,13 +260,14 @@ def main():
         tokens = ()
     if not tokens or min(tokens) < 1:
         parser.error(f"--tokens takes positive integers separated by commas, got {args.tokens!r}")
-    assert base_moe.cuda_available(), "needs a GPU and base_moe built with its CUDA kernels"
+    models = names_from(args.models, MODELS, "--models")
+    require_cuda("bench_select.py")
     torch.backends.cuda.matmul.allow_tf32 = False
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows = []
-    for name in args.models.split(","):
+    for name in models:
         rows += bench_model(name, MODELS[name], args.replays, args.hidden, args.weights, tokens)
     hbm = args.weights == "rotated"  # HBM bytes per second: meaningless when the weights come from L2
     for row in rows:

@@ -14,6 +14,24 @@ import torch
 from base_moe import evaluate
 
 
+def require_cuda(script: str) -> None:
+    """Exit with a message, not a traceback, where there is no GPU or base_moe lacks its CUDA kernels."""
+    import base_moe
+
+    if not base_moe.cuda_available():
+        sys.exit(f"{script} needs a CUDA GPU and base_moe built with its CUDA kernels")
+
+
+def names_from(text: str, known, option: str) -> list[str]:
+    """The comma-separated names of an option, every one checked before any work (a misspelt second model used to
+    fail after the first one's whole run)."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in known]
+    if not names or unknown:
+        sys.exit(f"{option}: unknown {unknown or 'empty list'}; known: {', '.join(known)}")
+    return names
+
+
 def graph_time_us(calls, replays: int = 25, rounds: int = 1) -> list[float]:
     """Capture ``rounds`` passes over ``calls`` in one CUDA graph (after a warm-up outside capture) and replay
     it ``replays`` times; returns the microseconds per call of each replay. Rotate inputs across ``calls`` so

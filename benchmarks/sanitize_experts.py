@@ -1,12 +1,21 @@
-"""Small driver for compute-sanitizer (memcheck, racecheck) on the CUDA expert op, every tile configuration."""
+"""Small driver for compute-sanitizer (memcheck, racecheck) on the CUDA expert op, every tile configuration:
+``compute-sanitizer --tool memcheck python benchmarks/sanitize_experts.py`` (the configurations from
+``--configs`` or the SANITIZE_CONFIGS environment variable)."""
+import argparse
 import os
 
 import torch
+from common import require_cuda
 
 import base_moe.ops  # noqa: F401
 
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--configs", default=os.environ.get("SANITIZE_CONFIGS", "default,T16,T32,W64,W128,WS"),
+                    help="expert-op tile configurations, comma-separated (default: %(default)s)")
+args = parser.parse_args()
+require_cuda("sanitize_experts.py")
 torch.manual_seed(0)
-for config in os.environ.get("SANITIZE_CONFIGS", "default,T16,T32,W64,W128,WS").split(","):
+for config in args.configs.split(","):
     if config == "default":
         os.environ.pop("BASE_MOE_EXPERTS_CONFIG", None)
     else:

@@ -61,6 +61,15 @@ def main() -> None:
     parser.add_argument("--fill", default="backfill", choices=["backfill", "drop", "drop_renorm"])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
+    try:  # before the model loads (minutes for a large one)
+        policy = base_moe.policies.get_policy(args.policy)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.budget is not None and args.budget < 1:
+        parser.error(f"--budget must be >= 1, got {args.budget}")
+    active = policy.budgeted and (args.budget is not None or not policy.needs_budget)
+    if active and (policy.needs_predictors or policy.needs_statistics) and not args.predictors:
+        parser.error(f"policy '{policy.name}' needs --predictors FILE (from python -m base_moe calibrate)")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -81,8 +90,9 @@ def main() -> None:
     seconds = time.perf_counter() - start
     for prompt, tokens in zip(PROMPTS, out[:, inputs["input_ids"].shape[1] :]):
         print(f"--- {prompt}{tokenizer.decode(tokens, skip_special_tokens=True)}")
-    budget = "dense" if args.budget is None else f"budget {args.budget}, policy {args.policy}, fill {args.fill}"
-    print(f"\n{len(PROMPTS)} x {args.max_new_tokens} tokens in {seconds:.2f} s ({budget})")
+    size = f"budget {args.budget}" if args.budget is not None else "no budget"
+    setting = f"{size}, policy {policy.name}, fill {args.fill}" if active else "dense"
+    print(f"\n{len(PROMPTS)} x {args.max_new_tokens} tokens in {seconds:.2f} s ({setting})")
 
     # base_moe.configure(model, budget=8) changes the budget in place; base_moe.restore(model) undoes apply
 

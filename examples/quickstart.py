@@ -10,7 +10,7 @@ This script
    one decode batch of 16 tokens under the policy),
 4. prints bits per byte, the loss over dense, the retained expert energy and the active experts per layer.
 
-    python examples/quickstart.py                    # CPU: a few minutes
+    python examples/quickstart.py                    # CPU: about a minute on 2 cores
     python examples/quickstart.py --device cuda      # GPU (with base_moe's CUDA kernels)
     python examples/quickstart.py --batches 16 --json out.json --plot out.png
 
@@ -44,7 +44,7 @@ def read_bytes(path: str, limit: int | None = None) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if base_moe.cuda_available() else "cpu")
-    parser.add_argument("--calib-bytes", type=int, default=65536, help="calibration tokens (bytes)")
+    parser.add_argument("--calib-bytes", type=int, default=65536, help="calibration tokens (bytes, >= 1)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per decode batch")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--prefill", type=int, default=32)
@@ -53,6 +53,12 @@ def main() -> None:
     parser.add_argument("--json", help="write the full result here")
     parser.add_argument("--plot", help="write the plot (PNG) here")
     args = parser.parse_args()
+    if min(args.calib_bytes, args.batch, args.seq, args.batches) < 1:
+        parser.error("--calib-bytes, --batch, --seq and --batches must be >= 1")
+    try:  # before calibration and the dense-union pass
+        [base_moe.policies.get_policy(name) for name in args.policies.split(",") if name]
+    except ValueError as err:
+        parser.error(str(err))
 
     from transformers import AutoModelForCausalLM
 

@@ -4,6 +4,8 @@
 # the selection path. Set BASE_MOE_COMMIT to the commit measured (the device copy has no .git).
 # Logs go to $OUT (the device tool brings them back). Usage: bash scripts/device_check.sh
 set -u
+failed=""  # the steps that failed: the exit status says whether any did
+note() { [ "$1" -eq 0 ] || failed="$failed $2"; echo "$2 rc=$1"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT="${OUT:-/tmp/base_moe_out}"; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -24,20 +26,21 @@ for dev in ("cpu", "cuda"):
         except RuntimeError as e:
             print(dev, "raised:", str(e).splitlines()[0])
 PY
-python3 -X faulthandler /tmp/bad_args.py; rc=$?; echo "bad_args rc=$rc"
+python3 -X faulthandler /tmp/bad_args.py; rc=$?; note $rc bad_args
 if [ $rc -ne 0 ]; then
   timeout 120 cuda-gdb -batch -ex run -ex bt --args python3 /tmp/bad_args.py > "$OUT/gdb.txt" 2>&1
   grep -E "^#|signal" "$OUT/gdb.txt" | head -30
 fi
 timeout 240 python3 -m pytest -m cuda tests -q -p no:cacheprovider -k "not bad_arguments and not bad_inputs and not shape_errors" \
-  > "$OUT/pytest_cuda.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_cuda.log" | tail -25
+  > "$OUT/pytest_cuda.log" 2>&1; note $? pytest; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_cuda.log" | tail -25
 timeout 60 python3 -m pytest -m cuda tests -q -p no:cacheprovider -k "bad_arguments or bad_inputs or shape_errors" \
-  > "$OUT/pytest_errors.log" 2>&1; echo "error tests rc=$?"; tail -3 "$OUT/pytest_errors.log"
+  > "$OUT/pytest_errors.log" 2>&1; note $? error_tests; tail -3 "$OUT/pytest_errors.log"
 timeout 60 python3 -m base_moe calibrate --model testbed --text testbed/calib.txt --bytes --tokens 65536 --device cuda \
-  --out "$OUT/testbed_gpu.safetensors" --no-progress > "$OUT/calibrate_gpu.log" 2>&1; echo "calibrate rc=$?"; tail -4 "$OUT/calibrate_gpu.log"
+  --out "$OUT/testbed_gpu.safetensors" --no-progress > "$OUT/calibrate_gpu.log" 2>&1; note $? calibrate; tail -4 "$OUT/calibrate_gpu.log"
 timeout 90 python3 -m base_moe eval --model testbed --text testbed/heldout.txt --bytes --predictors "$OUT/testbed_gpu.safetensors" \
   --batch 16 --batches 4 --budgets 7,10 --device cuda --dtype bfloat16 --json "$OUT/testbed_eval_gpu.json" --no-progress \
-  > "$OUT/eval_gpu.log" 2>&1; echo "eval rc=$?"; tail -14 "$OUT/eval_gpu.log"
+  > "$OUT/eval_gpu.log" 2>&1; note $? eval; tail -14 "$OUT/eval_gpu.log"
 timeout 60 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 30 --out "$OUT/bench_select.json" \
-  > "$OUT/bench_select.log" 2>&1; echo "bench_select rc=$?"; tail -8 "$OUT/bench_select.log"
-echo "total: $(( $(date +%s) - start )) s"
+  > "$OUT/bench_select.log" 2>&1; note $? bench_select; tail -8 "$OUT/bench_select.log"
+echo "total: $(( $(date +%s) - start )) s; failed:${failed:- none}"
+[ -z "$failed" ]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for base_moe: a virtual environment in .venv with torch and the
 # dependencies, then an editable build of the package (CUDA kernels too where a CUDA toolkit exists).
-# Usage: source scripts/setup.sh   (or bash scripts/setup.sh; the other scripts source it)
+# Usage: bash scripts/setup.sh, then `source .venv/bin/activate`. (scripts/test.sh and quickstart.sh source it; an
+# interactive shell should not: it sets -euo pipefail and changes directory.)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"

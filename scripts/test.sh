@@ -9,5 +9,5 @@ cd "$REPO"
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" python -m pytest -q tests "$@"
 BUILD_DIR="${BASE_MOE_CMAKE_BUILD:-$REPO/build_cmake}"
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_PREFIX_PATH="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
-cmake --build "$BUILD_DIR" -j "$(nproc)" >/dev/null
+cmake --build "$BUILD_DIR" -j "$(nproc)"  # (ninja's progress lines; compiler errors also go to stdout)
 "$BUILD_DIR/base_moe_smoke"
