@@ -81,7 +81,7 @@ def bounded(kind: type, low: float, high: float | None = None, high_open: bool =
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
         above = high is not None and (value >= high if high_open else value > high)
-        if not math.isfinite(value) or value < low or above:
+        if (kind is float and not math.isfinite(value)) or value < low or above:
             upper = "" if high is None else f" and {'<' if high_open else '<='} {high}"
             raise argparse.ArgumentTypeError(f"expected {name} >= {low}{upper}, got {text}")
         return value

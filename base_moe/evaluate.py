@@ -242,6 +242,8 @@ def _check_prefill(prefill: int, seq: int) -> None:
 def _budgets(budgets: Sequence[int]) -> list[int]:
     """Sorted distinct positive ints (2.9 is refused, not run as 2)."""
     try:
+        if any(isinstance(b, bool) for b in budgets):
+            raise TypeError
         values = sorted({operator.index(b) for b in budgets})
     except TypeError:
         raise ValueError(f"budgets must be ints, got {list(budgets)}") from None
@@ -339,6 +341,11 @@ def evaluate(
     data = make_batches(input_ids, batch, seq, batches)
 
     patched_here = not hf.is_applied(model)
+    from .layouts import find_moe_layouts
+
+    for lay in find_moe_layouts(model) if patched_here else hf.moe_layouts(model):
+        for pol in pols:  # an option out of range fails here, not after the dense pass
+            pol.check_layout(lay)
     has_predictors = predictors is not None or (
         not patched_here and hf.moe_layouts(model)[0].block._base_moe.predictors is not None)
     for pol in pols:

@@ -360,6 +360,11 @@ def _check_int(name: str, value, low: int) -> int:
     return value
 
 
+def _number(value: float) -> str:
+    """An option's value as text that parses back to it exactly (numpy scalars as plain numbers)."""
+    return str(int(value)) if isinstance(value, int) else repr(float(value))
+
+
 def _check_experts_per_token(policy: str, option: str, value: int, layout: MoELayout) -> None:
     if value > layout.routing.top_k:
         raise ValueError(
@@ -410,13 +415,14 @@ class LynxPolicy(Policy):
                              f"got {threshold!r}")
         self.threshold, self.width, self.decay = threshold, float(width), float(decay)
         self.needs_budget = threshold is None
-        # options written as repr: the name parses back to the same policy (and two policies never share a name)
-        options = [f"threshold={threshold!r}"] if threshold is not None else []
+        # options as exact numbers: the name parses back to the same policy (and two policies never share a name)
+        options = [f"threshold={_number(threshold)}"] if threshold is not None else []
         options += [f"bins={bins}"] if bins != 4 else []
-        options += [f"width={width!r}"] if width != math.log(2.0) else []
-        options += [f"decay={decay!r}"] if decay != 0.5 else []
+        options += [f"width={_number(width)}"] if width != math.log(2.0) else []
+        options += [f"decay={_number(decay)}"] if decay != 0.5 else []
         self.name = ":".join(["lynx", *options])
-        self.description = "Lynx-style confidence bins" + ("" if threshold is None else f", threshold {threshold!r}")
+        threshold_text = "" if threshold is None else f", threshold {_number(threshold)}"
+        self.description = "Lynx-style confidence bins" + threshold_text
 
     def batch_scores(self, step: DecodeStep) -> torch.Tensor:
         """``D [G, E]``: each expert's confidence-discounted count of routed tokens."""

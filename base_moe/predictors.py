@@ -62,12 +62,12 @@ class Predictors:
                 f"weight, bias and mean_log_norm must name the same layers; got {layers}, {sorted(bias)}, "
                 f"{sorted(mean_log_norm)}"
             )
-        hidden_sizes = {w.shape[-1] for w in weight.values()}
         for i in layers:
-            if weight[i].dim() != 2 or len(hidden_sizes) != 1:
+            if weight[i].dim() != 2 or weight[i].shape[1] != weight[layers[0]].shape[-1]:
+                first = "" if i == layers[0] else f", layer {layers[0]} {tuple(weight[layers[0]].shape)}"
                 raise ValueError(
                     f"every layer's weight must be [experts, hidden_size] with one hidden size; layer {i} has "
-                    f"{tuple(weight[i].shape)}, hidden sizes {sorted(hidden_sizes)}"
+                    f"{tuple(weight[i].shape)}{first}"
                 )
             E, _ = weight[i].shape
             if bias[i].shape != (E,) or mean_log_norm[i].shape != (E,):
@@ -143,15 +143,14 @@ class Predictors:
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> Predictors:
         """Read a file written by :meth:`save`."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
+        device = torch.device(device)  # a bad device is the caller's error, not the file's
         try:
             with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
                 raw = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except OSError:
-            raise
-        except Exception as err:  # safetensors' own error: a truncated file, or not safetensors at all
+        except SafetensorError as err:  # a truncated file, or not safetensors at all
             raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
         try:
             metadata = {k: json.loads(v) for k, v in raw.items()}
@@ -160,7 +159,8 @@ class Predictors:
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path}: not a base_moe predictors file (metadata format={metadata.get('format')!r})")
         if not isinstance(metadata.get("format_version"), int):
-            raise ValueError(f"{path}: predictors format_version must be an int, got {metadata.get('format_version')!r}")
+            raise ValueError(f"{path}: predictors format_version must be an int, "
+                             f"got {metadata.get('format_version')!r}")
         if metadata["format_version"] > FORMAT_VERSION:
             raise ValueError(
                 f"{path}: predictors format version {metadata['format_version']} is newer than this base_moe "

@@ -30,12 +30,11 @@ The share of a step spent in MoE layers is 1 - (time of the same step with MoE b
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from common import run_metadata, write_json
+from common import require_cuda, run_metadata, write_json
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 import base_moe
@@ -234,8 +233,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="benchmarks/results/bench_e2e.json")
     args = parser.parse_args()
-    if not base_moe.cuda_available():
-        sys.exit("bench_e2e needs a CUDA GPU and base_moe built with its CUDA kernels")
     torch._dynamo.config.recompile_limit = 64  # one graph per batch size and per first/other layer
     variants = [v for v in args.variants.split(",") if v] + [f"base_M{m}" for m in args.budgets.split(",") if m]
     for name in variants:
@@ -248,6 +245,7 @@ def main() -> None:
                      f"{args.budgets!r}")
     if min(batches, default=0) < 1 or min(budgets, default=1) < 1:
         parser.error(f"--batches and --budgets must be positive, got {batches}, {budgets}")
+    require_cuda("bench_e2e.py")
 
     t0 = time.time()
     model = build_model(args.layers)

@@ -138,24 +138,30 @@ CONFIGS = ("T16", "T32", "W64", "W128", "WS")
 WS_COLUMNS = ("64", "80", "128", "160")
 
 
-def set_variant(var):
-    """Set the expert op's benchmark knobs for a variant: "default", or parts joined by "+": a configuration name
+def variant_knobs(var):
+    """The expert op's benchmark knobs for a variant: "default", or parts joined by "+": a configuration name
     (T16, T32, W64, W128, WS at pick_config's token columns per work item; WS-64, -80, -128, -160 at those),
     "nopdl", or a gate_up tile height (full, half; csrc/experts.cu launch_pair)."""
-    for knob in VARIANT_KNOBS:
-        os.environ.pop(knob, None)
+    knobs = {}
     for part in var.split("+"):
         if part == "nopdl":
-            os.environ["BASE_MOE_EXPERTS_PDL"] = "0"
+            knobs["BASE_MOE_EXPERTS_PDL"] = "0"
         elif part in GATE_UP_TILES:
-            os.environ["BASE_MOE_EXPERTS_GATE_UP_TILES"] = part
+            knobs["BASE_MOE_EXPERTS_GATE_UP_TILES"] = part
         elif part in CONFIGS:
-            os.environ["BASE_MOE_EXPERTS_CONFIG"] = part
+            knobs["BASE_MOE_EXPERTS_CONFIG"] = part
         elif part.startswith("WS-") and part[3:] in WS_COLUMNS:
-            os.environ["BASE_MOE_EXPERTS_CONFIG"] = "WS"
-            os.environ["BASE_MOE_WS_N"] = part[3:]
+            knobs.update(BASE_MOE_EXPERTS_CONFIG="WS", BASE_MOE_WS_N=part[3:])
         elif part != "default":
             raise ValueError(f"variant {var!r}: unknown part {part!r}")
+    return knobs
+
+
+def set_variant(var):
+    """Set the environment to the variant's knobs (and clear the others)."""
+    for knob in VARIANT_KNOBS:
+        os.environ.pop(knob, None)
+    os.environ.update(variant_knobs(var))
 
 
 def main():
@@ -174,10 +180,9 @@ def main():
     models = names_from(args.models, MODELS, "--models")
     for var in args.variants.split(","):  # a bad variant fails here, not after every model's rows
         try:
-            set_variant(var)
+            variant_knobs(var)
         except ValueError as err:
             ap.error(str(err))
-    set_variant("default")
     require_cuda("bench_layer.py")
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)

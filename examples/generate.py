@@ -67,7 +67,7 @@ def main() -> None:
         parser.error(str(err))
     if args.budget is not None and args.budget < 1:
         parser.error(f"--budget must be >= 1, got {args.budget}")
-    active = policy.budgeted and (args.budget is not None or not policy.needs_budget)
+    active = base_moe.hf.Settings(budget=args.budget, policy=policy).active
     if active and (policy.needs_predictors or policy.needs_statistics) and not args.predictors:
         parser.error(f"policy '{policy.name}' needs --predictors FILE (from python -m base_moe calibrate)")
 

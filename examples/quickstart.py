@@ -28,7 +28,7 @@ import time
 import torch
 
 import base_moe
-from base_moe.evaluate import budgets_between, dense_union, evaluate, format_table, plot
+from base_moe.evaluate import budgets_between, dense_union, evaluate, format_table, json_ready, plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTBED = os.path.join(ROOT, "testbed")
@@ -44,7 +44,7 @@ def read_bytes(path: str, limit: int | None = None) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if base_moe.cuda_available() else "cpu")
-    parser.add_argument("--calib-bytes", type=int, default=65536, help="calibration tokens (bytes, >= 1)")
+    parser.add_argument("--calib-bytes", type=int, default=65536, help="calibration tokens (bytes, >= --seq)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per decode batch")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--prefill", type=int, default=32)
@@ -53,10 +53,13 @@ def main() -> None:
     parser.add_argument("--json", help="write the full result here")
     parser.add_argument("--plot", help="write the plot (PNG) here")
     args = parser.parse_args()
-    if min(args.calib_bytes, args.batch, args.seq, args.batches) < 1:
-        parser.error("--calib-bytes, --batch, --seq and --batches must be >= 1")
+    if min(args.batch, args.seq, args.batches) < 1 or args.calib_bytes < args.seq:
+        parser.error("--batch, --seq and --batches must be >= 1, and --calib-bytes at least one sequence (--seq)")
+    if not 0 <= args.prefill < args.seq - 1:
+        parser.error(f"--prefill must be in [0, --seq - 2], got {args.prefill}")
+    policies = [name for name in args.policies.split(",") if name]
     try:  # before calibration and the dense-union pass
-        [base_moe.policies.get_policy(name) for name in args.policies.split(",") if name]
+        [base_moe.policies.get_policy(name) for name in policies]
     except ValueError as err:
         parser.error(str(err))
 
@@ -87,7 +90,7 @@ def main() -> None:
 
     # 3. apply and evaluate (evaluate patches the model for the run: base_moe.apply(model, ...,
     #    group_by="position"); in a serving loop one would call base_moe.apply(model, predictors, budget=M))
-    result = evaluate(model, heldout, predictors=predictors, policies=args.policies.split(","), budgets=budgets,
+    result = evaluate(model, heldout, predictors=predictors, policies=policies, budgets=budgets,
                       batch=args.batch, seq=args.seq, prefill=args.prefill, batches=args.batches, device=device)
     print(format_table(result))
 
@@ -105,7 +108,7 @@ def main() -> None:
             print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(json_ready(result), f, indent=1, allow_nan=False)
     if args.plot:
         plot(result, args.plot)
     print(f"total {time.perf_counter() - start:.0f} s")

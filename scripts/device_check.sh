@@ -36,7 +36,8 @@ timeout 240 python3 -m pytest -m cuda tests -q -p no:cacheprovider -k "not bad_a
 timeout 60 python3 -m pytest -m cuda tests -q -p no:cacheprovider -k "bad_arguments or bad_inputs or shape_errors" \
   > "$OUT/pytest_errors.log" 2>&1; note $? error_tests; tail -3 "$OUT/pytest_errors.log"
 timeout 60 python3 -m base_moe calibrate --model testbed --text testbed/calib.txt --bytes --tokens 65536 --device cuda \
-  --out "$OUT/testbed_gpu.safetensors" --no-progress > "$OUT/calibrate_gpu.log" 2>&1; note $? calibrate; tail -4 "$OUT/calibrate_gpu.log"
+  --out "$OUT/testbed_gpu.safetensors" --no-progress > "$OUT/calibrate_gpu.log" 2>&1
+note $? calibrate; tail -4 "$OUT/calibrate_gpu.log"
 timeout 90 python3 -m base_moe eval --model testbed --text testbed/heldout.txt --bytes --predictors "$OUT/testbed_gpu.safetensors" \
   --batch 16 --batches 4 --budgets 7,10 --device cuda --dtype bfloat16 --json "$OUT/testbed_eval_gpu.json" --no-progress \
   > "$OUT/eval_gpu.log" 2>&1; note $? eval; tail -14 "$OUT/eval_gpu.log"

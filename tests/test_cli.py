@@ -122,6 +122,7 @@ def test_bytes_and_argument_errors(tmp_path):
         (["--ridge", "-1"], "--ridge: expected a number >= 0.0"),
         (["--ridge-sweep", "0.1,x"], "--ridge-sweep: expected a number, got 'x'"),
         (["--ridge", "nan"], "--ridge: expected a number >= 0.0, got nan"),
+        (["--batch-size", "-1" + "0" * 400], "--batch-size: expected an integer >= 1"),  # no OverflowError
         (["--holdout", "inf"], "--holdout: expected a number >= 0.0 and < 1.0, got inf"),
         (["--tokens", "64", "--seq", "128"], "need --tokens >= --seq >= 1, got --tokens 64 --seq 128"),
         (["--device", "bogus"], "--device 'bogus' is not a device"),

@@ -176,8 +176,11 @@ def test_errors():
         evaluate(model, ids, policies=["oea"], batch=B, seq=S, prefill=S - 1, batches=1)
     with pytest.raises(ValueError, match="unknown policy"):
         evaluate(model, ids, policies=["nope"], budgets=[2], batch=B, seq=S, prefill=P, batches=1)
-    with pytest.raises(ValueError, match="budgets must be ints"):
-        evaluate(model, ids, policies=["router_sum"], budgets=[2.9], batch=B, seq=S, prefill=P, batches=1)
+    for bad in ([2.9], [True, 2]):
+        with pytest.raises(ValueError, match="budgets must be ints"):
+            evaluate(model, ids, policies=["router_sum"], budgets=bad, batch=B, seq=S, prefill=P, batches=1)
+    with pytest.raises(ValueError, match="k0=3 is more experts per token"):  # before the dense pass
+        evaluate(model, ids, policies=["oea:k0=3"], batch=B, seq=S, prefill=P, batches=1)
     with pytest.raises(ValueError, match="timing=True needs a CUDA device"):
         evaluate(model, ids, policies=["router_sum"], budgets=[2], batch=B, seq=S, prefill=P, batches=1,
                  device="cpu", timing=True)

@@ -225,6 +225,7 @@ def test_every_design_policy_is_registered():
     ("lynx:bins=2", LynxPolicy, {"bins": 2, "needs_budget": True, "threshold": None}),
     ("lynx:threshold=1234567", LynxPolicy, {"threshold": 1234567, "name": "lynx:threshold=1234567"}),
     ("lynx:threshold=2.5000001", LynxPolicy, {"threshold": 2.5000001, "name": "lynx:threshold=2.5000001"}),
+    ("lynx:threshold=4.0:decay=0.25", LynxPolicy, {"name": "lynx:threshold=4.0:decay=0.25"}),
 ])
 def test_policy_specs(spec, cls, attrs):
     policy = get_policy(spec)
@@ -258,6 +259,13 @@ def test_more_experts_per_token_than_routed_is_refused_at_apply(spec):
     with pytest.raises(ValueError, match=r"=3 is more experts per token than MoE block .* routes \(top-2\)"):
         base_moe.apply(model, policy=spec)
     base_moe.apply(model, policy=spec.replace("3", "2"))  # top-2 itself is allowed (and dense)
+
+
+def test_lynx_names_of_numpy_values_parse_back():
+    import numpy as np
+
+    policy = LynxPolicy(threshold=np.float64(4.0), decay=np.float32(0.25))
+    assert policy.name == "lynx:threshold=4.0:decay=0.25" and get_policy(policy.name).threshold == 4.0
 
 
 def test_register_policy_checks_its_argument():

@@ -97,6 +97,8 @@ def test_broken_predictor_files_are_clear_errors(tmp_path):
         "nan": ({"layers.0.weight": torch.full((4, 8), math.nan), "layers.0.bias": torch.zeros(4),
                  "layers.0.mean_log_norm": torch.zeros(4)}, meta, "NaN or infinite"),
     }
+    with pytest.raises(RuntimeError, match="device"):  # the caller's device, not the file, is at fault
+        Predictors.load(good, device="bogus")
     for name, (tensors, metadata, message) in files.items():
         save_file(tensors, tmp_path / name, metadata=metadata)
         with pytest.raises(ValueError, match=f"{name}: .*{message}"):
