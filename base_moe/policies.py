@@ -5,8 +5,9 @@ model's routing rule, the budget, the fill rule) into each token's final experts
 (:class:`Selection`). Most policies differ only in the per-slot cost that ranks experts for the keep set A; they
 are :class:`CostPolicy` instances and run the fused ``route_select`` op. A policy that chooses A some other way
 (OEA, Lynx, per-token top-k reduction: issue 6) subclasses :class:`Policy`, implements :meth:`Policy.select`
-and calls :func:`register_policy` (or is passed as an instance: ``apply(model, policy=MyPolicy(k0=2))``);
-nothing else in base_moe needs to change.
+(and :meth:`Policy.check_layout` where an option must fit the model, e.g. its top-k) and calls
+:func:`register_policy` (or is passed as an instance: ``apply(model, policy=MyPolicy(k0=2))``); nothing else in
+base_moe needs to change.
 
 | name | keep set A (top-M by the batch sum of) |
 | --- | --- |
