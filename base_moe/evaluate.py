@@ -27,7 +27,6 @@ on CUDA), one line per policy, and ``python -m base_moe eval`` runs it all from 
 from __future__ import annotations
 
 import math
-import operator
 import os
 import platform
 import statistics
@@ -240,16 +239,11 @@ def _check_prefill(prefill: int, seq: int) -> None:
 
 
 def _budgets(budgets: Sequence[int]) -> list[int]:
-    """Sorted distinct positive ints (2.9 is refused, not run as 2)."""
+    """Sorted distinct budgets, each as ``apply`` takes one (2.9 is refused, not run as 2)."""
     try:
-        if any(isinstance(b, bool) for b in budgets):
-            raise TypeError
-        values = sorted({operator.index(b) for b in budgets})
-    except TypeError:
-        raise ValueError(f"budgets must be ints, got {list(budgets)}") from None
-    if any(b < 1 for b in values):
-        raise ValueError(f"budgets must be positive, got {values}")
-    return values
+        return sorted({hf._budget(b) for b in budgets})
+    except ValueError:
+        raise ValueError(f"budgets must be ints >= 1, got {list(budgets)}") from None
 
 
 def json_ready(value: Any) -> Any:
@@ -341,11 +335,6 @@ def evaluate(
     data = make_batches(input_ids, batch, seq, batches)
 
     patched_here = not hf.is_applied(model)
-    from .layouts import find_moe_layouts
-
-    for lay in find_moe_layouts(model) if patched_here else hf.moe_layouts(model):
-        for pol in pols:  # an option out of range fails here, not after the dense pass
-            pol.check_layout(lay)
     has_predictors = predictors is not None or (
         not patched_here and hf.moe_layouts(model)[0].block._base_moe.predictors is not None)
     for pol in pols:
@@ -374,6 +363,9 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
+        for lay in layouts:
+            for pol in pols:  # an option out of range fails here, not after the dense pass (the finally restores)
+                pol.check_layout(lay)
         from tqdm.auto import tqdm
 
         with torch.no_grad(), tqdm(total=batches * (1 + len(runs)), desc="evaluate", unit="run",
