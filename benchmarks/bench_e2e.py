@@ -34,7 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import require_cuda, run_metadata, write_json
+from common import positive_ints, require_cuda, run_metadata, write_json
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 import base_moe
@@ -234,17 +234,11 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/results/bench_e2e.json")
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 64  # one graph per batch size and per first/other layer
-    variants = [v for v in args.variants.split(",") if v] + [f"base_M{m}" for m in args.budgets.split(",") if m]
+    budgets = positive_ints(args.budgets, "--budgets") if args.budgets else []  # (empty: no BASE rows)
+    variants = [v for v in args.variants.split(",") if v] + [f"base_M{m}" for m in budgets]
     for name in variants:
         parse_base_variant(name)  # a misspelt name fails here, not after building the model
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-        budgets = [int(m) for m in args.budgets.split(",") if m]
-    except ValueError:
-        parser.error(f"--batches and --budgets take integers separated by commas, got {args.batches!r}, "
-                     f"{args.budgets!r}")
-    if min(batches, default=0) < 1 or min(budgets, default=1) < 1:
-        parser.error(f"--batches and --budgets must be positive, got {batches}, {budgets}")
+    batches = positive_ints(args.batches, "--batches")
     require_cuda("bench_e2e.py")
 
     t0 = time.time()

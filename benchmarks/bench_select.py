@@ -33,7 +33,8 @@ import os
 
 import torch
 import torch.nn.functional as F
-from common import copy_bandwidth, graph_time_us, median, names_from, require_cuda, run_metadata, write_json
+from common import (copy_bandwidth, graph_time_us, median, names_from, positive_ints, require_cuda, run_metadata,
+                    write_json)
 
 import base_moe
 from base_moe import Cost, Fill, Routing, Scoring, ops
@@ -254,12 +255,7 @@ def main():
     parser.add_argument("--weights", choices=("rotated", "hot"), default="rotated",
                         help="router and predictor weights: one copy per call (from HBM) or one set for all (from L2)")
     args = parser.parse_args()
-    try:
-        tokens = tuple(int(t) for t in args.tokens.split(","))
-    except ValueError:
-        tokens = ()
-    if not tokens or min(tokens) < 1:
-        parser.error(f"--tokens takes positive integers separated by commas, got {args.tokens!r}")
+    tokens = tuple(positive_ints(args.tokens, "--tokens"))
     models = names_from(args.models, MODELS, "--models")
     require_cuda("bench_select.py")
     torch.backends.cuda.matmul.allow_tf32 = False

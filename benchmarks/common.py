@@ -32,6 +32,17 @@ def names_from(text: str, known, option: str) -> list[str]:
     return names
 
 
+def positive_ints(text: str, option: str) -> list[int]:
+    """The comma-separated positive integers of an option, checked before any work."""
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        sys.exit(f"{option} takes positive integers separated by commas, got {text!r}")
+    return values
+
+
 def graph_time_us(calls, replays: int = 25, rounds: int = 1) -> list[float]:
     """Capture ``rounds`` passes over ``calls`` in one CUDA graph (after a warm-up outside capture) and replay
     it ``replays`` times; returns the microseconds per call of each replay. Rotate inputs across ``calls`` so
