@@ -1,8 +1,8 @@
 """``python -m base_moe COMMAND``: command-line entry points.
 
 Each subcommand is an ``add_<name>(subparsers)`` function that builds its parser and sets ``func`` to the
-function that runs it; :data:`COMMANDS` lists them. The helpers :func:`load_model` and :func:`load_token_ids`
-are shared by every command that reads a local model directory and a text file.
+function that runs it; :data:`COMMANDS` lists them. :func:`load_ids_and_model` (over :func:`load_token_ids` and
+:func:`load_model`) is shared by every command that reads a local model directory and a text file.
 """
 
 from __future__ import annotations
@@ -111,9 +111,7 @@ def load_model(path: str, device: str, dtype: str = "auto") -> torch.nn.Module:
     return model.eval()
 
 
-def load_token_ids(
-    text_path: str, model_path: str, tokens: int, seq: int, byte_level: bool, vocab_size: int | None = None
-) -> torch.Tensor:
+def load_token_ids(text_path: str, model_path: str, tokens: int, seq: int, byte_level: bool) -> torch.Tensor:
     """The first ``tokens`` tokens of the text file as ``[tokens // seq, seq]`` int64 (a shorter file gives
     fewer sequences; any remainder shorter than ``seq`` is dropped). ``byte_level``: each byte of the file
     is a token id (models with a 256-entry vocabulary and no tokenizer files); otherwise the model
@@ -121,7 +119,6 @@ def load_token_ids(
     if seq < 1 or tokens < seq:
         raise SystemExit(f"error: need --tokens >= --seq >= 1, got --tokens {tokens} --seq {seq}")
     if byte_level:
-        check_byte_vocabulary(vocab_size)
         with open(text_path, "rb") as f:
             data = f.read(tokens)
         ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
@@ -133,6 +130,16 @@ def load_token_ids(
     if n * seq < tokens:
         print(f"note: {text_path} gives {ids.numel()} tokens; using {n} sequences of {seq} ({n * seq} tokens)")
     return ids[: n * seq].reshape(n, seq).clone()
+
+
+def load_ids_and_model(args: argparse.Namespace, device: str, tokens: int) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The text's token ids first (a bad text fails before the model loads), then the model, whose vocabulary
+    ``--bytes`` must fit."""
+    ids = load_token_ids(args.text, args.model, tokens, args.seq, args.bytes)
+    model = load_model(args.model, device, model_dtype(args.dtype, device))
+    if args.bytes:
+        check_byte_vocabulary(getattr(model.config, "vocab_size", None))
+    return ids, model
 
 
 def check_byte_vocabulary(vocab_size: int | None) -> None:
@@ -215,10 +222,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     check_input_file(args.text, "--text")
     check_output_file(args.out, "--out")
     start = time.perf_counter()
-    ids = load_token_ids(args.text, args.model, args.tokens, args.seq, args.bytes)  # before the model: fails fast
-    model = load_model(args.model, device, model_dtype(args.dtype, device))
-    if args.bytes:
-        check_byte_vocabulary(getattr(model.config, "vocab_size", None))
+    ids, model = load_ids_and_model(args, device, args.tokens)
     loaded = time.perf_counter() - start
     try:
         predictors = calibrate(
@@ -346,10 +350,7 @@ def run_eval(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")
     if args.plot:
         check_output_file(args.plot, "--plot")
-    ids = load_token_ids(args.text, args.model, args.batches * args.batch * args.seq, args.seq, args.bytes)
-    model = load_model(args.model, device, model_dtype(args.dtype, device))
-    if args.bytes:
-        check_byte_vocabulary(getattr(model.config, "vocab_size", None))
+    ids, model = load_ids_and_model(args, device, args.batches * args.batch * args.seq)
     budgets = args.budgets
     try:
         if budgets is None:

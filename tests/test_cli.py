@@ -12,7 +12,7 @@ import torch
 
 import base_moe
 from base_moe import Predictors
-from base_moe.cli import build_parser, load_token_ids, main
+from base_moe.cli import build_parser, check_byte_vocabulary, load_token_ids, main
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Batched decoding streams every active expert's weights once; "
@@ -100,10 +100,10 @@ def test_tokenizer_path(checkpoint, tmp_path):
 def test_bytes_and_argument_errors(tmp_path):
     text = tmp_path / "t.txt"
     text.write_bytes(bytes(range(200)))
-    ids = load_token_ids(str(text), "unused", tokens=150, seq=64, byte_level=True, vocab_size=256)
+    ids = load_token_ids(str(text), "unused", tokens=150, seq=64, byte_level=True)
     assert ids.dtype == torch.int64 and ids.shape == (2, 64) and ids.flatten().tolist() == list(range(128))
     with pytest.raises(SystemExit, match="at least 256"):
-        load_token_ids(str(text), "unused", tokens=64, seq=64, byte_level=True, vocab_size=64)
+        check_byte_vocabulary(64)
     with pytest.raises(SystemExit, match="fewer than one sequence"):
         load_token_ids(str(text), "unused", tokens=512, seq=256, byte_level=True)
     with pytest.raises(SystemExit, match="not a directory"):
