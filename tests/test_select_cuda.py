@@ -407,6 +407,36 @@ def test_select_experts(case):
                 check_selection(outputs, logits, bias, routing, G, cost, budget, fill, union, D_ref)
 
 
+def _kernel_names(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=_fused_id)
+def test_select_experts_launch_path(case):
+    """select_experts runs as one kernel exactly where that kernel takes the shape (bf16 / fp16, H % 8 == 0, at most 16
+    tokens per group; no case here with at most 16 tokens has weight rows too big for it): test_select_experts passes on
+    either path, so a launcher that declined a shape it takes would go unseen there. (A build without sm_90 code has no
+    thread-block clusters on the H200 either: deselect this test for it, as notes/device_trial.sh's ptx80 step does.)"""
+    if DEVICE != "cuda":
+        pytest.skip("launch paths are the CUDA kernels'")
+    if os.environ.get("BASE_MOE_CLUSTERS") == "0" or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the one-launch kernel needs thread-block clusters")
+    G, B, H, E, k, name, dtype, predict, router_bias, dup = case
+    routing, uses_bias = routings(E, k)[name]
+    hidden, Wr, br, Wp, bp, bias = fused_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias, seed=7)
+    cost = Cost.BASE if predict else Cost.ROUTER_SUM
+    names = _kernel_names(lambda: ops.select_experts(hidden, Wr, routing, budget=k, num_groups=G, cost=cost,
+                                                     router_bias=br, predictor_weight=Wp, predictor_bias=bp,
+                                                     correction_bias=bias))
+    one_launch = B <= 16 and dtype != torch.float32 and H % 8 == 0
+    fused = [n for n in names if "select_experts_kernel" in n]
+    two = [n for n in names if "router_predict" in n or "route_select_kernel" in n]
+    assert (len(fused), len(two)) == ((1, 0) if one_launch else (0, 2)), names
+
+
 def test_select_experts_deterministic():
     G, B, E, H = 2, 64, 128, 2048
     routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
