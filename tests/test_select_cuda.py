@@ -418,8 +418,9 @@ def _kernel_names(fn) -> list[str]:
 def test_select_experts_launch_path(case):
     """select_experts runs as one kernel exactly where that kernel takes the shape (bf16 / fp16, H % 8 == 0, at most 16
     tokens per group; no case here with at most 16 tokens has weight rows too big for it): test_select_experts passes on
-    either path, so a launcher that declined a shape it takes would go unseen there. (A build without sm_90 code has no
-    thread-block clusters on the H200 either: deselect this test for it, as notes/device_trial.sh's ptx80 step does.)"""
+    either path, so a launcher that declined a shape it takes would go unseen there. Assumes 16-CTA clusters (the
+    H200's). A build without sm_90 code has no thread-block clusters on the H200: deselect this test for it, as
+    notes/device_trial.sh's ptx80 step does."""
     if DEVICE != "cuda":
         pytest.skip("launch paths are the CUDA kernels'")
     if os.environ.get("BASE_MOE_CLUSTERS") == "0" or torch.cuda.get_device_capability() < (9, 0):
