@@ -329,7 +329,7 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     import json
 
-    from .evaluate import budgets_between, dense_union, evaluate, format_table, json_ready, plot
+    from .evaluate import budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready, plot
     from .policies import get_policy
 
     device = resolve_device(args.device)
@@ -340,9 +340,11 @@ def run_eval(args: argparse.Namespace) -> int:
     if any(p.needs_predictors or p.needs_statistics for p in policies) and not args.predictors:
         needing = ", ".join(p.name for p in policies if p.needs_predictors or p.needs_statistics)
         raise SystemExit(f"error: policies {needing} need --predictors FILE (from `python -m base_moe calibrate`)")
-    if args.prefill > args.seq - 2:
+    try:
+        check_prefill(args.prefill, args.seq)
+    except ValueError:
         raise SystemExit(f"error: --prefill {args.prefill} leaves no scored decode position in --seq {args.seq} "
-                         "(at most --seq - 2)")
+                         "(at most --seq - 2)") from None
     check_model_dir(args.model)
     check_input_file(args.text, "--text")
     if args.predictors:

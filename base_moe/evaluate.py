@@ -44,6 +44,7 @@ from .policies import Policy, get_policy, parse_fill
 
 __all__ = [
     "evaluate", "format_table", "plot", "make_batches", "budgets_between", "dense_union", "machine_info", "git_commit",
+    "check_prefill", "json_ready",
 ]
 
 
@@ -83,7 +84,7 @@ def dense_union(model, input_ids, *, batch: int, seq: int, prefill: int, batches
     reference for choosing budgets (e.g. :func:`budgets_between`)."""
     from .layouts import find_moe_layouts
 
-    _check_prefill(prefill, seq)
+    check_prefill(prefill, seq)
     layouts = hf.moe_layouts(model) if hf.is_applied(model) else find_moe_layouts(model)
     if hf.is_applied(model) and hf.moe_layouts(model)[0].block._base_moe.settings.active:
         raise ValueError("dense_union needs the model's own routing: configure(model, policy='dense') first")
@@ -233,7 +234,9 @@ def _time_layers(model, layouts, inputs: dict[int, torch.Tensor], batch: int, re
 # ---------------------------------------------------------------------------------------------
 # The harness
 # ---------------------------------------------------------------------------------------------
-def _check_prefill(prefill: int, seq: int) -> None:
+def check_prefill(prefill: int, seq: int) -> None:
+    """Raises ``ValueError`` unless ``prefill`` dense positions leave a scored decode position in ``seq``: the
+    protocol's rule, for callers that check their arguments before loading a model (the CLI, the examples)."""
     if not 0 <= prefill < seq - 1:
         raise ValueError(f"prefill must be in [0, seq - 2] (at least one scored decode position), got {prefill}")
 
@@ -318,7 +321,7 @@ def evaluate(
     time), ``results`` (one entry per policy and budget), ``machine`` and ``seconds``.
     """
     start = time.perf_counter()
-    _check_prefill(prefill, seq)
+    check_prefill(prefill, seq)
     fill_rule = parse_fill(fill)
     pols = [p for p in _resolve_policies(policies) if p.budgeted]
     budgets = _budgets(budgets)

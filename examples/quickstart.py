@@ -28,7 +28,7 @@ import time
 import torch
 
 import base_moe
-from base_moe.evaluate import budgets_between, dense_union, evaluate, format_table, json_ready, plot
+from base_moe.evaluate import budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready, plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTBED = os.path.join(ROOT, "testbed")
@@ -55,7 +55,9 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.batch, args.seq, args.batches) < 1 or args.calib_bytes < args.seq:
         parser.error("--batch, --seq and --batches must be >= 1, and --calib-bytes at least one sequence (--seq)")
-    if not 0 <= args.prefill < args.seq - 1:
+    try:
+        check_prefill(args.prefill, args.seq)
+    except ValueError:
         parser.error(f"--prefill must be in [0, --seq - 2], got {args.prefill}")
     policies = [name for name in args.policies.split(",") if name]
     try:  # before calibration and the dense-union pass
