@@ -165,12 +165,12 @@ def test_pass_splits_same_bits(config, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
-def launched_kernels(fn):
-    """The names of the CUDA kernels that ``fn`` launches, as the profiler records them."""
+def launched_kernels(fn) -> list[str]:
+    """The names of the CUDA kernels that ``fn`` launches, one per launch, as the profiler records them."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return {e.name for e in prof.events()}
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def gate_up_tile_rows(fn):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from base_moe import Cost, Fill, Routing, Scoring, ops, reference
+from test_experts_cuda import launched_kernels
 
 pytestmark = pytest.mark.cuda
 DEVICE = os.environ.get("BASE_MOE_TEST_DEVICE", "cuda")
@@ -407,13 +408,6 @@ def test_select_experts(case):
                 check_selection(outputs, logits, bias, routing, G, cost, budget, fill, union, D_ref)
 
 
-def _kernel_names(fn) -> list[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.parametrize("case", FUSED_CASES, ids=_fused_id)
 def test_select_experts_launch_path(case):
     """select_experts runs as one kernel exactly where that kernel takes the shape (bf16 / fp16, H % 8 == 0, at most 16
@@ -429,9 +423,9 @@ def test_select_experts_launch_path(case):
     routing, uses_bias = routings(E, k)[name]
     hidden, Wr, br, Wp, bp, bias = fused_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias, seed=7)
     cost = Cost.BASE if predict else Cost.ROUTER_SUM
-    names = _kernel_names(lambda: ops.select_experts(hidden, Wr, routing, budget=k, num_groups=G, cost=cost,
-                                                     router_bias=br, predictor_weight=Wp, predictor_bias=bp,
-                                                     correction_bias=bias))
+    names = launched_kernels(lambda: ops.select_experts(hidden, Wr, routing, budget=k, num_groups=G, cost=cost,
+                                                        router_bias=br, predictor_weight=Wp, predictor_bias=bp,
+                                                        correction_bias=bias))
     one_launch = B <= 16 and dtype != torch.float32 and H % 8 == 0
     fused = [n for n in names if "select_experts_kernel" in n]
     two = [n for n in names if "router_predict" in n or "route_select_kernel" in n]
