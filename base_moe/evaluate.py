@@ -553,9 +553,11 @@ def format_table(result: dict[str, Any]) -> str:
         energy = f"{r['retained_energy']:.3f}" if r["retained_energy"] is not None else "-"
         budget = str(r["budget"]) if r["budget"] is not None else "-"
         t = f" {r['time_us']:>9.1f}" if timed and r.get("time_us") is not None else (f" {'-':>9}" if timed else "")
+        stderr = r["delta_bits_stderr"]  # NaN (null once through JSON) from a single batch
+        stderr = f"{stderr:.4f}" if stderr is not None and math.isfinite(stderr) else "-"
         lines.append(
             f"{r['policy']:<22} {budget:>6} {r['active']:>7.2f} {r['bits']:>10.4f} {r['delta_bits']:>+10.4f} "
-            f"{r['delta_bits_stderr']:>7.4f} {energy:>7}{t}"
+            f"{stderr:>7} {energy:>7}{t}"
         )
     lines.append(f"active: mean experts in use per layer and decode batch (dense: the routed union); "
                  f"+-: standard error of the per-batch increase; energy: retained w^2||E||^2")

@@ -199,6 +199,16 @@ def test_table_json_and_plot(result, tmp_path):
     assert (tmp_path / "q.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_table_shows_a_missing_standard_error_as_a_dash(result):
+    """One batch has no standard error: NaN in the result, null once through JSON; the table prints '-'."""
+    single = {**result, "results": [{**r, "delta_bits_stderr": v} for r in result["results"] for v in (math.nan, None)]}
+    table = format_table(single)
+    assert "nan" not in table.lower()
+    base_rows = [line.split() for line in table.splitlines() if line.startswith("base ")]
+    assert len(base_rows) == 2 * sum(r["policy"] == "base" for r in result["results"]) > 0
+    assert all(fields[5] == "-" for fields in base_rows)  # policy budget active bits +bits +- energy
+
+
 def test_plot_keeps_a_familys_budgeted_and_unbudgeted_runs_apart(result, tmp_path, monkeypatch):
     import matplotlib.axes
 

@@ -1,0 +1,73 @@
+"""The examples run as a user runs them (a subprocess, on the bundled testbed model, on the CPU), with small sizes:
+the main job of README's first command (examples/quickstart.py) and batched generation (examples/generate.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import base_moe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTBED = os.path.join(ROOT, "testbed")
+
+
+def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, the same on any machine
+    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def testbed_predictors(tmp_path_factory):
+    """Predictors for the testbed from a short calibration on its calibration text."""
+    from transformers import AutoModelForCausalLM
+
+    from base_moe.cli import load_token_ids
+
+    model = AutoModelForCausalLM.from_pretrained(TESTBED, local_files_only=True).eval()
+    ids = load_token_ids(os.path.join(TESTBED, "calib.txt"), TESTBED, tokens=4096, seq=64, byte_level=True)
+    path = tmp_path_factory.mktemp("predictors") / "testbed.safetensors"
+    base_moe.calibrate(model, ids, batch_size=16, progress=False).save(str(path))
+    return path
+
+
+def test_quickstart_main_job(tmp_path):
+    out = tmp_path / "quickstart.json"
+    done = run_example("quickstart.py", "--device", "cpu", "--calib-bytes", "4096", "--batch", "4", "--seq", "64",
+                       "--prefill", "8", "--batches", "2", "--policies", "base,router_sq,oracle", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    budgets = sorted({r["budget"] for r in result["results"]})
+    assert len(budgets) == 2 and all(b >= 1 for b in budgets)  # a third and a half of the measured dense union
+    assert {(r["policy"], r["budget"]) for r in result["results"]} == {
+        (p, b) for p in ("base", "router_sq", "oracle") for b in budgets}
+    assert all(r["active"] <= r["budget"] for r in result["results"])
+    for b in budgets:  # the summary line per budget names base, the best baseline and the oracle
+        assert f"budget {b}: base +" in done.stdout and "oracle +" in done.stdout
+    assert "dense" in done.stdout and "nan" not in done.stdout.lower()
+
+
+def test_quickstart_rejects_a_prefill_past_the_sequence():
+    done = run_example("quickstart.py", "--device", "cpu", "--seq", "64", "--prefill", "64")
+    assert done.returncode != 0 and "prefill" in done.stderr
+
+
+@pytest.mark.parametrize("policy", ["base", "router_sq"])
+def test_generate_under_a_budget(policy, testbed_predictors):
+    args = ["--policy", policy, "--budget", "2", "--max-new-tokens", "4"]
+    if policy == "base":
+        args += ["--predictors", str(testbed_predictors)]
+    done = run_example("generate.py", TESTBED, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("--- ") == 4  # one line per prompt
+    assert "4 x 4 tokens in" in done.stdout and f"budget 2, policy {policy}, fill backfill" in done.stdout
+
+
+def test_generate_needs_predictors_for_base():
+    done = run_example("generate.py", TESTBED, "--policy", "base", "--budget", "2")
+    assert done.returncode == 2 and "needs --predictors" in done.stderr
