@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -146,11 +147,15 @@ class _StopForward(Exception):
     """Raised by the last MoE layer's hook: nothing after it is needed."""
 
 
+def holdout_fraction(holdout: float) -> Fraction:
+    return Fraction(holdout).limit_denominator(10_000)
+
+
 def held_out_sequences(first: int, count: int, holdout: float) -> torch.Tensor:
     """Boolean ``[count]``: which of the sequences ``first .. first+count-1`` are held out. Sequence ``i`` is
     held out when ``floor((i+1) h) > floor(i h)`` (``h = 0.1``: sequences 9, 19, 29, ...): the fraction ``h``
     of sequences, spread evenly, independent of batching."""
-    frac = Fraction(holdout).limit_denominator(10_000)
+    frac = holdout_fraction(holdout)
     i = torch.arange(first, first + count, dtype=torch.int64)
     return ((i + 1) * frac.numerator) // frac.denominator > (i * frac.numerator) // frac.denominator
 
@@ -215,7 +220,8 @@ def calibrate(
         batch_size: sequences per forward pass (the activation memory scales with ``batch_size x S``).
         ridge: ridge strength on standardised features (each weight's penalty is ``ridge`` x its feature's
             sum of squared deviations), so independent of the token count and of the features' scales.
-        holdout: fraction of the sequences held out for R^2 (deterministic: every ``1/holdout``-th sequence).
+        holdout: fraction of the sequences held out for R^2 (deterministic: every ``1/holdout``-th sequence;
+            with fewer sequences than that none is held out, R^2 is NaN and a UserWarning says so).
         progress: show a tqdm progress bar (tokens).
         device: where input ids are sent; defaults to the device of the model's input embeddings. The sums
             of each layer live on the device of that layer's inputs.
@@ -340,6 +346,11 @@ def calibrate_layouts(
     elapsed = time.perf_counter() - start
 
     first = fits[layouts[0].layer_index]
+    if holdout > 0 and first.tokens_holdout == 0:
+        needed = math.ceil(1 / holdout_fraction(holdout))  # 0-based sequence needed - 1 is the first held out
+        warnings.warn(
+            f"no sequence was held out: the held-out R^2 needs at least {needed} sequences with holdout={holdout}, "
+            f"got {sequences}; it is NaN", stacklevel=3)
     experts = sorted({layout.num_experts for layout in layouts})
     routing = getattr(layouts[0], "routing", None)
     config = getattr(model, "config", None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -163,6 +164,21 @@ def planted_setup():
     torch.manual_seed(0)
     model = PlantedModel()
     return model, [PlantedLayout(i, b) for i, b in enumerate(model.blocks)]
+
+
+@pytest.mark.parametrize("holdout, needed", [(0.1, 10), (0.2, 5), (0.3, 4)])
+def test_too_few_sequences_to_hold_one_out_warn(holdout, needed):
+    model, layouts = planted_setup()
+    with pytest.warns(UserWarning, match=f"needs at least {needed} sequences with holdout={holdout}, got {needed - 1}"):
+        predictors = calibrate_layouts(model, layouts, torch.randint(0, 256, (needed - 1, 16)), holdout=holdout,
+                                       progress=False)
+    assert all(math.isnan(r) for r in predictors.r2.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one more sequence: one held out, no warning
+        predictors = calibrate_layouts(model, layouts, torch.randint(0, 256, (needed, 16)), holdout=holdout,
+                                       progress=False)
+        calibrate_layouts(model, layouts, torch.randint(0, 256, (2, 16)), holdout=0.0, progress=False)  # none asked
+    assert predictors.metadata["tokens_holdout"] == 16
 
 
 def test_calibrate_recovers_planted_log_norms_through_the_hooks():
