@@ -280,6 +280,10 @@ def test_route_select(case):
     union = reference.routed_union(routed_ref, G, E)
     for cost in Cost:
         _, _, D_ref = reference.route_cost(logits, log_norms, bias, G, routing, cost)
+        # route_cost's D, summed by the experts' owners: route_select's instances that sum every expert in every CTA
+        # must add the same values in the same order
+        _, _, D_owners = ops.route_cost(logits, routing, num_groups=G, cost=cost, log_norms=log_norms,
+                                        correction_bias=bias)
         for budget in budgets(E, k):
             for fill in Fill:
                 outputs = ops.route_select(
@@ -287,6 +291,7 @@ def test_route_select(case):
                     correction_bias=bias,
                 )
                 check_selection(outputs, logits, bias, routing, G, cost, budget, fill, union, D_ref)
+                assert bitwise_equal(outputs[4], D_owners), f"{cost.name}: D differs from route_cost's"
 
 
 def test_route_select_broadcast_log_norms():
