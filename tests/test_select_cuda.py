@@ -281,7 +281,8 @@ def test_route_select(case):
     for cost in Cost:
         _, _, D_ref = reference.route_cost(logits, log_norms, bias, G, routing, cost)
         # route_cost's D, summed by the experts' owners: route_select's instances that sum every expert in every CTA
-        # must add the same values in the same order
+        # must add the same values in the same order (compared where both ops run the same routing code: at budgets
+        # above 32 route_select's softmax models take the generic instances, whose weights may round otherwise)
         _, _, D_owners = ops.route_cost(logits, routing, num_groups=G, cost=cost, log_norms=log_norms,
                                         correction_bias=bias)
         for budget in budgets(E, k):
@@ -291,7 +292,8 @@ def test_route_select(case):
                     correction_bias=bias,
                 )
                 check_selection(outputs, logits, bias, routing, G, cost, budget, fill, union, D_ref)
-                assert bitwise_equal(outputs[4], D_owners), f"{cost.name}: D differs from route_cost's"
+                if min(budget, E) <= 32:
+                    assert bitwise_equal(outputs[4], D_owners), f"{cost.name}: D differs from route_cost's"
 
 
 def test_route_select_broadcast_log_norms():
