@@ -17,8 +17,13 @@
 // rules run per token again; per-expert counts are integer atomics in global memory (their sum does not depend on the
 // order). After the last chunk's barrier no CTA reads or writes another's shared memory except through the inbox, whose
 // owner waits for it, so no barrier is needed before exit.
+// route_select on one chunk (Plan::kBroadcast) exchanges less: each token warp pushes its k slot records (expert, cost)
+// into every CTA's inbox (cuda::inbox_push2), and every CTA, once all B k records are in, scatters them into an
+// [E][tokens] table and adds each expert's row in token order itself (every CTA the same values in the same order: the
+// same bits). No cluster barrier after the routing, no owners' sums, no key exchange.
 // No float atomics, no host synchronisation, fixed output shapes.
 // The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -40,7 +45,14 @@ constexpr int kMaxCluster = 16;  // CTAs per group (the non-portable cluster siz
 
 struct SharedLayout {
   // Offsets in 4-byte words into dynamic shared memory.
-  int rows, scratch, own, own_flags, own_cost, kept_flag, cost_key, kept, inbox, total;
+  int rows, scratch, records, own, own_flags, own_cost, kept_flag, cost_key, kept, inbox, total;
+};
+
+// How an instance exchanges the batch costs (each instance carries one plan's code).
+enum class Plan {
+  kChunks,     // any number of chunks: slot costs to the experts' owners, their sums' ranking keys to every CTA
+  kOneChunk,   // the same, where the launcher guarantees one chunk of more than 32 tokens
+  kBroadcast,  // route_select on one chunk: every slot's record to every CTA, which sums every expert itself
 };
 
 // The ranking reads the keys 16 bytes at a time: ceil(E / 4) of them, the keys past E zero (no candidate).
@@ -54,20 +66,24 @@ __host__ __device__ inline int own_stride(int cluster, int NW) {
   return cluster * NW + 1;
 }
 
-__host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int cluster, int experts_per_cta,
-                                                      int n_group) {
+// table_rows: the experts whose slot costs the CTA adds up (its owned experts; every expert for kBroadcast); records:
+// the 8-byte slot records it receives (kBroadcast: the chunk's C NW k; 0 otherwise).
+__host__ __device__ inline SharedLayout shared_layout(int NW, int E, int W, int cluster, int table_rows, int n_group,
+                                                      int records) {
   SharedLayout s{};
   int at = 0;
   s.rows = at;  // per warp an E-float row: score_token's scratch for the group limit, the fill's choice scores
   at += NW * E;
   s.scratch = at + (at & 1);  // per warp the group scores and the fill's words (8-byte aligned: 8-byte keys)
   at = s.scratch + NW * (2 * n_group + kFillScratchWords);
-  s.own = at;  // slot costs of the owned experts, one row of C * NW tokens (the chunk) per expert
-  at += experts_per_cta * own_stride(cluster, NW);
-  s.own_flags = at;  // per owned expert: bit 0 routed by some token of the group, bit 1 some token's top-1
-  at += experts_per_cta;
+  s.records = at;  // (at is even) [C * NW][k] (expert, cost bits), pushed by the tokens' warps
+  at += 2 * records;
+  s.own = (at + 3) & ~3;  // slot costs, one row of C * NW tokens (the chunk) per expert; 16-byte aligned
+  at = s.own + (table_rows * own_stride(cluster, NW) + 3) / 4 * 4;  // (whole quads: kBroadcast zeroes them as such)
+  s.own_flags = at;  // per expert of the table: bit 0 routed by some token of the group, bit 1 some token's top-1
+  at += table_rows;
   s.own_cost = at;  // per owned expert: D over the chunks so far
-  at += experts_per_cta;
+  at += table_rows;
   s.kept_flag = at;  // per expert: kept
   at += E;
   s.cost_key = (at + 3) & ~3;  // per expert: the ranking key its owner pushed; 16-byte aligned, 0 past E (quads)
@@ -98,20 +114,67 @@ __device__ __forceinline__ void load_token(const SelectParams& p, int64_t t, int
   }
 }
 
+// Plan::kBroadcast: the group's n = B k slot records (record i: token i / k, slot i % k) into the [E][stride] cost
+// table (a column per token) and the experts' flags (bit 0 routed, bit 1 some token's top-1), a thread per record. The
+// thread's first (token, slot) and its step per `threads` records come from before the PDL wait (no division after it).
+__device__ __forceinline__ void scatter_records(const uint2* records, int n, int k, int E, int stride, float* table,
+                                                int* flags, int token, int slot, int step_tokens, int step_slots,
+                                                int threads) {
+  for (int i = static_cast<int>(threadIdx.x); i < n; i += threads) {
+    const uint2 record = records[i];
+    const int u = static_cast<int>(record.x);
+    if (u < E) {
+      table[u * stride + token] = __uint_as_float(record.y);
+      atomicOr(flags + u, slot == 0 ? 3 : 1);
+    }
+    token += step_tokens;
+    slot += step_slots;
+    if (slot >= k) {
+      slot -= k;
+      ++token;
+    }
+  }
+}
+
+// Plan::kBroadcast: D of every expert, a thread per expert adding its row's non-zero costs in token order (the
+// reference's sequential fp32 sum, bit for bit; 16 loads issued ahead of their adds), plus TOP1_UNION's offset; its
+// ranking key (0 where no token routed to it) and, where batch_cost is given (CTA 0), D.
+__device__ __forceinline__ void sum_every_expert(const SelectParams& p, const float* table, int stride,
+                                                 const int* flags, uint32_t* cost_key, float* batch_cost,
+                                                 int threads) {
+  for (int u = static_cast<int>(threadIdx.x); u < p.E; u += threads) {
+    const float* row = table + u * stride;
+    float d = 0.0f;
+#pragma unroll 1
+    for (int first = 0; first < p.B; first += 16) {
+      d = thread_add_nonzero_in_order<16>(d, row + first, min(16, p.B - first));
+    }
+    const int f = flags[u];
+    if (p.cost == static_cast<int>(Cost::kTop1Union) && (f & 2)) d = d + p.top1_offset;
+    if (batch_cost != nullptr) batch_cost[u] = d;
+    cost_key[u] = (f & 1) ? candidate_key(d) : 0u;
+  }
+}
+
 // GENERIC = false: softmax routing without a group limit at budgets up to 32 (score_token), whose instance leaves the
 // other modes' code out, as select_experts' does (Qwen3's instance 4728 -> 3032 SASS instructions; route_select alone
 // at Qwen3's T = 1 / 16 / 64 / 256 4.84 / 6.80 / 7.74 / 9.51 -> 4.64 / 6.18 / 6.97 / 8.60 us, the two-kernel selection
 // at T = 256 15.63 -> 14.73; the generic instances' SASS is unchanged; device_runs/session47.txt, call 3).
-// kOneChunk: the launcher guarantees one chunk of more than 32 tokens (B <= C * NW, C * NW > 32: a T = 256 decode batch
-// on 16 CTAs), and the instance leaves the other chunk shapes' code out (Qwen3's T = 256 instance 3264 -> 2728 SASS
-// instructions; route_select alone at T = 64 / 256 6.80 / 7.47 -> 6.52 / 7.01 us; device_runs/session48.txt, call 1).
-template <int EPL, int NW, bool GENERIC, bool kOneChunk>
+// Plan::kOneChunk: the launcher guarantees one chunk of more than 32 tokens (B <= C * NW, C * NW > 32: a T = 256 decode
+// batch on 16 CTAs), and the instance leaves the other chunk shapes' code out (Qwen3's T = 256 instance 3264 -> 2728
+// SASS instructions; route_select alone at T = 64 / 256 6.80 / 7.47 -> 6.52 / 7.01 us; device_runs/session48.txt,
+// call 1). Plan::kBroadcast: route_select (costs and selection) on one chunk, each CTA routing at least one token.
+template <int EPL, int NW, bool GENERIC, Plan kPlan>
 __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectParams p) {
   static_assert(NW % 2 == 0, "own_stride is odd only for an even NW");
+  constexpr bool kBroadcast = kPlan == Plan::kBroadcast;
   extern __shared__ __align__(16) float smem[];
   const int E = p.E, k = p.k, B = p.B, C = p.cluster, EPC = p.experts_per_cta;
-  const SharedLayout L = shared_layout(NW, E, p.W, C, EPC, p.n_group);
+  const int per_chunk = C * NW, stride = own_stride(C, NW);
+  const int table_rows = kBroadcast ? E : EPC;
+  const SharedLayout L = shared_layout(NW, E, p.W, C, table_rows, p.n_group, kBroadcast ? per_chunk * k : 0);
   float* rows = smem + L.rows;
+  uint2* records = reinterpret_cast<uint2*>(smem + L.records);
   float* scratch = smem + L.scratch;
   float* own = smem + L.own;
   int* own_flags = reinterpret_cast<int*>(smem + L.own_flags);
@@ -128,17 +191,19 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   const int first_owned = static_cast<int>(rank) * EPC;
   const int owned = max(0, min(EPC, E - first_owned));  // this CTA's experts: [first_owned, first_owned + owned)
   const int64_t first_token = static_cast<int64_t>(group) * B;
-  const int per_chunk = C * NW, stride = own_stride(C, NW);
   const int column = static_cast<int>(rank) * NW + warp;  // this warp's token in each chunk
   float* my_row = rows + warp * E;
   float* my_group_scratch = scratch + warp * 2 * p.n_group;
   float* my_fill_words = scratch + NW * 2 * p.n_group + warp * kFillScratchWords;  // 8-byte aligned
 
   cuda::pdl_launch_dependents();
-  if (p.compute_cost) {
+  if constexpr (kBroadcast) {  // every expert's row (up to ~150 KB: 16-byte stores)
+    float4* table = reinterpret_cast<float4*>(own);
+    for (int i = tid; i < (E * stride + 3) / 4; i += kThreads) table[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  } else if (p.compute_cost) {
     for (int i = tid; i < owned * stride; i += kThreads) own[i] = 0.0f;
   }
-  for (int e = tid; e < owned; e += kThreads) {
+  for (int e = tid; e < (kBroadcast ? E : owned); e += kThreads) {
     own_flags[e] = 0;
     own_cost[e] = 0.0f;
   }
@@ -148,7 +213,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   if (p.select) cuda::inbox_init(inbox, tid == 0);
   // Arithmetic that needs no input, done while the previous kernel finishes: each division here would be a
   // ~20-instruction chain after the wait (the chunk count, the first key push's cell, the ranking's geometry).
-  const int chunks = kOneChunk ? 1 : (B + per_chunk - 1) / per_chunk;
+  const int chunks = kPlan != Plan::kChunks ? 1 : (B + per_chunk - 1) / per_chunk;
   // EPC is a power of two (owned_experts_per_cta). select_experts reads its shift from plan instead: one params field
   // for both kernels measured slower in both, and __ffs in select_experts slower there (device_runs/session45.txt and
   // session44.txt, call 1 each).
@@ -159,16 +224,24 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   while (tpe < 32 && tpe * 2 * E <= kThreads) tpe *= 2;
   const int tpe_shift = __ffs(tpe) - 1, experts_per_pass = kThreads >> tpe_shift;
   const int rank_passes = (E + experts_per_pass - 1) / experts_per_pass;
+  // kBroadcast: the first record (token, slot) this thread scatters, and how far kThreads records move it
+  const int scatter_token = tid / k, scatter_slot = tid - scatter_token * k;
+  const int step_tokens = kThreads / k, step_slots = kThreads - step_tokens * k;
   // Every CTA's zeros and inbox before any other CTA's slot costs, flags and keys arrive: the barrier's arrive (a
   // release) before the PDL wait, so its cost overlaps the previous kernel, the wait after it.
   cuda::cluster_arrive();
   cuda::pdl_wait();  // the logits come from the previous kernel (and the one before may still read the counts)
   cuda::cluster_wait();
-  if (p.select) cuda::inbox_expect(inbox, 4u * static_cast<uint32_t>(E), tid == 0);  // every key, from its owner
+  // every key from its owner, or (kBroadcast) every token's k slot records
+  const uint32_t inbox_bytes = kBroadcast ? 8u * static_cast<uint32_t>(B * k) : 4u * static_cast<uint32_t>(E);
+  if (p.select) cuda::inbox_expect(inbox, inbox_bytes, tid == 0);
   int* group_counts = p.select ? p.counts + static_cast<int64_t>(group) * E : nullptr;  // (route_cost: none)
   if (p.select) {  // the cluster barriers before the fill order these zeros before every CTA's counts
     for (int e = tid; e < owned; e += kThreads) group_counts[first_owned + e] = 0;
   }
+  // kBroadcast has no cluster barrier before the fill: the zeros come before this CTA's pushes (this barrier), whose
+  // complete_tx releases them to every receiver's inbox wait (an acquire); every CTA routes a token, so pushes to all.
+  if constexpr (kBroadcast) __syncthreads();
 
   const bool single_chunk = chunks <= 1;
   const bool base_cost = p.cost == static_cast<int>(Cost::kBase);
@@ -184,7 +257,17 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       float w, log_norm;
       int32_t id;
       route_token<EPL, GENERIC>(p, s, lane, id, w, log_norm);
-      if (id < E) {
+      if constexpr (kBroadcast) {  // the slot's record (expert, cost) into every CTA's inbox, at the token's cell
+        const float cost = id < E ? slot_cost(p.cost, w, base_cost ? log_norm : 0.0f) : 0.0f;
+        if (lane < k) {
+          uint32_t* cell = reinterpret_cast<uint32_t*>(records + column * k + lane);
+#pragma unroll 1
+          for (int receiver = 0; receiver < C; ++receiver) {
+            cuda::inbox_push2(cell, static_cast<unsigned>(receiver), static_cast<uint32_t>(id), __float_as_uint(cost),
+                              inbox);
+          }
+        }
+      } else if (id < E) {
         const unsigned owner = static_cast<unsigned>(id >> owner_shift);
         const int e = id & (EPC - 1);
         if (p.compute_cost) {
@@ -197,10 +280,11 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
         p.weights[t * k + lane] = w;
       }
     }
+    if (kBroadcast) break;  // one chunk, summed below
     if (!p.compute_cost && chunk + 1 < chunks) continue;  // the flags only need the last chunk's barrier
     cuda::cluster_sync();  // the chunk's slot costs and flags are at their owners
     if (!p.compute_cost) continue;
-    if (!kOneChunk && per_chunk <= 32) {
+    if (kPlan == Plan::kChunks && per_chunk <= 32) {
       // Few tokens per chunk, many owned experts (up to all E at C = 1): a thread per expert, not a warp.
       for (int e = tid; e < owned; e += kThreads) {
         float* row = own + e * stride;
@@ -225,34 +309,44 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     if (chunk + 1 < chunks) cuda::cluster_sync();  // the rows are cleared before the next chunk's costs arrive
   }
 
-  __syncthreads();  // the last own_cost writes before other threads read them
+  if constexpr (kBroadcast) {
+    cuda::inbox_wait(inbox);  // every token's k records
+    scatter_records(records, B * k, k, E, stride, own, own_flags, scatter_token, scatter_slot, step_tokens,
+                    step_slots, kThreads);
+    __syncthreads();
+    float* batch_cost = rank == 0 ? p.batch_cost_out + static_cast<int64_t>(group) * E : nullptr;
+    sum_every_expert(p, own, stride, own_flags, cost_key, batch_cost, kThreads);
+    __syncthreads();
+  } else {
+    __syncthreads();  // the last own_cost writes before other threads read them
 
-  // ---- the owned experts' batch costs; their ranking keys to every CTA, a thread per (expert, receiving CTA) ----
-  // (the first cell comes from before the wait; a plain for loop dividing only past it left Qwen3 unchanged and made
-  // DeepSeek 0.1-0.45 us slower: device_runs/session45.txt, call 1)
-  for (int i = tid, e = push_expert, receiver = push_receiver; i < owned * receivers;) {
-    const int u = first_owned + e, f = own_flags[e];
-    float d;
-    if (p.compute_cost) {
-      d = own_cost[e];
-      if (p.cost == static_cast<int>(Cost::kTop1Union) && (f & 2)) d = d + p.top1_offset;
-      if (receiver == 0) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = d;
-    } else {
-      d = p.batch_cost_in[static_cast<int64_t>(group) * E + u];
+    // ---- the owned experts' batch costs; their ranking keys to every CTA, a thread per (expert, receiving CTA) ----
+    // (the first cell comes from before the wait; a plain for loop dividing only past it left Qwen3 unchanged and made
+    // DeepSeek 0.1-0.45 us slower: device_runs/session45.txt, call 1)
+    for (int i = tid, e = push_expert, receiver = push_receiver; i < owned * receivers;) {
+      const int u = first_owned + e, f = own_flags[e];
+      float d;
+      if (p.compute_cost) {
+        d = own_cost[e];
+        if (p.cost == static_cast<int>(Cost::kTop1Union) && (f & 2)) d = d + p.top1_offset;
+        if (receiver == 0) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = d;
+      } else {
+        d = p.batch_cost_in[static_cast<int64_t>(group) * E + u];
+      }
+      // D as order-preserving integer keys, 0 for non-candidates: integer compares give every candidate a distinct
+      // rank even for NaN costs, where float compares would give them all rank 0 and collide in kept[0] (NaN ranks
+      // first, as in torch.sort; the CPU op rejects non-finite logits).
+      if (p.select) {
+        cuda::inbox_push(cost_key + u, static_cast<unsigned>(receiver), (f & 1) ? candidate_key(d) : 0u, inbox);
+      }
+      i += kThreads;
+      if (i >= owned * receivers) break;
+      e = i / receivers;
+      receiver = i - e * receivers;
     }
-    // D as order-preserving integer keys, 0 for non-candidates: integer compares give every candidate a distinct
-    // rank even for NaN costs, where float compares would give them all rank 0 and collide in kept[0] (NaN ranks
-    // first, as in torch.sort; the CPU op rejects non-finite logits).
-    if (p.select) {
-      cuda::inbox_push(cost_key + u, static_cast<unsigned>(receiver), (f & 1) ? candidate_key(d) : 0u, inbox);
-    }
-    i += kThreads;
-    if (i >= owned * receivers) break;
-    e = i / receivers;
-    receiver = i - e * receivers;
+    if (!p.select) return;
+    cuda::inbox_wait(inbox);
   }
-  if (!p.select) return;
-  cuda::inbox_wait(inbox);
 
   // ---- top-budget selection: rank each candidate against all (D descending, index ascending) ----
   {
@@ -311,9 +405,33 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   }
 }
 
-// Dynamic shared memory of a launch on clusters of C CTAs.
-size_t select_smem(const SelectParams& p, int NW, int C) {
-  return static_cast<size_t>(shared_layout(NW, p.E, p.W, C, owned_experts_per_cta(p.E, C), p.n_group).total) * 4;
+// Dynamic shared memory of a launch of `plan` on clusters of C CTAs.
+size_t select_smem(const SelectParams& p, int NW, int C, Plan plan = Plan::kChunks) {
+  const bool broadcast = plan == Plan::kBroadcast;
+  const int table_rows = broadcast ? p.E : owned_experts_per_cta(p.E, C);
+  return static_cast<size_t>(
+             shared_layout(NW, p.E, p.W, C, table_rows, p.n_group, broadcast ? C * NW * p.k : 0).total) *
+         4;
+}
+
+// Plan::kBroadcast keeps every expert's row of the chunk's slot costs in every CTA: at most this much shared memory
+// (E 256 at 128 tokens takes ~166 KB); larger tables keep the owners' exchange.
+constexpr size_t kMaxBroadcastSmem = 176 * 1024;
+
+// Where kBroadcast beats the owners' exchange: every CTA adds a B-long chain per expert (a thread per expert) where the
+// owners add only the non-zero costs of their few experts, so it pays off for short batches, and for many experts,
+// whose keys the owners' exchange pushes to every CTA. route_select alone, H200, us, owners -> kBroadcast everywhere
+// it fits (device_runs/session51.txt, call 2): Qwen3 shape (E 128) at T = 16 / 64 / 128 / 256 5.44 / 5.39 / 6.47 /
+// 6.99 -> 4.64 / 5.51 / 6.76 / 8.44, DeepSeek-like (E 256) at T = 16 / 64 / 128 11.85 / 12.52 / 15.79 -> 11.13 / 12.29
+// / 15.45. With this rule (call 3), Qwen3 at T = 1 / 4 / 16 / 32: 4.64 / 5.46 / 5.44 / 5.87 (session 48) -> 3.59 /
+// 4.38 / 4.63 / 4.99 (the two-kernel selection behind our norm at T = 1 / 4 / 16 7.39 / 8.26 / 9.15 -> 6.33 / 7.43 /
+// 8.22).
+bool broadcast_wins(const SelectParams& p) {
+  return p.B <= 32 || p.E >= 256;
+}
+
+size_t broadcast_smem_limit(int device) {
+  return std::min(kMaxBroadcastSmem, at::cuda::getDeviceProperties(device)->sharedMemPerBlockOptin);
 }
 
 template <typename Kernel>
@@ -327,11 +445,12 @@ void allow_smem(Kernel kernel, size_t smem) {
 // per device with the first call's shared memory: every shape needs at most ~59 KB per CTA (E 256 at C 15, where the
 // owned experts' power of two rounds 18 up to 32; ~92 KB with as many groups as experts), far below an SM's, so
 // whether 16 CTAs fit depends on the device's GPCs, not on the call, and the answer holds for every call.
-template <int EPL, int NW, bool GENERIC, bool kOneChunk>
+// Plan::kBroadcast instances take up to broadcast_smem_limit and are asked with it.
+template <int EPL, int NW, bool GENERIC, Plan kPlan>
 int max_select_cluster(size_t smem, int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];
   return cuda::once_per_device(memo, device, 8, [&] {
-    auto kernel = route_select_kernel<EPL, NW, GENERIC, kOneChunk>;
+    auto kernel = route_select_kernel<EPL, NW, GENERIC, kPlan>;
     allow_smem(kernel, smem);
     return cuda::cluster_fits(kernel, kMaxCluster, NW * 32, smem) ? kMaxCluster : 8;
   });
@@ -339,12 +458,12 @@ int max_select_cluster(size_t smem, int device) {
 
 // C is final here: for C > 8 the caller has asked this instance's max_select_cluster, which also allows its
 // non-portable cluster size.
-template <int EPL, int NW, bool GENERIC, bool kOneChunk>
+template <int EPL, int NW, bool GENERIC, Plan kPlan>
 void launch_instance(SelectParams p, int groups, int C, bool clusters, int device, cudaStream_t stream) {
   p.cluster = C;
   p.experts_per_cta = owned_experts_per_cta(p.E, C);
-  const size_t smem = select_smem(p, NW, C);
-  auto kernel = route_select_kernel<EPL, NW, GENERIC, kOneChunk>;
+  const size_t smem = select_smem(p, NW, C, kPlan);
+  auto kernel = route_select_kernel<EPL, NW, GENERIC, kPlan>;
   allow_smem(kernel, smem);
   cuda::launch({dim3(groups * C), dim3(NW * 32), smem, stream, clusters ? C : 0, clusters && cuda::selection_pdl()},
                kernel, p);
@@ -356,18 +475,25 @@ void launch_instance(SelectParams p, int groups, int C, bool clusters, int devic
 template <int EPL, int NW, bool GENERIC>
 int select_cluster(const SelectParams& p, bool clusters, int device) {
   const int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, kMaxCluster) : 1;
-  return C > 8 ? std::min(C, max_select_cluster<EPL, NW, GENERIC, false>(select_smem(p, NW, C), device)) : C;
+  return C > 8 ? std::min(C, max_select_cluster<EPL, NW, GENERIC, Plan::kChunks>(select_smem(p, NW, C), device)) : C;
 }
 
 template <int EPL, int NW, bool GENERIC>
 void launch_select(SelectParams p, int groups, bool clusters, int device, cudaStream_t stream) {
   const int C = select_cluster<EPL, NW, GENERIC>(p, clusters, device);
-  // The one-chunk instance only where its own cluster limit also holds C (the kernel routes tokens [0, C * NW) only)
-  if (C * NW > 32 && p.B <= C * NW &&
-      (C <= 8 || max_select_cluster<EPL, NW, GENERIC, true>(select_smem(p, NW, C), device) >= C)) {
-    launch_instance<EPL, NW, GENERIC, true>(p, groups, C, clusters, device, stream);
+  // The one-chunk instances only where their own cluster limit also holds C (they route tokens [0, C * NW) only).
+  // One chunk means C = ceil(B / NW) (no cluster limit cut it), so every CTA routes a token, as kBroadcast needs.
+  const bool one_chunk = p.B <= C * NW;
+  const size_t broadcast_limit = broadcast_smem_limit(device);
+  if (one_chunk && p.compute_cost && p.select && broadcast_wins(p) &&
+      select_smem(p, NW, C, Plan::kBroadcast) <= broadcast_limit &&
+      (C <= 8 || max_select_cluster<EPL, NW, GENERIC, Plan::kBroadcast>(broadcast_limit, device) >= C)) {
+    launch_instance<EPL, NW, GENERIC, Plan::kBroadcast>(p, groups, C, clusters, device, stream);
+  } else if (one_chunk && C * NW > 32 &&
+             (C <= 8 || max_select_cluster<EPL, NW, GENERIC, Plan::kOneChunk>(select_smem(p, NW, C), device) >= C)) {
+    launch_instance<EPL, NW, GENERIC, Plan::kOneChunk>(p, groups, C, clusters, device, stream);
   } else {
-    launch_instance<EPL, NW, GENERIC, false>(p, groups, C, clusters, device, stream);
+    launch_instance<EPL, NW, GENERIC, Plan::kChunks>(p, groups, C, clusters, device, stream);
   }
 }
 

@@ -173,7 +173,7 @@ __device__ __forceinline__ bool inbox_counts_bytes() {
 }
 #endif
 
-// A CTA's inbox: 32-bit values the other CTAs of its cluster push into its shared memory, complete on its own
+// A CTA's inbox: 32- or 64-bit values the other CTAs of its cluster push into its shared memory, complete on its own
 // mbarrier once it has received the number of bytes it expects (st.async, sm_90). Where a CTA knows how many bytes it
 // will receive, waiting on its inbox replaces a cluster barrier, whose release (a MEMBAR.ALL.GPU per warp on sm_90)
 // cost select_experts ~0.5 us per call at its third barrier (device_runs/session22.txt, call 4). In a one-CTA
@@ -243,6 +243,24 @@ __device__ __forceinline__ void inbox_push(uint32_t* dst, unsigned rank, uint32_
   (void)rank;
   (void)inbox;
   *dst = value;
+}
+
+// inbox_push of two 32-bit values at once (one 8-byte st.async; dst 8-byte aligned).
+__device__ __forceinline__ void inbox_push2(uint32_t* dst, unsigned rank, uint32_t first, uint32_t second,
+                                            uint64_t* inbox) {
+#ifdef BASE_MOE_HAS_CLUSTERS
+  if (inbox_counts_bytes()) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n" ::"r"(
+                     cluster_shared_address(dst, rank)),
+                 "r"(first), "r"(second), "r"(cluster_shared_address(inbox, rank))
+                 : "memory");
+    return;
+  }
+#endif
+  (void)rank;
+  (void)inbox;
+  dst[0] = first;
+  dst[1] = second;
 }
 
 // Returns once this CTA's inbox has received all the bytes inbox_expect declared. The acquire is at cluster scope: the

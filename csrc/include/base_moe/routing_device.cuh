@@ -280,11 +280,23 @@ __device__ __forceinline__ float warp_add_nonzero_in_order(float d, float* row, 
   return d;
 }
 
-// The same sum by one thread (bit for bit: the same additions in the same order).
+// The same sum by one thread (bit for bit: the same additions in the same order). kMaxN > 0: n <= kMaxN, and all the
+// loads are issued before the first add (a loop of runtime length waits for each load in turn).
+template <int kMaxN = 0>
 __device__ __forceinline__ float thread_add_nonzero_in_order(float d, const float* row, int n) {
-  for (int i = 0; i < n; ++i) {
-    const float v = row[i];
-    if (v != 0.0f) d += v;
+  if constexpr (kMaxN > 0) {
+    float v[kMaxN];
+#pragma unroll
+    for (int i = 0; i < kMaxN; ++i) v[i] = i < n ? row[i] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kMaxN; ++i) {
+      if (v[i] != 0.0f) d += v[i];
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      const float v = row[i];
+      if (v != 0.0f) d += v;
+    }
   }
   return d;
 }
