@@ -17,10 +17,11 @@
 // rules run per token again; per-expert counts are integer atomics in global memory (their sum does not depend on the
 // order). After the last chunk's barrier no CTA reads or writes another's shared memory except through the inbox, whose
 // owner waits for it, so no barrier is needed before exit.
-// route_select on one chunk (Plan::kBroadcast) exchanges less: each token warp pushes its k slot records (expert, cost)
-// into every CTA's inbox (cuda::inbox_push2), and every CTA, once all B k records are in, scatters them into an
-// [E][tokens] table and adds each expert's row in token order itself (every CTA the same values in the same order: the
-// same bits). No cluster barrier after the routing, no owners' sums, no key exchange.
+// route_select on one chunk of up to 32 tokens, or of 256 or more experts (Plan::kBroadcast, broadcast_wins) exchanges
+// less: each token warp pushes its k slot records (expert, cost) into every CTA's inbox (cuda::inbox_push2), and every
+// CTA, once all B k records are in, scatters them into an [E][tokens] table and adds each expert's row in token order
+// itself (every CTA the same values in the same order: the same bits). No cluster barrier after the routing, no
+// owners' sums, no key exchange.
 // No float atomics, no host synchronisation, fixed output shapes.
 // The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
 #include <ATen/cuda/CUDAContext.h>
