@@ -81,5 +81,31 @@ __device__ __forceinline__ void load_5d(uint32_t dst, const CUtensorMap* map, in
       : "memory");
 }
 
+// An L2 policy for data read once, such as expert weights streamed from HBM: evict first, so that they do not push
+// out lines read again soon (the activations, the slot outputs) or dirty lines whose write-back would then land on the
+// weight stream.
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy = 0;
+  BASE_MOE_SM90("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// load_3d / load_5d with an L2 cache policy (evict_first_policy).
+__device__ __forceinline__ void load_3d_hint(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar,
+                                             uint64_t policy) {
+  BASE_MOE_SM90(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+      "%3, %4}], [%5], %6;" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ void load_5d_hint(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                             int c4, uint32_t bar, uint64_t policy) {
+  BASE_MOE_SM90(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+      "%3, %4, %5, %6}], [%7], %8;" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar),
+      "l"(policy)
+      : "memory");
+}
+
 }  // namespace tma
 }  // namespace base_moe
