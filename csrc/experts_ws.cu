@@ -227,7 +227,7 @@ __device__ __forceinline__ void load_weight_stage(const WsGemmParams& p, const C
   // The weights are read once per call: evict first, meant to keep act and the slot outputs in L2 and the write-back
   // of dirty lines off this stream (b256/M16 61.1 -> 58.3 us, M32 92.6 -> 87.4; device_runs/session52.txt, calls 4
   // and 7)
-  const uint64_t policy = tma::evict_first_policy();
+  const uint64_t policy = evict_first_policy();
   for (int c = 0; c < live; ++c) {
     if constexpr (GATED)  // 4 groups of 8 intermediates from group (tile * 96 + 32 c) / 8
       tma::load_5d_hint(stage + c * kBox, &weights, ks * kStep, 0, 0, (first_row + 32 * c) / 8, item.expert, bar,

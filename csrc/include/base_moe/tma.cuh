@@ -81,16 +81,7 @@ __device__ __forceinline__ void load_5d(uint32_t dst, const CUtensorMap* map, in
       : "memory");
 }
 
-// An L2 policy for data read once, such as expert weights streamed from HBM: evict first, so that they do not push
-// out lines read again soon (the activations, the slot outputs) or dirty lines whose write-back would then land on the
-// weight stream.
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t policy = 0;
-  BASE_MOE_SM90("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// load_3d / load_5d with an L2 cache policy (evict_first_policy).
+// load_3d / load_5d with an L2 cache policy (a createpolicy result, e.g. experts_mma.cuh's evict_first_policy).
 __device__ __forceinline__ void load_3d_hint(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar,
                                              uint64_t policy) {
   BASE_MOE_SM90(
