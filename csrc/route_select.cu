@@ -151,7 +151,7 @@ __device__ __forceinline__ void sum_every_expert(const SelectParams& p, const fl
       d = thread_add_nonzero_in_order<16>(d, row + first, min(16, p.B - first));
     }
     const int f = flags[u];
-    if (p.cost == static_cast<int>(Cost::kTop1Union) && (f & 2)) d = d + p.top1_offset;
+    d = with_top1_offset(p, d, f);
     if (batch_cost != nullptr) batch_cost[u] = d;
     cost_key[u] = (f & 1) ? candidate_key(d) : 0u;
   }
@@ -328,8 +328,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       const int u = first_owned + e, f = own_flags[e];
       float d;
       if (p.compute_cost) {
-        d = own_cost[e];
-        if (p.cost == static_cast<int>(Cost::kTop1Union) && (f & 2)) d = d + p.top1_offset;
+        d = with_top1_offset(p, own_cost[e], f);
         if (receiver == 0) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = d;
       } else {
         d = p.batch_cost_in[static_cast<int64_t>(group) * E + u];

@@ -493,9 +493,9 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   for (int e = warp; e < EO; e += kWarps) {
     const int u = static_cast<int>(rank) * EO + e;
     if (u >= E) break;
-    float d = warp_add_nonzero_in_order<(kMaxFusedTokens + 31) / 32>(0.0f, own + e * B, B, lane);
+    const float summed = warp_add_nonzero_in_order<(kMaxFusedTokens + 31) / 32>(0.0f, own + e * B, B, lane);
     const int fl = flags[e];
-    if (p.cost == static_cast<int>(Cost::kTop1Union) && (fl & 2)) d = d + p.top1_offset;
+    const float d = with_top1_offset(p, summed, fl);
     if (lane < C) cuda::inbox_push(rank_key + u, static_cast<unsigned>(lane), (fl & 1) ? candidate_key(d) : 0u, inbox);
     if (lane == 0) own_cost[e] = d;
   }

@@ -206,6 +206,13 @@ __device__ __forceinline__ uint32_t candidate_key(float d) {
   return max(cuda::ordered_bits(d), 1u);
 }
 
+// The batch-cost tables flag each expert: bit 0, some token of the group routed to it; bit 1, it is some token's top-1.
+// D of an expert from the sum of its slot costs: TOP1_UNION adds its offset where the expert is some token's top-1.
+__device__ __forceinline__ float with_top1_offset(const SelectParams& p, float d, int flags) {
+  if (p.cost == static_cast<int>(Cost::kTop1Union) && (flags & 2)) d = d + p.top1_offset;
+  return d;
+}
+
 // values[j] of expert u (lane holder_lane(u), register u % EPL) to the calling lane; every lane calls it (shuffles).
 // Any value for the sentinel u = E.
 template <int EPL>
