@@ -2,6 +2,7 @@
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
 #   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselt bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ncu phases phasesg ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
+# Steps whose comment says "needs notes/X.patch" for a patch no longer in notes/: notes/PATCHES.md says where it is.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
 nvidia-smi -L; python3 -c "import torch;print(torch.__version__)"
 s=$SECONDS
