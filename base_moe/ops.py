@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .routing import Cost, Fill, Routing
+from .routing import MAX_TOP_K, Cost, Fill, Routing
 
 _ops = torch.ops.base_moe
 
@@ -148,10 +148,34 @@ def experts(
 
 
 # ---------------------------------------------------------------------------------------------
-# Fake implementations: output shapes and dtypes only, so the ops trace under torch.compile.
+# Fake implementations: output shapes and dtypes, so the ops trace under torch.compile. They check what the outputs'
+# shapes and device depend on, with the kernels' messages (csrc/checks.cpp); the kernels check the rest when they run.
 # ---------------------------------------------------------------------------------------------
+def _check_same_device(primary_name: str, primary: torch.Tensor, **others: torch.Tensor | None) -> None:
+    # A CPU tensor among meta tensors dispatches here: without this, the op would return an unfilled CPU tensor.
+    for name, t in others.items():
+        if t is not None:
+            torch._check(t.device == primary.device, lambda: f"{name} must be on the same device as {primary_name} "
+                         f"({primary.device}), got {t.device}")
+
+
+def _check_selection_args(logits, num_groups, top_k, budget=1) -> None:
+    E = logits.shape[1]
+    torch._check(1 <= top_k <= MAX_TOP_K, lambda: f"top_k must be in [1, {MAX_TOP_K}], got {top_k}")
+    torch._check(top_k <= E, lambda: f"top_k ({top_k}) must not exceed the number of experts ({E})")
+    torch._check(num_groups >= 1, lambda: f"num_groups must be >= 1, got {num_groups}")
+    torch._check(logits.shape[0] % num_groups == 0, lambda: f"the number of tokens ({logits.shape[0]}) must be a "
+                 f"multiple of num_groups ({num_groups})")
+    torch._check(budget >= 1, lambda: f"budget must be >= 1, got {budget}")
+
+
 @torch.library.register_fake("base_moe::router_predict")
 def _router_predict_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias):
+    _check_same_device("hidden", hidden, router_weight=router_weight, router_bias=router_bias,
+                       predictor_weight=predictor_weight, predictor_bias=predictor_bias)
+    torch._check(router_weight.dim() == 2 and router_weight.shape[1] == hidden.shape[1],
+                 lambda: f"router_weight must have shape [experts, {hidden.shape[1]}] to match hidden, got "
+                 f"{list(router_weight.shape)}")
     T, E = hidden.shape[0], router_weight.shape[0]
     logits = hidden.new_empty(T, E, dtype=torch.float32)
     return logits, hidden.new_empty(T, E if predictor_weight is not None else 0, dtype=torch.float32)
@@ -164,6 +188,8 @@ def _routing_fakes(logits, top_k):
 
 @torch.library.register_fake("base_moe::route_cost")
 def _route_cost_fake(logits, log_norms, correction_bias, num_groups, top_k, *_):
+    _check_same_device("logits", logits, log_norms=log_norms, correction_bias=correction_bias)
+    _check_selection_args(logits, num_groups, top_k)
     ids, weights = _routing_fakes(logits, top_k)
     return ids, weights, logits.new_empty(num_groups, logits.shape[1], dtype=torch.float32)
 
@@ -178,12 +204,16 @@ def _selection_fakes(logits, num_groups, top_k, budget):
 @torch.library.register_fake("base_moe::select_fill")
 def _select_fill_fake(logits, batch_cost, correction_bias, top_k, scoring, renormalize, n_group, topk_group,
                       scaling, budget, fill):
+    _check_same_device("logits", logits, batch_cost=batch_cost, correction_bias=correction_bias)
+    _check_selection_args(logits, batch_cost.shape[0], top_k, budget)
     return _selection_fakes(logits, batch_cost.shape[0], top_k, budget)
 
 
 @torch.library.register_fake("base_moe::route_select")
 def _route_select_fake(logits, log_norms, correction_bias, num_groups, top_k, scoring, renormalize, n_group,
                        topk_group, scaling, cost, budget, fill):
+    _check_same_device("logits", logits, log_norms=log_norms, correction_bias=correction_bias)
+    _check_selection_args(logits, num_groups, top_k, budget)
     D = logits.new_empty(num_groups, logits.shape[1], dtype=torch.float32)
     return (*_selection_fakes(logits, num_groups, top_k, budget), D)
 
@@ -198,14 +228,20 @@ def _select_experts_fake(hidden, router_weight, router_bias, predictor_weight, p
 
 @torch.library.register_fake("base_moe::rms_norm")
 def _rms_norm_fake(hidden, weight, eps):
+    _check_same_device("hidden", hidden, weight=weight)
     return torch.empty_like(hidden)
 
 
 @torch.library.register_fake("base_moe::add_rms_norm")
 def _add_rms_norm_fake(hidden, residual, weight, eps):
+    _check_same_device("hidden", hidden, residual=residual, weight=weight)
+    torch._check(residual.shape == hidden.shape, lambda: f"residual must have hidden's shape {list(hidden.shape)}, "
+                 f"got {list(residual.shape)}")
     return torch.empty_like(hidden), torch.empty_like(hidden)
 
 
 @torch.library.register_fake("base_moe::experts")
 def _experts_fake(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, max_active_experts=None):
+    _check_same_device("hidden", hidden, expert_ids=expert_ids, expert_weights=expert_weights,
+                       gate_up_proj=gate_up_proj, down_proj=down_proj)
     return torch.empty_like(hidden)

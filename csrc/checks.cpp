@@ -107,7 +107,8 @@ void check_route_cost(const Tensor& logits, const OptTensor& log_norms, int64_t 
   BASE_MOE_CHECK(cost >= 0 && cost <= 4,
               "cost must be 0 (base), 1 (router_sum), 2 (router_sq), 3 (frequency) or 4 (top1_union), got ", cost);
   if (static_cast<Cost>(cost) != Cost::kBase) return;
-  BASE_MOE_CHECK(log_norms.has_value() && log_norms->numel() > 0,
+  // router_predict without a predictor gives [tokens, 0] log-norms
+  BASE_MOE_CHECK(log_norms.has_value() && !(log_norms->dim() == 2 && log_norms->size(1) == 0),
               "cost=0 (base) needs log_norms [tokens, experts]: pass a predictor to router_predict");
   BASE_MOE_CHECK(log_norms->dim() == 2 && log_norms->sizes() == logits.sizes(), "log_norms must have logits' shape ",
               logits.sizes(), ", got ", log_norms->sizes());

@@ -102,8 +102,20 @@ void routing_weights(const float* logits, const int32_t* ids, const RoutingParam
   for (int64_t j = 0; j < r.top_k; ++j) w[j] *= scaling;
 }
 
-void check_finite_logits(const Tensor& logits) {
-  BASE_MOE_CHECK(at::isfinite(logits).all().item<bool>(), "logits must be finite (found NaN or infinity)");
+void check_finite(const Tensor& t, const char* name) {
+  BASE_MOE_CHECK(at::isfinite(t).all().item<bool>(), name, " must be finite (found NaN or infinity)");
+}
+
+// The values the routing and the costs read must be finite: a NaN would break the ranking's order, so the CPU ops
+// refuse them (the CUDA ops do not check: it would synchronise). `log_norms` only where the cost reads them.
+void check_finite_inputs(const Tensor& logits, const OptTensor& correction_bias, const OptTensor& log_norms) {
+  check_finite(logits, "logits");
+  if (correction_bias.has_value()) check_finite(*correction_bias, "correction_bias");
+  if (log_norms.has_value()) check_finite(*log_norms, "log_norms");
+}
+
+OptTensor log_norms_read(const OptTensor& log_norms, int64_t cost) {
+  return static_cast<Cost>(cost) == Cost::kBase ? log_norms : std::nullopt;
 }
 
 // A NaN has no place in the ranking (it would break the sort's ordering); any other float ranks by value.
@@ -300,7 +312,7 @@ std::tuple<Tensor, Tensor, Tensor> route_cost_cpu(const Tensor& logits, const Op
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
-  check_finite_logits(logits);
+  check_finite_inputs(logits, correction_bias, log_norms_read(log_norms, cost));
   auto [ids, weights] = route_tokens(logits, correction_bias, r);
   Tensor D = batch_cost(ids, weights, log_norms, num_groups, r, static_cast<Cost>(cost));
   return {ids, weights, D};
@@ -314,7 +326,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cpu(const Tensor& logits,
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_select_fill(logits, batch_cost, budget, fill);
-  check_finite_logits(logits);
+  check_finite_inputs(logits, correction_bias, std::nullopt);
   check_batch_cost_values(batch_cost);
   auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
   return keep_and_fill(logits, correction_bias, r, routed, routed_w, batch_cost, budget, fill);
@@ -328,7 +340,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cpu(
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
   check_budget_fill(budget, fill);
-  check_finite_logits(logits);
+  check_finite_inputs(logits, correction_bias, log_norms_read(log_norms, cost));
   auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
   Tensor D = batch_cost(routed, routed_w, log_norms, num_groups, r, static_cast<Cost>(cost));
   auto [ids, weights, kept, counts] = keep_and_fill(logits, correction_bias, r, routed, routed_w, D, budget, fill);

@@ -392,6 +392,66 @@ def test_non_finite_logits_raise_on_cpu():
             ops.route_select(logits, routing, budget=2, cost=Cost.ROUTER_SUM)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["correction_bias", "log_norms"])
+def test_non_finite_routing_inputs_raise_on_cpu(where, bad):
+    routing = Routing(2, Scoring.SIGMOID, renormalize=True)
+    logits, log_norms, bias = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
+    {"correction_bias": bias, "log_norms": log_norms}[where][torch.randint(0, 8, ()).item()] = bad
+    with pytest.raises(RuntimeError, match=f"{where} must be finite"):
+        ops.route_cost(logits, routing, log_norms=log_norms, correction_bias=bias)
+    with pytest.raises(RuntimeError, match=f"{where} must be finite"):
+        ops.route_select(logits, routing, budget=3, log_norms=log_norms, correction_bias=bias)
+    if where == "correction_bias":
+        with pytest.raises(RuntimeError, match="correction_bias must be finite"):
+            ops.select_fill(logits, torch.rand(1, 8), routing, budget=3, correction_bias=bias)
+    else:  # only Cost.BASE reads the log-norms
+        ops.route_select(logits, routing, budget=3, log_norms=log_norms, correction_bias=torch.randn(8),
+                         cost=Cost.ROUTER_SUM)
+
+
+def test_nan_predictor_weight_raises_on_cpu():
+    hidden, W, P = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8, 16)
+    P[3, 5] = float("nan")
+    with pytest.raises(RuntimeError, match="log_norms must be finite"):
+        ops.select_experts(hidden, W, Routing(2, Scoring.SOFTMAX, renormalize=True), budget=3, predictor_weight=P,
+                           predictor_bias=torch.zeros(8))
+
+
+def test_no_tokens_with_base_cost_on_cpu():
+    routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
+    logits, log_norms = torch.randn(0, 8), torch.randn(0, 8)
+    ids, weights, kept, counts, D = ops.route_select(logits, routing, budget=3, log_norms=log_norms)
+    assert ids.shape == (0, 2) and kept.shape == (1, 3) and torch.equal(D, torch.zeros(1, 8))
+    with pytest.raises(RuntimeError, match="cost=0 \\(base\\) needs log_norms"):  # router_predict's [T, 0]
+        ops.route_select(logits, routing, budget=3, log_norms=torch.randn(0, 0))
+
+
+def test_fakes_check_devices_and_output_shapes():
+    """On meta tensors the fakes run: a CPU tensor among them, or arguments the outputs' shapes depend on that the
+    kernels refuse, must raise instead of returning unfilled tensors or impossible shapes."""
+    routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
+    hidden = torch.randn(4, 16, device="meta")
+    with pytest.raises(RuntimeError, match="router_weight must be on the same device as hidden"):
+        ops.router_predict(hidden, torch.randn(8, 16))
+    with pytest.raises(RuntimeError, match="router_weight must have shape"):
+        ops.router_predict(hidden, torch.randn(8, 17, device="meta"))
+    with pytest.raises(RuntimeError, match="weight must be on the same device as hidden"):
+        ops.rms_norm(hidden, torch.ones(16), 1e-6)
+    with pytest.raises(RuntimeError, match="gate_up_proj must be on the same device as hidden"):
+        ops.experts(hidden, torch.zeros(4, 2, dtype=torch.int32, device="meta"), torch.zeros(4, 2, device="meta"),
+                    torch.randn(8, 32, 16), torch.randn(8, 16, 16, device="meta"))
+    logits = torch.randn(4, 8, device="meta")
+    with pytest.raises(RuntimeError, match="top_k \\(9\\) must not exceed"):
+        ops.route_cost(logits, Routing(9, Scoring.SOFTMAX, renormalize=True), cost=Cost.ROUTER_SUM)
+    with pytest.raises(RuntimeError, match="budget must be >= 1"):
+        ops.select_fill(logits, torch.rand(1, 8, device="meta"), routing, budget=0)
+    with pytest.raises(RuntimeError, match="multiple of num_groups"):
+        ops.route_select(logits, routing, budget=2, num_groups=3, cost=Cost.ROUTER_SUM)
+    kept = ops.route_select(logits, routing, budget=3, num_groups=2, cost=Cost.ROUTER_SUM)[2]
+    assert kept.shape == (2, 3) and kept.device.type == "meta"
+
+
 def test_nan_batch_cost_raises_on_cpu():
     routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
     logits = torch.randn(4, 8)
