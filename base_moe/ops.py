@@ -35,7 +35,10 @@ def route_cost(
     correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2: the model's routing ``(ids [T, k] int32, weights [T, k] fp32)`` and the per-group expert
-    cost ``D [G, E]``. ``log_norms`` may broadcast its rows (``expand``) for static per-expert values."""
+    cost ``D [G, E]``. ``log_norms`` may broadcast its rows (``expand``) for static per-expert values.
+
+    ``logits``, ``correction_bias`` and (for ``Cost.BASE``) ``log_norms`` must be finite (checked on CPU; on CUDA,
+    where a check would synchronise, a NaN ranks arbitrarily)."""
     return _ops.route_cost(logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost))
 
 

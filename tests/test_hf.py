@@ -139,12 +139,15 @@ def test_decode_output_is_the_selected_experts(family, fill):
 COST_POLICIES = [name for name in BUDGETED if isinstance(get_policy(name), CostPolicy)]
 
 
+@pytest.mark.parametrize("fill", ["backfill", "drop", "drop_renorm"])
 @pytest.mark.parametrize("policy", COST_POLICIES)
-def test_every_cost_policy_selects_as_the_reference(policy):
+def test_every_cost_policy_selects_as_the_reference(policy, fill):
     model = fresh("deepseek_v3")
     predictors = StandInPredictors(model)
-    base_moe.apply(model, predictors=predictors, budget=3, policy=policy, record=True)
+    budget = 2  # below every layer's routed union on these inputs, so the fill matters (checked below)
+    base_moe.apply(model, predictors=predictors, budget=budget, policy=policy, fill=fill, record=True)
     pol = get_policy(policy)
+    slots_moved = 0
     for layout in moe_layouts(model):
         hidden = block_input(layout, batch=8)
         run_block(layout, hidden)
@@ -159,11 +162,13 @@ def test_every_cost_policy_selects_as_the_reference(policy):
             "none": None,
         }[pol.log_norms]
         ids, weights, kept, counts, D = reference.route_select(
-            logits, log_norms, layout.correction_bias(), 1, layout.routing, pol.cost, 3, parse_fill("backfill")
+            logits, log_norms, layout.correction_bias(), 1, layout.routing, pol.cost, budget, parse_fill(fill)
         )
         assert torch.equal(sel.ids, ids) and torch.equal(sel.kept, kept) and torch.equal(sel.counts, counts)
         torch.testing.assert_close(sel.weights, weights)
         torch.testing.assert_close(sel.batch_cost, D)
+        slots_moved += int((ids != reference.route(logits, layout.routing, layout.correction_bias())[0]).sum())
+    assert slots_moved > 0
 
 
 def test_base_policy_follows_the_predictor():
