@@ -1,5 +1,5 @@
-"""OEA, Lynx and per-token top-k reduction (issue 6) against loop-by-loop plain-PyTorch references, on CPU;
-policy names with options; every policy of DESIGN section 5 reachable through ``apply``/``configure``."""
+"""OEA, Lynx and per-token top-k reduction (issue 6) against loop-by-loop plain-PyTorch references, on CPU, under every
+scoring and fill rule; policy names with options; every policy of DESIGN section 5 reachable through ``apply``/``configure``."""
 
 from __future__ import annotations
 
@@ -188,26 +188,101 @@ def test_topk_reduce_matches_loop_reference(keep, renormalize):
             [x * scale for x in w[:kk]] + [0.0] * (k - kk), dtype=torch.float64), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("scoring,renormalize", [(Scoring.SIGMOID, True), (Scoring.SOFTMAX_AFTER_TOPK, False)])
-def test_other_scorings_follow_the_reference_rules(scoring, renormalize):
-    """OEA and Lynx on sigmoid (grouped) and top-k-then-softmax routing: the keep sets through the reference's own
-    routing, then its backfill."""
-    logits = random_logits(16, 8, seed=9)
-    routing = Routing(2, scoring, renormalize, n_group=4 if scoring == Scoring.SIGMOID else 1,
-                      topk_group=2 if scoring == Scoring.SIGMOID else 1)
-    bias = torch.linspace(-0.2, 0.2, 8) if scoring == Scoring.SIGMOID else None
-    step = make_step(logits, routing, 2)
+# ---------------------------------------------------------------------------------------------
+# Every scoring and fill rule: loop references over the model's routing (reference.route, itself checked against
+# the ops in tests/test_ops.py), so the policies' own rules are what these tests check
+# ---------------------------------------------------------------------------------------------
+SCORINGS = {  # routing, correction bias
+    "softmax": (Routing(3, Scoring.SOFTMAX, renormalize=True), None),
+    # the bias reorders the routed slots, so the top-1 slot is often not the largest weight
+    "sigmoid_grouped": (Routing(3, Scoring.SIGMOID, renormalize=True, n_group=4, topk_group=2, scaling=2.5),
+                        torch.linspace(1.0, -1.0, 16)),
+    "softmax_after_topk": (Routing(3, Scoring.SOFTMAX_AFTER_TOPK, renormalize=False), None),
+}
+
+
+def scoring_step(scoring, fill=Fill.BACKFILL, budget=3, seed=21):
+    routing, bias = SCORINGS[scoring]
+    logits = random_logits(12, 16, seed=seed)
+    step = make_step(logits, routing, 2, budget=budget, fill=fill)
     step.correction_bias = bias
-    sel = OEAPolicy(1).select(step)
-    seeds, _ = reference.route(logits, Routing(1, scoring, renormalize, routing.n_group, routing.topk_group), bias)
-    for g in range(2):
-        assert set(sel.kept[g][sel.kept[g] < 8].tolist()) == set(seeds[g * 8 : (g + 1) * 8, 0].tolist())
-    ids, w = reference.fill(logits, bias, routing, sel.kept, Fill.BACKFILL)
-    assert torch.equal(sel.ids, ids) and torch.equal(sel.weights, w)
-    step.budget = 3
-    sel = LynxPolicy().select(step)
-    assert (sel.kept < 8).sum(dim=1).le(3).all()
-    assert torch.isfinite(sel.weights).all()
+    ids, w = reference.route(logits, routing, bias)
+    routed = [list(zip(ids[t].tolist(), w[t].double().tolist())) for t in range(12)]
+    if scoring == "sigmoid_grouped":
+        assert any(slots[0][1] < max(x for _, x in slots) for slots in routed)
+    return step, routed
+
+
+def lynx_scores_loop(routed, groups, E, bins=4, width=math.log(2.0), decay=0.5):
+    B = len(routed) // groups
+    D = torch.zeros(groups, E, dtype=torch.float64)
+    for t, slots in enumerate(routed):
+        top = max(w for _, w in slots)
+        for u, w in slots:
+            D[t // B, u] += decay ** min(bins - 1, math.floor(math.log(top / w) / width))
+    return D
+
+
+def drop_fill_loop(routed, groups, keep, E, renormalize):
+    """``drop`` / ``drop_renorm``: each token's routed experts in the keep set, in routing order, sentinels after;
+    with renormalisation the survivors' weights scaled to the routed total (0 when none survives)."""
+    B, k = len(routed) // groups, len(routed[0])
+    ids = torch.full((len(routed), k), E, dtype=torch.int32)
+    w = torch.zeros(len(routed), k, dtype=torch.float64)
+    for t, slots in enumerate(routed):
+        survivors = [(u, x) for u, x in slots if u in keep[t // B]]
+        kept_total = sum(x for _, x in survivors)
+        scale = sum(x for _, x in slots) / kept_total if renormalize and kept_total > 0 else 1.0
+        for j, (u, x) in enumerate(survivors):
+            ids[t, j], w[t, j] = u, x * scale
+    return ids, w
+
+
+def kept_tensor(keep, E):
+    return torch.tensor([sorted(s) + [E] * (E - len(s)) for s in keep], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("fill", list(Fill))
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("policy", ["oea", "oea:k0=2", "lynx", "lynx:threshold=1.5"])
+def test_keep_rule_policies_match_loop_reference(policy, scoring, fill):
+    step, routed = scoring_step(scoring, fill)
+    E, B = 16, 6
+    sel = get_policy(policy).select(step)
+    if policy.startswith("oea"):
+        k0 = 2 if policy == "oea:k0=2" else 1
+        keep = [{u for slots in routed[g * B:(g + 1) * B] for u, _ in slots[:k0]} for g in range(2)]
+    else:
+        D = lynx_scores_loop(routed, 2, E)
+        torch.testing.assert_close(sel.batch_cost.double(), D, rtol=1e-6, atol=1e-6)
+        if policy == "lynx":  # the top 3 routed experts by D, ties to the lower index
+            keep = [top_by(D[g], {u for slots in routed[g * B:(g + 1) * B] for u, _ in slots}, 3) for g in range(2)]
+        else:
+            keep = [{u for u in range(E) if D[g, u] >= 1.5 and D[g, u] > 0} | {int(D[g].argmax())} for g in range(2)]
+    assert [{u for u in row.tolist() if u < E} for row in sel.kept] == keep
+    if fill == Fill.BACKFILL:  # the fill rule itself is checked against the ops in tests/test_ops.py
+        ids, w = reference.fill(step.logits, step.correction_bias, step.routing, kept_tensor(keep, E), fill)
+    else:
+        ids, w = drop_fill_loop(routed, 2, keep, E, fill == Fill.DROP_RENORM)
+    assert torch.equal(sel.ids, ids)
+    torch.testing.assert_close(sel.weights.double(), w.double(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(sel.counts, reference.expert_counts(ids, 2, E))
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_topk_reduce_follows_every_scoring(scoring):
+    step, routed = scoring_step(scoring)
+    sel = TopKReducePolicy(2).select(step)
+    counts = torch.zeros(2, 16, dtype=torch.int32)
+    for t, slots in enumerate(routed):
+        kept = slots[:2]
+        scale = sum(x for _, x in slots) / sum(x for _, x in kept)
+        assert sel.ids[t].tolist() == [u for u, _ in kept] + [16]
+        torch.testing.assert_close(sel.weights[t].double(), torch.tensor([x * scale for _, x in kept] + [0.0],
+                                                                         dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        for u, _ in kept:
+            counts[t // 6, u] += 1
+    assert torch.equal(sel.counts, counts)
 
 
 # ---------------------------------------------------------------------------------------------
