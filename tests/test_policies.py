@@ -1,5 +1,6 @@
 """OEA, Lynx and per-token top-k reduction (issue 6) against loop-by-loop plain-PyTorch references, on CPU, under every
-scoring and fill rule; policy names with options; every policy of DESIGN section 5 reachable through ``apply``/``configure``."""
+scoring and fill rule; policy names with options; every policy of DESIGN section 5 reachable through
+``apply``/``configure``."""
 
 from __future__ import annotations
 
