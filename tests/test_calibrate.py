@@ -30,10 +30,6 @@ def tiny_qwen3_moe(layers: int = 2, hidden: int = 32, experts: int = 8, seed: in
     return Qwen3MoeForCausalLM(config).eval()
 
 
-def layouts_or_skip():
-    return pytest.importorskip("base_moe.layouts", reason="base_moe.layouts (MoE block discovery) not available yet")
-
-
 # ---------------------------------------------------------------------------------------------
 # Ridge regression from streamed sums
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +222,6 @@ def test_calibrate_rejects_bad_options():
 # A real (tiny, random) Hugging Face MoE through base_moe.calibrate
 # ---------------------------------------------------------------------------------------------
 def test_calibrate_tiny_qwen3_moe_reports_r2_per_layer(tmp_path):
-    layouts_or_skip()
     model = tiny_qwen3_moe(layers=3)
     ids = torch.randint(0, 256, (20, 32))
     predictors = base_moe.calibrate(model, ids, batch_size=8, progress=False)
@@ -263,7 +258,6 @@ def test_calibrate_tiny_qwen3_moe_reports_r2_per_layer(tmp_path):
 def test_calibrate_every_supported_family(family):
     """Shared experts, sigmoid routing with groups, dense first layers, router biases: predictors for exactly
     the MoE layers, and apply() accepts them."""
-    layouts_or_skip()
     from hf_models import VOCAB, tiny_model
 
     model = tiny_model(family)

@@ -1,8 +1,8 @@
 """Every op against base_moe.reference, on every device the build has; opcheck; argument errors.
 
 Indices (routing ids, kept sets, counts) must be equal exactly; float outputs within tolerances of
-fp32 accumulation. Selection that depends on float costs (route_select) is compared exactly unless the
-reference costs at the budget boundary are a genuine near-tie.
+fp32 accumulation. Selection that depends on float costs (route_select) is compared position by position, exactly
+unless the two experts at a position have reference costs within 1e-5 of each other (a near-tie).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 # (E, k, routing) combinations covering every scoring rule
 ROUTINGS = [
     (8, 2, Routing(2, Scoring.SOFTMAX, renormalize=True)),
-    (16, 4, Routing(4, Scoring.SOFTMAX, renormalize=False)),
+    (16, 4, Routing(4, Scoring.SOFTMAX, renormalize=False, scaling=2.5)),
     (60, 4, Routing(4, Scoring.SOFTMAX, renormalize=True)),
     (128, 8, Routing(8, Scoring.SOFTMAX, renormalize=True)),
     (32, 4, Routing(4, Scoring.SOFTMAX_AFTER_TOPK)),
@@ -40,17 +40,20 @@ def random_bias(routing: Routing, E: int, device: str) -> torch.Tensor | None:
     return torch.randn(E, device=device) * 0.05 if routing.scoring == Scoring.SIGMOID else None
 
 
-def assert_kept_equal_up_to_ties(kept: torch.Tensor, expected: torch.Tensor, D: torch.Tensor, rtol: float = 1e-5):
-    """Kept sets equal exactly, except where the reference costs of the swapped experts are within rtol."""
-    E = D.shape[1]
+def assert_kept_matches(kept: torch.Tensor, kept_ref: torch.Tensor, D_ref: torch.Tensor, rel: float = 1e-5):
+    """kept equals the reference's kept list, except at positions where the two experts' reference batch costs are
+    within ``rel`` of each other (a near-tie that fp32 rounding of exp-derived costs may flip)."""
+    E = D_ref.shape[1]
+    kept, kept_ref, D_ref = kept.cpu(), kept_ref.cpu(), D_ref.double().cpu()
+    assert kept.shape == kept_ref.shape
     for g in range(kept.shape[0]):
-        got = set(kept[g].tolist()) - {E}
-        want = set(expected[g].tolist()) - {E}
-        if got == want:
-            continue
-        boundary = D[g, sorted(got ^ want)]
-        spread = (boundary.max() - boundary.min()) / boundary.abs().max().clamp_min(1e-30)
-        assert spread <= rtol, f"group {g}: kept {sorted(got)} vs reference {sorted(want)}, not a near-tie"
+        for i in torch.nonzero(kept[g] != kept_ref[g]).flatten().tolist():
+            a, b = int(kept[g, i]), int(kept_ref[g, i])
+            assert a < E and b < E, f"group {g} slot {i}: kept {a}, reference {b} (sentinel mismatch)"
+            da, db = float(D_ref[g, a]), float(D_ref[g, b])
+            assert abs(da - db) <= rel * max(abs(da), abs(db)), (
+                f"group {g} slot {i}: kept expert {a} (D={da}) but the reference keeps {b} (D={db})"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,8 +64,6 @@ def assert_kept_equal_up_to_ties(kept: torch.Tensor, expected: torch.Tensor, D: 
 @pytest.mark.parametrize("T,H,E", [(1, 64, 8), (7, 128, 60), (64, 256, 128), (300, 512, 32)])
 @pytest.mark.parametrize("with_predictor", [True, False])
 def test_router_predict_matches_reference(device, dtype, T, H, E, with_predictor):
-    if device == "cpu" and dtype == torch.float16:
-        pytest.skip("fp16 matmul on CPU is not the CPU op's concern")
     x = torch.randn(T, H, device=device).to(dtype)
     wr = (torch.randn(E, H, device=device) / H**0.5).to(dtype)
     br = torch.randn(E, device=device)
@@ -157,7 +158,7 @@ def test_route_select_matches_reference(device, E, k, routing, cost, fill, G, B,
     exp_ids, exp_w, exp_kept, exp_counts, exp_D = ref.route_select(logits.cpu(), log_norms.cpu(), cpu_bias, G,
                                                                    routing, cost, budget, fill)
     torch.testing.assert_close(D.cpu(), exp_D, atol=1e-6, rtol=1e-5)
-    assert_kept_equal_up_to_ties(kept.cpu(), exp_kept, exp_D)
+    assert_kept_matches(kept, exp_kept, exp_D)
     # given the op's own kept sets, the fill is exact
     fill_ids, fill_w = ref.fill(logits.cpu(), cpu_bias, routing, kept.cpu(), fill)
     assert torch.equal(ids.cpu(), fill_ids)

@@ -39,7 +39,8 @@ def selection_problems(draw):
 
 def run(p, budget=None, fill=None, cost=None):
     return ops.route_select(
-        p["logits"], p["routing"], budget=budget or p["budget"], num_groups=p["G"], cost=cost or p["cost"],
+        p["logits"], p["routing"], budget=p["budget"] if budget is None else budget, num_groups=p["G"],
+        cost=p["cost"] if cost is None else cost,
         fill=p["fill"] if fill is None else fill, log_norms=p["log_norms"], correction_bias=p["bias"],
     )
 

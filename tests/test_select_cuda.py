@@ -23,6 +23,7 @@ import torch
 
 from base_moe import Cost, Fill, Routing, Scoring, ops, reference
 from test_experts_cuda import launched_kernels
+from test_ops import assert_kept_matches
 
 pytestmark = pytest.mark.cuda
 DEVICE = os.environ.get("BASE_MOE_TEST_DEVICE", "cuda")
@@ -77,22 +78,6 @@ def make_inputs(G: int, B: int, E: int, uses_bias: bool, kind: str, seed: int):
 # ---------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------
-def assert_kept_matches(kept: torch.Tensor, kept_ref: torch.Tensor, D_ref: torch.Tensor, rel: float = 1e-5):
-    """kept equals the reference's kept list, except at positions where the two experts' reference batch costs are
-    within ``rel`` of each other (a near-tie that fp32 rounding of exp-derived costs may flip)."""
-    E = D_ref.shape[1]
-    kept, kept_ref, D_ref = kept.cpu(), kept_ref.cpu(), D_ref.double().cpu()
-    assert kept.shape == kept_ref.shape
-    for g in range(kept.shape[0]):
-        for i in torch.nonzero(kept[g] != kept_ref[g]).flatten().tolist():
-            a, b = int(kept[g, i]), int(kept_ref[g, i])
-            assert a < E and b < E, f"group {g} slot {i}: kept {a}, reference {b} (sentinel mismatch)"
-            da, db = float(D_ref[g, a]), float(D_ref[g, b])
-            assert abs(da - db) <= rel * max(abs(da), abs(db)), (
-                f"group {g} slot {i}: kept expert {a} (D={da}) but the reference keeps {b} (D={db})"
-            )
-
-
 def assert_weights_close(w: torch.Tensor, w_ref: torch.Tensor):
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
 
@@ -301,10 +286,10 @@ def test_route_select_broadcast_log_norms():
     routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
     logits, _, _ = make_inputs(G, B, E, False, "normal", seed=11)
     static = torch.randn(E, device=DEVICE).expand(G * B, E)  # static per-expert log-norms
-    ids, weights, kept, counts, D = ops.route_select(logits, routing, budget=8, num_groups=G, log_norms=static)
-    _, _, D_ref = reference.route_cost(logits, static, None, G, routing, Cost.BASE)
-    torch.testing.assert_close(D, D_ref, rtol=1e-4, atol=1e-6)
-    check_fill(logits, None, routing, kept, Fill.BACKFILL, ids, weights, counts, G)
+    outputs = ops.route_select(logits, routing, budget=8, num_groups=G, log_norms=static)
+    routed, _, D_ref = reference.route_cost(logits, static, None, G, routing, Cost.BASE)
+    union = reference.routed_union(routed, G, E)
+    check_selection(outputs, logits, None, routing, G, Cost.BASE, 8, Fill.BACKFILL, union, D_ref)
 
 
 def test_route_select_nan_costs_rank_like_torch_sort():
