@@ -19,6 +19,7 @@ the forward stops after the last MoE layer (no LM-head logits).
 from __future__ import annotations
 
 import math
+import numbers
 import resource
 import time
 import warnings
@@ -183,7 +184,7 @@ def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int) 
             raise TypeError(f"input_ids must hold integer token ids, got dtype {item.dtype}")
         if item.numel() == 0:
             raise ValueError(f"input_ids batches must hold tokens, got shape {tuple(item.shape)}")
-        yield from item.split(batch_size)
+        yield from item.long().split(batch_size)  # any integer dtype (bytes from torch.frombuffer are uint8)
 
 
 def _total_tokens(input_ids: Any) -> int | None:
@@ -261,11 +262,11 @@ def calibrate_layouts(
 
     if not 0 <= holdout < 1:
         raise ValueError(f"holdout must be in [0, 1), got {holdout}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     ridge_sweep = [float(r) for r in ridge_sweep]
-    if ridge < 0 or any(r < 0 for r in ridge_sweep):
-        raise ValueError(f"ridge must be >= 0, got {ridge} (sweep: {ridge_sweep})")
+    if not all(math.isfinite(r) and r >= 0 for r in [ridge, *ridge_sweep]):
+        raise ValueError(f"ridge must be finite and >= 0, got {ridge} (sweep: {ridge_sweep})")
     layouts = sorted(layouts, key=lambda layout: layout.layer_index)
     for layout in layouts:
         state = getattr(layout.block, "_base_moe", None)  # set by base_moe.apply
@@ -328,7 +329,9 @@ def calibrate_layouts(
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    if tokens_fed == 0 or any(n != tokens_fed for n in rows_seen.values()):
+    if tokens_fed == 0:
+        raise ValueError("input_ids holds no sequences: nothing to calibrate on")
+    if any(n != tokens_fed for n in rows_seen.values()):
         raise RuntimeError(f"every MoE layer must see every calibration token; tokens seen per layer: {rows_seen}")
 
     weight, bias, mean, r2, expert_r2 = {}, {}, {}, {}, {}

@@ -93,9 +93,22 @@ positive_int = bounded(int, 1)
 nonnegative_float = bounded(float, 0.0)
 
 
+def check_plot_format(path: str) -> None:
+    """Before the evaluation: matplotlib must be able to write the file's format (named by its extension)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in formats:
+        raise SystemExit(f"error: --plot {path!r}: matplotlib writes {', '.join(sorted(formats))}; name the file "
+                         "with one of these extensions")
+
+
 def check_model_dir(path: str) -> None:
     if not os.path.isdir(path):
         raise SystemExit(f"error: --model {path!r} is not a directory (a local Hugging Face checkpoint is needed)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"error: --model {path!r} has no config.json: not a Hugging Face checkpoint folder")
 
 
 def load_model(path: str, device: str, dtype: str = "auto") -> torch.nn.Module:
@@ -121,7 +134,7 @@ def load_token_ids(text_path: str, model_path: str, tokens: int, seq: int, byte_
     if byte_level:
         with open(text_path, "rb") as f:
             data = f.read(tokens)
-        ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+        ids = torch.tensor(list(data), dtype=torch.int64)  # (torch.frombuffer refuses an empty file)
     else:
         ids = _tokenize(text_path, model_path, tokens)
     n = ids.numel() // seq
@@ -352,6 +365,7 @@ def run_eval(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")
     if args.plot:
         check_output_file(args.plot, "--plot")
+        check_plot_format(args.plot)
     ids, model = load_ids_and_model(args, device, args.batches * args.batch * args.seq)
     budgets = args.budgets
     try:

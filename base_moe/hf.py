@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -224,6 +225,11 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
                     f"experts; base_moe's ops take at most {MAX_TOP_K} of {MAX_EXPERTS} (policy='dense' runs it as is)"
                 )
             s.policy.check_layout(layout)
+    if changes.get("budget") is not None and s.policy.budgeted and not s.policy.needs_budget:
+        warnings.warn(
+            f"policy '{s.policy.name}' sets its own number of experts and takes no budget: budget={s.budget} is not "
+            "applied (it stays set for a later policy that takes one)", stacklevel=3,
+        )
     if s.active and s.policy.needs_predictors and predictors is None:
         raise ValueError(
             f"policy '{s.policy.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path "
@@ -245,7 +251,7 @@ def _budget(budget) -> int:
         value = None if is_bool else operator.index(budget)
     except TypeError:
         value = None
-    if value is None or value < 1:
+    if value is None or not 1 <= value < 2**63:  # the ops take an int64
         raise ValueError(
             f"budget must be a positive int (experts kept per MoE layer and decode batch) or None, got {budget!r}"
         )

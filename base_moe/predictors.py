@@ -77,6 +77,10 @@ class Predictors:
                 )
             if not all(bool(torch.isfinite(t).all()) for t in (weight[i], bias[i], mean_log_norm[i])):
                 raise ValueError(f"layer {i}: the predictor holds NaN or infinite values")
+            if i in (expert_r2 or {}) and expert_r2[i].shape != (E,):
+                raise ValueError(f"layer {i}: expert_r2 must be [{E}], got {tuple(expert_r2[i].shape)}")
+        if not set(expert_r2 or {}) <= set(layers):
+            raise ValueError(f"expert_r2 names layers {sorted(set(expert_r2) - set(layers))} that have no predictor")
         self.weight = {i: weight[i].float().contiguous() for i in layers}
         self.bias = {i: bias[i].float().contiguous() for i in layers}
         self.mean_log_norm = {i: mean_log_norm[i].float().contiguous() for i in layers}
@@ -169,10 +173,14 @@ class Predictors:
         fields: dict[str, dict[int, torch.Tensor]] = {"weight": {}, "bias": {}, "mean_log_norm": {}, "expert_r2": {}}
         for name, tensor in tensors.items():
             parts = name.split(".")
-            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in fields:
+            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isascii() or not parts[1].isdigit() \
+                    or parts[2] not in fields:
                 raise ValueError(f"{path}: unexpected tensor {name!r} in a predictors file")
             fields[parts[2]][int(parts[1])] = tensor
-        r2 = {int(i): float(v) for i, v in metadata.get("r2", {}).items()}
+        try:
+            r2 = {int(i): float(v) for i, v in metadata.get("r2", {}).items()}
+        except (AttributeError, TypeError, ValueError):
+            raise ValueError(f"{path}: metadata r2 must map layer numbers to numbers, got {metadata['r2']!r}") from None
         try:
             return cls(fields["weight"], fields["bias"], fields["mean_log_norm"], r2, metadata, fields["expert_r2"])
         except ValueError as err:

@@ -216,6 +216,27 @@ def test_calibrate_rejects_bad_options():
         calibrate_layouts(model, layouts, ids[:0], progress=False)
     with pytest.raises(TypeError, match="integer token ids, got dtype torch.float32"):
         calibrate_layouts(model, layouts, ids.float(), progress=False)
+    for ridge in (math.inf, math.nan, -1.0):
+        with pytest.raises(ValueError, match="ridge must be finite and >= 0"):
+            calibrate_layouts(model, layouts, ids, ridge=ridge, progress=False)
+    with pytest.raises(ValueError, match="ridge must be finite"):
+        calibrate_layouts(model, layouts, ids, ridge_sweep=[0.1, math.inf], progress=False)
+    for batch_size in (2.5, 0, True):
+        with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+            calibrate_layouts(model, layouts, ids, batch_size=batch_size, progress=False)
+    for empty in ([], iter(())):
+        with pytest.raises(ValueError, match="input_ids holds no sequences"):
+            calibrate_layouts(model, layouts, empty, progress=False)
+
+
+def test_calibrate_takes_any_integer_dtype():
+    """Token ids as uint8 (torch.frombuffer of a byte-level text) or int16 give the int64 ids' predictors."""
+    model, layouts = planted_setup()
+    ids = torch.randint(0, 256, (10, 8))
+    want = calibrate_layouts(model, layouts, ids, batch_size=4, progress=False)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        got = calibrate_layouts(model, layouts, ids.to(dtype), batch_size=4, progress=False)
+        assert all(torch.equal(got.weight[i], want.weight[i]) for i in want.layers)
 
 
 # ---------------------------------------------------------------------------------------------

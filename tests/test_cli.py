@@ -23,9 +23,8 @@ TEXT = (
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A randomly initialised byte-level (vocab 256) Qwen3-MoE saved with save_pretrained, and a text file."""
-    from test_calibrate import layouts_or_skip, tiny_qwen3_moe
+    from test_calibrate import tiny_qwen3_moe
 
-    layouts_or_skip()
     root = tmp_path_factory.mktemp("ckpt")
     tiny_qwen3_moe(layers=2).save_pretrained(root / "model")
     (root / "text.txt").write_text(TEXT)
@@ -114,6 +113,12 @@ def test_bytes_and_argument_errors(tmp_path):
     assert (args.tokens, args.seq, args.batch_size, args.ridge, args.holdout, args.bytes) == (65536, 512, 8, 1e-3, 0.1, False)
 
 
+def empty_checkpoint(folder):
+    """A folder that passes the CLI's early check (it has a config.json) but would fail to load as a model."""
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -133,7 +138,7 @@ def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, messa
     """Bad values stop the command before the model loads (its directory is empty here: loading would fail)."""
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
-    (tmp_path / "model").mkdir()
+    empty_checkpoint(tmp_path / "model")
     argv = ["calibrate", "--model", str(tmp_path / "model"), "--text", str(text), "--out", str(tmp_path / "p"), *extra]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -156,14 +161,20 @@ def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, messa
           "15"], "--prefill 15 leaves no scored decode position"),
         (["calibrate", "--text", "{text}", "--out", "{tmp}/p", "--model", "{tmp}/none"],
          "--model .* is not a directory"),
+        (["calibrate", "--text", "{text}", "--out", "{tmp}/p", "--model", "{tmp}"], "--model .* has no config.json"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--policies", "router_sq", "--plot", "{tmp}/o.txt"],
+         "--plot .*: matplotlib writes .*png"),
+        (["calibrate", "--text", "{empty}", "--out", "{tmp}/p", "--bytes"], "gives 0 tokens, fewer than one sequence"),
     ],
 )
 def test_paths_checked_before_loading(tmp_path, argv, message):
     """Input files must exist and output folders be writable before the model loads (its directory is empty)."""
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
-    (tmp_path / "model").mkdir()
-    paths = {"tmp": str(tmp_path), "text": str(text), "missing": str(tmp_path / "missing")}
+    empty_checkpoint(tmp_path / "model")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    paths = {"tmp": str(tmp_path), "text": str(text), "missing": str(tmp_path / "missing"),
+             "empty": str(tmp_path / "empty.txt")}
     command, *rest = [arg.format(**paths) for arg in argv]
     argv = [command, "--model", str(tmp_path / "model"), *rest, "--device", "cpu"]  # a later --model wins
     with pytest.raises(SystemExit, match=message):

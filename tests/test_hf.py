@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from unittest import mock
 
 import numpy as np
@@ -525,6 +526,7 @@ def test_decode_path_traces_without_graph_breaks(family):
         (dict(budget="2", policy="router_sum"), ValueError, r"budget must be a positive int"),
         (dict(budget=torch.tensor(0), policy="router_sum"), ValueError, r"budget must be a positive int"),
         (dict(budget=torch.tensor(True), policy="router_sum"), ValueError, r"budget must be a positive int"),
+        (dict(budget=2**63, policy="router_sum"), ValueError, r"budget must be a positive int"),  # past int64
         (dict(budget=2, policy="router_sum", group_by="token"), ValueError, r"group_by must be one of"),
         (dict(budget=2, policy="router_sum", dense_positions=-1), ValueError, r"dense_positions must be"),
         (dict(budget=2, policy="router_sum", colour="red"), TypeError, r"unknown option\(s\) 'colour'"),
@@ -534,6 +536,19 @@ def test_decode_path_traces_without_graph_breaks(family):
 def test_bad_options(kwargs, error, message):
     with pytest.raises(error, match=message):
         base_moe.apply(fresh("gpt_oss"), **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["oea", "topk_reduce", "lynx:threshold=2.0"])
+def test_a_budget_for_a_policy_without_one_warns(policy):
+    """The per-token policies size their own sets: a budget given with one is not applied, and says so."""
+    with pytest.warns(UserWarning, match=f"policy '{policy}' sets its own number of experts and takes no budget"):
+        model = base_moe.apply(fresh("qwen3_moe"), budget=2, policy=policy)
+    with pytest.warns(UserWarning, match="takes no budget"):
+        base_moe.configure(model, budget=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        base_moe.configure(model, policy="router_sum")  # the budget kept (3) applies again
+        assert all(layout.block._base_moe.settings.budget == 3 for layout in moe_layouts(model))
 
 
 def test_budget_takes_any_integer_type():

@@ -80,6 +80,8 @@ def test_broken_predictor_files_are_clear_errors(tmp_path):
     good = tmp_path / "good.safetensors"
     make_predictors(layers=(0, 1)).save(good)
     meta = {"format": json.dumps("base_moe.predictors"), "format_version": "1"}
+    layer0 = {"layers.0.weight": torch.zeros(4, 8), "layers.0.bias": torch.zeros(4),
+              "layers.0.mean_log_norm": torch.zeros(4)}
     cases = {
         "truncated": (good.read_bytes()[:-20], "not a readable safetensors file"),
         "empty": (b"", "not a readable safetensors file"),
@@ -96,6 +98,10 @@ def test_broken_predictor_files_are_clear_errors(tmp_path):
         "bad_version": ({}, {**meta, "format_version": json.dumps("2b")}, "format_version must be an int"),
         "nan": ({"layers.0.weight": torch.full((4, 8), math.nan), "layers.0.bias": torch.zeros(4),
                  "layers.0.mean_log_norm": torch.zeros(4)}, meta, "NaN or infinite"),
+        "unicode_digit": ({"layers.\u00b2.weight": torch.zeros(4, 8)}, meta, "unexpected tensor"),
+        "r2_list": (layer0, {**meta, "r2": json.dumps([0.5])}, "metadata r2 must map layer numbers to numbers"),
+        "r2_text": (layer0, {**meta, "r2": json.dumps({"0": "good"})}, "metadata r2 must map"),
+        "expert_r2_shape": ({**layer0, "layers.0.expert_r2": torch.zeros(3, 3)}, meta, r"expert_r2 must be \[4\]"),
     }
     with pytest.raises(RuntimeError, match="device"):  # the caller's device, not the file, is at fault
         Predictors.load(good, device="bogus")
@@ -106,6 +112,8 @@ def test_broken_predictor_files_are_clear_errors(tmp_path):
 
 
 def test_inconsistent_shapes_are_refused():
+    with pytest.raises(ValueError, match="expert_r2 names layers \\[1\\]"):
+        Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(4)}, {0: torch.zeros(4)}, expert_r2={1: torch.zeros(4)})
     with pytest.raises(ValueError, match="same layers"):
         Predictors({0: torch.zeros(4, 8)}, {1: torch.zeros(4)}, {0: torch.zeros(4)})
     with pytest.raises(ValueError, match=r"must be \[4\]"):
@@ -120,9 +128,8 @@ def test_inconsistent_shapes_are_refused():
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def calibrated():
-    from test_calibrate import layouts_or_skip, tiny_qwen3_moe
+    from test_calibrate import tiny_qwen3_moe
 
-    layouts_or_skip()
     model = tiny_qwen3_moe(layers=2, hidden=32, experts=8)
     return base_moe.calibrate(model, torch.randint(0, 256, (4, 16)), holdout=0.25, progress=False)
 
