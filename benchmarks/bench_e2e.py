@@ -34,7 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import positive_ints, require_cuda, run_metadata, write_json
+from common import median, positive_ints, require_cuda, run_metadata, write_json
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 import base_moe
@@ -184,7 +184,7 @@ def time_decode(model, batch: int, prompt_len: int, decode_len: int, repeats: in
         torch.cuda.synchronize()
         per_step.append(start.elapsed_time(end) / 1e3 / decode_len)
     del graph
-    return sorted(per_step)[len(per_step) // 2]
+    return median(per_step)
 
 
 VARIANTS = ("hf_grouped_mm", "hf_grouped_mm_compiled", "base_moe_dense")

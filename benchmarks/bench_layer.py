@@ -20,6 +20,7 @@ torch's norm alone, so that a slower norm counts against it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import zlib
 
@@ -157,11 +158,22 @@ def variant_knobs(var):
     return knobs
 
 
-def set_variant(var):
-    """Set the environment to the variant's knobs (and clear the others)."""
+@contextlib.contextmanager
+def variant(var):
+    """The environment with the variant's knobs (the others cleared), then the user's own settings again: the rows
+    after the variants, and the JSON's record of the knobs, keep what the user set."""
+    saved = {knob: os.environ.get(knob) for knob in VARIANT_KNOBS}
     for knob in VARIANT_KNOBS:
         os.environ.pop(knob, None)
     os.environ.update(variant_knobs(var))
+    try:
+        yield
+    finally:
+        for knob, value in saved.items():
+            if value is None:
+                os.environ.pop(knob, None)
+            else:
+                os.environ[knob] = value
 
 
 def main():
@@ -267,9 +279,8 @@ def main():
                 x, ids, w, active = draw_point(name, cfg, T, M)
                 res = {}
                 for var in args.variants.split(","):
-                    set_variant(var)
-                    res[var] = expert_op_us(x, ids, w, copies, M)
-                set_variant("default")
+                    with variant(var):
+                        res[var] = expert_op_us(x, ids, w, copies, M)
                 variants.append(dict(batch=T, budget=M, active=active, us=res))
                 print(f"variants T={T:4d} M={str(M):4s} active={active:3d} " +
                       " ".join(f"{key}={val:6.1f}" for key, val in res.items()), flush=True)
@@ -298,6 +309,8 @@ def main():
                           budget_method="expert op and HF: random softmax routing restricted to M random experts; "
                                         "BASE layer: its own selection with budget M on random router/predictor "
                                         "weights",
+                          vllm_source="DESIGN.md section 8: vLLM fused_moe timed by the project's brief on an "
+                                      "H200 on its own random routing, not in this run",
                           rows=rows, variants=variants)
     write_json(args.out, result)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -71,7 +72,8 @@ def graph_time_us(calls, replays: int = 25, rounds: int = 1) -> list[float]:
 
 
 def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    """The median (the mean of the two middle values for an even count; before session 53 the upper one)."""
+    return statistics.median(values)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 15, warmup_s: float = 0.5) -> float:

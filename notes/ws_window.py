@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-from bench_layer import COPIES, MODELS, draw_point, expert_op_us, expert_weights, set_variant  # noqa: E402
+from bench_layer import COPIES, MODELS, draw_point, expert_op_us, expert_weights, variant  # noqa: E402
 
 SWEEPS = {
     "window": (
@@ -45,9 +45,8 @@ for name in (args[0] if args else ",".join(points)).split(","):
         x, ids, w, active = draw_point(name, cfg, T, M)
         us = []
         for var in variants:
-            set_variant(var)
-            us.append(expert_op_us(x, ids, w, copies, M))
-        set_variant("default")
+            with variant(var):
+                us.append(expert_op_us(x, ids, w, copies, M))
         print(f"{T:<4d} {M:<3d} {T * cfg['k'] // M:>13d} {active:>6d} " + " ".join(f"{u:8.1f}" for u in us))
     del copies
     torch.cuda.empty_cache()

@@ -40,3 +40,15 @@ def test_bench_layer_checks_its_arguments_and_keeps_the_users_knobs(monkeypatch,
             bench_layer.main()
         assert message in str(info.value.code) + capsys.readouterr().err
         assert os.environ["BASE_MOE_EXPERTS_CONFIG"] == "W128"
+
+
+def test_bench_layer_variants_restore_the_users_knobs(monkeypatch):
+    """A variant sets its knobs and clears the others only while it runs; the rows after it (and the JSON's record)
+    see the user's settings again, unset ones unset."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", "W128")
+    monkeypatch.delenv("BASE_MOE_EXPERTS_PDL", raising=False)
+    with bench_layer.variant("T32+nopdl"):
+        assert os.environ["BASE_MOE_EXPERTS_CONFIG"] == "T32" and os.environ["BASE_MOE_EXPERTS_PDL"] == "0"
+    with bench_layer.variant("default"):
+        assert "BASE_MOE_EXPERTS_CONFIG" not in os.environ
+    assert os.environ["BASE_MOE_EXPERTS_CONFIG"] == "W128" and "BASE_MOE_EXPERTS_PDL" not in os.environ
