@@ -104,6 +104,31 @@ def check_plot_format(path: str) -> None:
                          "with one of these extensions")
 
 
+def model_context(path: str) -> int | None:
+    """The checkpoint's context (``max_position_embeddings`` in its config.json, or its text model's), if it says."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def resolve_seq(seq: int | None, model_path: str, default: int) -> int:
+    """``--seq`` checked against the model's context (positions past it are off the model's distribution); without
+    one, ``default`` or the context if shorter."""
+    context = model_context(model_path)
+    if seq is None:
+        return min(default, context) if context else default
+    if context and seq > context:
+        raise SystemExit(f"error: --seq {seq} is longer than the model's context (max_position_embeddings "
+                         f"{context})")
+    return seq
+
+
 def check_model_dir(path: str) -> None:
     if not os.path.isdir(path):
         raise SystemExit(f"error: --model {path!r} is not a directory (a local Hugging Face checkpoint is needed)")
@@ -208,7 +233,8 @@ def add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="predictors file to write (.safetensors)")
     p.add_argument("--tokens", type=positive_int, default=65536, metavar="N",
                    help="calibration tokens (default: 65536)")
-    p.add_argument("--seq", type=positive_int, default=512, metavar="S", help="tokens per sequence (default: 512)")
+    p.add_argument("--seq", type=positive_int, default=None, metavar="S",
+                   help="tokens per sequence (default: 512, or the model's context if shorter)")
     p.add_argument("--bytes", action="store_true", help="byte-level model: each byte of --text is a token id")
     p.add_argument("--device", default=None, help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's; "
@@ -232,6 +258,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     check_model_dir(args.model)
+    args.seq = resolve_seq(args.seq, args.model, 512)
     check_input_file(args.text, "--text")
     check_output_file(args.out, "--out")
     start = time.perf_counter()
@@ -359,6 +386,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --prefill {args.prefill} leaves no scored decode position in --seq {args.seq} "
                          "(at most --seq - 2)") from None
     check_model_dir(args.model)
+    resolve_seq(args.seq, args.model, args.seq)
     check_input_file(args.text, "--text")
     if args.predictors:
         check_input_file(args.predictors, "--predictors")

@@ -110,7 +110,22 @@ def test_bytes_and_argument_errors(tmp_path):
     with pytest.raises(SystemExit):  # argparse: --out is required
         build_parser().parse_args(["calibrate", "--model", "m", "--text", "t"])
     args = build_parser().parse_args(["calibrate", "--model", "m", "--text", "t", "--out", "o"])
-    assert (args.tokens, args.seq, args.batch_size, args.ridge, args.holdout, args.bytes) == (65536, 512, 8, 1e-3, 0.1, False)
+    assert (args.tokens, args.seq, args.batch_size, args.ridge, args.holdout, args.bytes) == (65536, None, 8, 1e-3, 0.1, False)
+
+
+def test_seq_follows_the_models_context(tmp_path):
+    """calibrate's default sequence is 512 tokens or the model's context if shorter; a longer --seq is refused (its
+    positions past the context are off the model's distribution)."""
+    from base_moe.cli import resolve_seq
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 256}')
+    assert resolve_seq(None, str(tmp_path), 512) == 256 and resolve_seq(128, str(tmp_path), 512) == 128
+    with pytest.raises(SystemExit, match="--seq 300 is longer than the model's context"):
+        resolve_seq(300, str(tmp_path), 512)
+    (tmp_path / "config.json").write_text('{"text_config": {"max_position_embeddings": 4096}}')
+    assert resolve_seq(None, str(tmp_path), 512) == 512
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_seq(None, str(tmp_path), 512) == 512 and resolve_seq(9000, str(tmp_path), 512) == 9000
 
 
 def empty_checkpoint(folder):
