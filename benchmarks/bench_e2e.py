@@ -30,6 +30,7 @@ The share of a step spent in MoE layers is 1 - (time of the same step with MoE b
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -155,13 +156,33 @@ class DecodeLoop:
         return logits
 
 
+def random_prompt(model, batch: int, prompt_len: int) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=model.device,
+                         generator=torch.Generator(device=model.device).manual_seed(batch))
+
+
+@torch.no_grad()
+def active_experts(model, batch: int, prompt_len: int) -> float | None:
+    """Mean experts per MoE layer that one eager decode step of the configured variant runs (base_moe's recorded
+    selections), so that the JSON shows what each budget left; None for the model's own blocks."""
+    if not base_moe.hf.is_applied(model):
+        return None
+    loop = DecodeLoop(model, batch, prompt_len + 1)
+    loop.prefill(random_prompt(model, batch, prompt_len))
+    base_moe.configure(model, record=True)
+    try:
+        loop.step()
+        chosen = base_moe.hf.selections(model)
+    finally:
+        base_moe.configure(model, record=False)
+    return statistics.fmean(int((sel.counts > 0).sum()) for sel, _ in chosen.values())
+
+
 @torch.no_grad()
 def time_decode(model, batch: int, prompt_len: int, decode_len: int, repeats: int, **loop_options):
     """Median seconds of one decode step over ``repeats`` runs of ``decode_len`` graph replays."""
     loop = DecodeLoop(model, batch, prompt_len + decode_len, **loop_options)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda",
-                           generator=torch.Generator(device="cuda").manual_seed(batch))
-    loop.prefill(prompt)
+    loop.prefill(random_prompt(model, batch, prompt_len))
     saved = (loop.tokens.clone(), loop.position.clone())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -257,10 +278,12 @@ def main() -> None:
             step = time_decode(model, batch, args.prompt, args.decode, args.repeats,
                                compile_attention=compile_attention, compile_moe=name == "hf_grouped_mm_compiled")
             row = dict(batch=batch, variant=name, step_ms=step * 1e3, tokens_per_s=batch / step,
-                       moe_share=max(0.0, 1.0 - attention_only / step), non_moe_step_ms=attention_only * 1e3)
+                       moe_share=max(0.0, 1.0 - attention_only / step), non_moe_step_ms=attention_only * 1e3,
+                       active_experts=active_experts(model, batch, args.prompt))
             rows.append(row)
+            active = "" if row["active_experts"] is None else f"  {row['active_experts']:.1f} experts per layer"
             print(f"batch {batch:3d} {name:23s} step {step * 1e3:7.2f} ms  {batch / step:9.1f} tok/s  "
-                  f"MoE share {row['moe_share']:.0%}", flush=True)
+                  f"MoE share {row['moe_share']:.0%}{active}", flush=True)
 
     by = {(r["batch"], r["variant"]): r for r in rows}
     baselines = [v for v in ("base_moe_dense", "hf_grouped_mm", "hf_grouped_mm_compiled") if v in variants]

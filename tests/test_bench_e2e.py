@@ -65,3 +65,20 @@ def test_configure_variant_sets_budget_and_norm():
     for name in ("base_M4_ours", "base_Mx", "base_M", "hf_grouped_mm_compile"):
         with pytest.raises(ValueError, match="unknown variant"):
             bench_e2e.configure_variant(model, name, predictors)
+
+
+def test_active_experts_counts_what_the_budget_leaves():
+    """The JSON's active_experts: one eager decode step's experts per layer; the budget bounds it, the dense variant
+    runs the routed union, the model's own blocks report None."""
+    import base_moe
+
+    model = tiny_model()
+    predictors = bench_e2e.random_predictors(model)
+    bench_e2e.configure_variant(model, "base_moe_dense", predictors)
+    dense = bench_e2e.active_experts(model, batch=6, prompt_len=4)
+    bench_e2e.configure_variant(model, "base_M3", predictors)
+    budgeted = bench_e2e.active_experts(model, batch=6, prompt_len=4)
+    assert budgeted == 3 and 3 < dense <= model.config.num_experts
+    assert all(not layout.block._base_moe.settings.record for layout in base_moe.hf.moe_layouts(model))
+    bench_e2e.configure_variant(model, "hf_grouped_mm", predictors)
+    assert bench_e2e.active_experts(model, batch=6, prompt_len=4) is None
