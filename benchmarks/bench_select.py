@@ -54,15 +54,20 @@ L2_BYTES = 60 * 2**20
 # ---------------------------------------------------------------------------------------------
 # Plain-PyTorch paths
 # ---------------------------------------------------------------------------------------------
-def torch_routing(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None, keep: torch.Tensor | None = None):
-    """ids, weights [T, k]; ``keep`` [T, E] bool restricts the choice (backfill)."""
-    T, E = logits.shape
+def routing_scores(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None):
+    """(probs, choice) [T, E]: what the weights are taken from, and what the experts are ranked by."""
     if routing.scoring == Scoring.SIGMOID:
         probs = torch.sigmoid(logits)
-        choice = probs + bias if bias is not None else probs
-    else:
-        probs = torch.softmax(logits, dim=-1)
-        choice = logits
+        return probs, probs + bias if bias is not None else probs
+    return torch.softmax(logits, dim=-1), logits
+
+
+def torch_routing(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None, keep: torch.Tensor | None = None,
+                  scores: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """ids, weights [T, k]; ``keep`` [T, E] bool restricts the choice (backfill); ``scores``: routing_scores' result
+    when the caller has it already."""
+    T, E = logits.shape
+    probs, choice = scores if scores is not None else routing_scores(logits, routing, bias)
     if routing.n_group > 1:
         grouped = choice.view(T, routing.n_group, -1)
         group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
@@ -82,21 +87,22 @@ def torch_routing(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | N
         ids = torch.where(valid, ids, E)
     if routing.renormalize:
         w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if routing.scoring == Scoring.SIGMOID else 0.0))
-    return ids, w * routing.scaling
+    return ids, w * routing.scaling if routing.scaling != 1.0 else w
 
 
 def torch_select(x, W_cat, b_cat, routing: Routing, bias, E: int, budget: int):
     """BASE selection in plain PyTorch (G = 1): returns ids, weights, kept, counts, D."""
     out = F.linear(x, W_cat).float() + b_cat
     logits, log_norms = out[:, :E], out[:, E:]
-    ids, w = torch_routing(logits, routing, bias)
+    scores = routing_scores(logits, routing, bias)  # once for the routing and the backfill
+    ids, w = torch_routing(logits, routing, bias, scores=scores)
     cost = w * w * torch.exp(2.0 * log_norms.gather(1, ids))
     D = torch.zeros(1, E, device=x.device).scatter_add_(1, ids.view(1, -1), cost.view(1, -1))
     union = torch.zeros(1, E, dtype=torch.bool, device=x.device).scatter_(1, ids.view(1, -1), True)
     top = torch.where(union, D, -1.0).topk(min(budget, E), dim=-1)
     kept = torch.where(top.values >= 0, top.indices, E)
     keep = torch.zeros(1, E + 1, dtype=torch.bool, device=x.device).scatter_(1, kept, True)[:, :E]
-    final_ids, final_w = torch_routing(logits, routing, bias, keep.expand(x.shape[0], E))
+    final_ids, final_w = torch_routing(logits, routing, bias, keep.expand(x.shape[0], E), scores)
     counts = torch.zeros(1, E + 1, dtype=torch.int32, device=x.device)
     counts.scatter_add_(1, final_ids.view(1, -1), torch.ones_like(final_ids, dtype=torch.int32).view(1, -1))
     return final_ids, final_w, kept, counts[:, :E], D
