@@ -166,7 +166,7 @@ def _check_selection_args(logits, num_groups, top_k, budget=1) -> None:
     E = logits.shape[1]
     torch._check(1 <= top_k <= MAX_TOP_K, lambda: f"top_k must be in [1, {MAX_TOP_K}], got {top_k}")
     torch._check(top_k <= E, lambda: f"top_k ({top_k}) must not exceed the number of experts ({E})")
-    torch._check(num_groups >= 1, lambda: f"num_groups must be >= 1, got {num_groups}")
+    torch._check(1 <= num_groups < 2**30, lambda: f"num_groups must be in [1, 2^30), got {num_groups}")
     torch._check(logits.shape[0] % num_groups == 0, lambda: f"the number of tokens ({logits.shape[0]}) must be a "
                  f"multiple of num_groups ({num_groups})")
     torch._check(budget >= 1, lambda: f"budget must be >= 1, got {budget}")

@@ -49,7 +49,9 @@ void check_logits(const Tensor& logits) {
 }
 
 void check_num_groups(int64_t num_groups, int64_t tokens) {
-  BASE_MOE_CHECK(num_groups >= 1, "num_groups must be >= 1, got ", num_groups);
+  // with tokens, num_groups divides them; without, any count would pass that test (the kernels take an int)
+  BASE_MOE_CHECK(num_groups >= 1 && num_groups < (int64_t{1} << 30), "num_groups must be in [1, 2^30), got ",
+              num_groups);
   BASE_MOE_CHECK(tokens % num_groups == 0, "the number of tokens (", tokens, ") must be a multiple of num_groups (",
               num_groups, ")");
 }

@@ -428,6 +428,14 @@ def test_no_tokens_with_base_cost_on_cpu():
         ops.route_select(logits, routing, budget=3, log_norms=torch.randn(0, 0))
 
 
+def test_num_groups_is_bounded_without_tokens():
+    """Any group count divides zero tokens: the bound keeps the outputs' [G, E] allocation and the kernels' int."""
+    routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
+    with pytest.raises(RuntimeError, match="num_groups must be in \\[1, 2\\^30\\), got 1073741824"):
+        ops.route_select(torch.zeros(0, 8), routing, budget=2, num_groups=2**30, cost=Cost.ROUTER_SUM)
+    assert ops.route_select(torch.zeros(0, 8), routing, budget=2, num_groups=3, cost=Cost.ROUTER_SUM)[2].shape == (3, 2)
+
+
 def test_fakes_check_devices_and_output_shapes():
     """On meta tensors the fakes run: a CPU tensor among them, or arguments the outputs' shapes depend on that the
     kernels refuse, must raise instead of returning unfilled tensors or impossible shapes."""

@@ -281,6 +281,24 @@ def test_route_select(case):
                     assert bitwise_equal(outputs[4], D_owners), f"{cost.name}: D differs from route_cost's"
 
 
+def test_zero_tokens_match_the_cpu_ops():
+    """No tokens (any number of groups divides 0): every selection op gives the CPU op's outputs."""
+    routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
+    logits, hidden, W = torch.zeros(0, 8), torch.zeros(0, 64, dtype=torch.bfloat16), torch.randn(8, 64).bfloat16()
+    calls = [
+        lambda dev: ops.route_cost(logits.to(dev), routing, num_groups=3, cost=Cost.ROUTER_SUM),
+        lambda dev: ops.select_fill(logits.to(dev), torch.rand(3, 8).to(dev), routing, budget=2),
+        lambda dev: ops.route_select(logits.to(dev), routing, budget=2, num_groups=3, cost=Cost.ROUTER_SUM),
+        lambda dev: ops.select_experts(hidden.to(dev), W.to(dev), routing, budget=2, num_groups=3,
+                                       cost=Cost.ROUTER_SUM),
+    ]
+    for call in calls:
+        for got, want in zip(call(DEVICE), call("cpu")):
+            assert got.shape == want.shape and torch.equal(got.cpu(), want)
+    with pytest.raises(RuntimeError, match="num_groups must be in"):
+        ops.route_select(logits.to(DEVICE), routing, budget=2, num_groups=2**31, cost=Cost.ROUTER_SUM)
+
+
 def test_route_select_broadcast_log_norms():
     G, B, E, k = 2, 16, 64, 4
     routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
