@@ -1,5 +1,5 @@
 // Every schema of the base_moe op library, and its CPU kernels. The CUDA kernels register themselves
-// in their own files (csrc/*.cu) for the CUDA dispatch key.
+// in their own files (csrc/*_cuda.cpp) for the CUDA dispatch key.
 // Enumerated int arguments (scoring, cost, fill) take the values of base_moe/routing.py.
 #include <torch/library.h>
 
