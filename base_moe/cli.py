@@ -426,8 +426,20 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_calibrate, a
 """Every subcommand's parser builder; a new command appends its ``add_<name>`` here."""
 
 
+def version_line() -> str:
+    """base_moe's version, torch's, and whether this build has the CUDA kernels (and a GPU to run them)."""
+    from . import __version__
+    from .policies import has_kernel
+
+    kernels = has_kernel("route_select", torch.device("cuda"))
+    gpu = "a GPU is visible" if torch.cuda.is_available() else "no GPU visible"
+    return (f"base_moe {__version__}, torch {torch.__version__}; CUDA kernels "
+            f"{'built' if kernels else 'not built'}, {gpu}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m base_moe", description="BASE: batch-aware selection of MoE experts")
+    parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(subparsers)

@@ -201,3 +201,13 @@ def test_auto_dtype_is_float32_on_cpu():
 
     assert model_dtype("auto", "cpu") == "float32" and model_dtype("auto", "cuda:1") == "auto"
     assert model_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def test_version(capsys):
+    import base_moe
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"base_moe {base_moe.__version__}, torch {torch.__version__}; CUDA kernels ")
