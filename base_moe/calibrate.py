@@ -175,7 +175,8 @@ def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int) 
     items = [input_ids] if isinstance(input_ids, torch.Tensor) else input_ids
     for item in items:
         if not isinstance(item, torch.Tensor):
-            raise TypeError(f"input_ids must be a LongTensor [N, S] or an iterable of them, got {type(item).__name__}")
+            raise TypeError(f"input_ids must be an integer tensor [N, S] or an iterable of them, got "
+                            f"{type(item).__name__}")
         if item.dim() == 1:
             item = item[None]
         if item.dim() != 2:
@@ -184,7 +185,8 @@ def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int) 
             raise TypeError(f"input_ids must hold integer token ids, got dtype {item.dtype}")
         if item.numel() == 0:
             raise ValueError(f"input_ids batches must hold tokens, got shape {tuple(item.shape)}")
-        yield from item.long().split(batch_size)  # any integer dtype (bytes from torch.frombuffer are uint8)
+        for batch in item.split(batch_size):
+            yield batch.long()  # any integer dtype (bytes from torch.frombuffer are uint8)
 
 
 def _total_tokens(input_ids: Any) -> int | None:
@@ -217,7 +219,8 @@ def calibrate(
 
     Args:
         model: a Hugging Face MoE model (any layout :func:`base_moe.layouts.find_moe_layouts` knows), dense.
-        input_ids: calibration tokens, a LongTensor ``[N, S]`` or an iterable of such batches.
+        input_ids: calibration token ids, an integer tensor ``[N, S]`` (any integer dtype) or an iterable of such
+            batches.
         batch_size: sequences per forward pass (the activation memory scales with ``batch_size x S``).
         ridge: ridge strength on standardised features (each weight's penalty is ``ridge`` x its feature's
             sum of squared deviations), so independent of the token count and of the features' scales.

@@ -95,11 +95,13 @@ nonnegative_float = bounded(float, 0.0)
 
 def check_plot_format(path: str) -> None:
     """Before the evaluation: matplotlib must be able to write the file's format (named by its extension)."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise SystemExit("error: --plot needs matplotlib (pip install matplotlib)") from None
     formats = FigureCanvasBase.get_supported_filetypes()
     extension = os.path.splitext(path)[1].lstrip(".").lower()
-    if extension not in formats:
+    if extension and extension not in formats:  # (no extension: matplotlib writes a PNG)
         raise SystemExit(f"error: --plot {path!r}: matplotlib writes {', '.join(sorted(formats))}; name the file "
                          "with one of these extensions")
 
@@ -108,13 +110,14 @@ def model_context(path: str) -> int | None:
     """The checkpoint's context (``max_position_embeddings`` in its config.json, or its text model's), if it says."""
     import json
 
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    for section in (config, config.get("text_config") or {}):
-        value = section.get("max_position_embeddings")
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        sections = (config, config.get("text_config") or {})
+        values = [section.get("max_position_embeddings") for section in sections]
+    except (OSError, ValueError, AttributeError) as err:
+        raise SystemExit(f"error: --model {path!r}: its config.json is not a readable JSON object ({err})") from None
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
 
 
 def resolve_seq(seq: int | None, model_path: str, default: int) -> int:
@@ -342,7 +345,8 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--predictors", metavar="FILE", help="predictors from `calibrate` (needed by base, static_energy)")
     p.add_argument("--batch", type=positive_int, default=16, metavar="B",
                    help="sequences per decode batch (default: 16)")
-    p.add_argument("--seq", type=positive_int, default=256, metavar="S", help="tokens per sequence (default: 256)")
+    p.add_argument("--seq", type=positive_int, default=None, metavar="S",
+                   help="tokens per sequence (default: 256, or the model's context if shorter)")
     p.add_argument("--prefill", type=bounded(int, 0), default=32, metavar="P",
                    help="dense prefill positions, at most S - 2 (default: 32)")
     p.add_argument("--batches", type=positive_int, default=8, metavar="N", help="evaluation batches (default: 8)")
@@ -380,13 +384,13 @@ def run_eval(args: argparse.Namespace) -> int:
     if any(p.needs_predictors or p.needs_statistics for p in policies) and not args.predictors:
         needing = ", ".join(p.name for p in policies if p.needs_predictors or p.needs_statistics)
         raise SystemExit(f"error: policies {needing} need --predictors FILE (from `python -m base_moe calibrate`)")
+    check_model_dir(args.model)
+    args.seq = resolve_seq(args.seq, args.model, 256)
     try:
         check_prefill(args.prefill, args.seq)
     except ValueError:
         raise SystemExit(f"error: --prefill {args.prefill} leaves no scored decode position in --seq {args.seq} "
                          "(at most --seq - 2)") from None
-    check_model_dir(args.model)
-    resolve_seq(args.seq, args.model, args.seq)
     check_input_file(args.text, "--text")
     if args.predictors:
         check_input_file(args.predictors, "--predictors")

@@ -32,6 +32,7 @@ import platform
 import statistics
 import subprocess
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -409,9 +410,11 @@ def evaluate(
         if patched_here:
             hf.restore(model)
         else:
-            hf.configure(model, budget=old.budget, policy=old.policy, fill=old.fill, group_by=old.group_by,
-                         dense_positions=old.dense_positions, experts=old.experts, record=old.record,
-                         predictors=old_predictors)
+            with warnings.catch_warnings():  # the user's own settings back (a budget kept for a later policy)
+                warnings.filterwarnings("ignore", message=".*takes no budget")
+                hf.configure(model, budget=old.budget, policy=old.policy, fill=old.fill, group_by=old.group_by,
+                             dense_positions=old.dense_positions, experts=old.experts, record=old.record,
+                             predictors=old_predictors)
 
     return _report(model, layouts, dense, results, runs, state.predictors, locals_=dict(
         batch=batch, seq=seq, prefill=prefill, batches=batches, fill=fill_rule.name.lower(), device=str(device),

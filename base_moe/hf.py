@@ -253,7 +253,7 @@ def _budget(budget) -> int:
         value = None
     if value is None or not 1 <= value < 2**63:  # the ops take an int64
         raise ValueError(
-            f"budget must be a positive int (experts kept per MoE layer and decode batch) or None, got {budget!r}"
+            f"budget must be an int in [1, 2^63) (experts kept per MoE layer and decode batch) or None, got {budget!r}"
         )
     return value
 

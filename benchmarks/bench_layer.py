@@ -162,10 +162,11 @@ def variant_knobs(var):
 def variant(var):
     """The environment with the variant's knobs (the others cleared), then the user's own settings again: the rows
     after the variants, and the JSON's record of the knobs, keep what the user set."""
+    knobs = variant_knobs(var)  # a bad name raises before the environment changes
     saved = {knob: os.environ.get(knob) for knob in VARIANT_KNOBS}
     for knob in VARIANT_KNOBS:
         os.environ.pop(knob, None)
-    os.environ.update(variant_knobs(var))
+    os.environ.update(knobs)
     try:
         yield
     finally:

@@ -52,3 +52,7 @@ def test_bench_layer_variants_restore_the_users_knobs(monkeypatch):
     with bench_layer.variant("default"):
         assert "BASE_MOE_EXPERTS_CONFIG" not in os.environ
     assert os.environ["BASE_MOE_EXPERTS_CONFIG"] == "W128" and "BASE_MOE_EXPERTS_PDL" not in os.environ
+    with pytest.raises(ValueError, match="unknown part"):
+        with bench_layer.variant("T64x"):
+            pass
+    assert os.environ["BASE_MOE_EXPERTS_CONFIG"] == "W128"

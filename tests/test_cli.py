@@ -110,7 +110,8 @@ def test_bytes_and_argument_errors(tmp_path):
     with pytest.raises(SystemExit):  # argparse: --out is required
         build_parser().parse_args(["calibrate", "--model", "m", "--text", "t"])
     args = build_parser().parse_args(["calibrate", "--model", "m", "--text", "t", "--out", "o"])
-    assert (args.tokens, args.seq, args.batch_size, args.ridge, args.holdout, args.bytes) == (65536, None, 8, 1e-3, 0.1, False)
+    assert (args.tokens, args.seq, args.batch_size, args.ridge, args.holdout, args.bytes) == (
+        65536, None, 8, 1e-3, 0.1, False)  # --seq: the model's context decides (resolve_seq)
 
 
 def test_seq_follows_the_models_context(tmp_path):
@@ -211,3 +212,31 @@ def test_version(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"base_moe {base_moe.__version__}, torch {torch.__version__}; CUDA kernels ")
+
+
+def test_eval_takes_the_models_shorter_context_and_a_broken_config_is_named(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 128}')
+    argv = ["eval", "--model", str(model), "--text", str(text), "--json", str(tmp_path / "o.json"), "--policies",
+            "router_sq", "--device", "cpu"]
+    with pytest.raises(SystemExit) as exit_info:  # the folder holds no weights: loading fails, after the --seq check
+        main(argv)
+    message = str(exit_info.value.code) + capsys.readouterr().err
+    assert "--seq" not in message and "context" not in message
+    with pytest.raises(SystemExit, match="--seq 256 is longer than the model's context"):
+        main([*argv, "--seq", "256"])
+    (model / "config.json").write_text("[1, 2")
+    with pytest.raises(SystemExit, match="config.json is not a readable JSON object"):
+        main(argv)
+
+
+def test_plot_format():
+    from base_moe.cli import check_plot_format
+
+    check_plot_format("out.png")
+    check_plot_format("out")  # no extension: matplotlib writes a PNG
+    with pytest.raises(SystemExit, match="matplotlib writes .*svg"):
+        check_plot_format("out.txt")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -164,6 +165,12 @@ def test_model_is_left_as_found():
     evaluate(model, ids, policies=["oea"], batch=B, seq=S, prefill=P, batches=1, progress=False, energy=False)
     s = hf.moe_layouts(model)[0].block._base_moe.settings
     assert (s.budget, s.policy.name, s.fill.name, s.group_by, s.record) == (5, "frequency", "DROP", "batch", False)
+    base_moe.configure(model, policy="oea")  # the budget (5) stays set for a later policy; nobody passes it to oea
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # handing the settings back warns of no budget the user did not give
+        evaluate(model, ids, policies=["router_sum"], budgets=[2], batch=B, seq=S, prefill=P, batches=1,
+                 progress=False, energy=False)
+    assert hf.moe_layouts(model)[0].block._base_moe.settings.policy.name == "oea"
 
 
 def test_errors():

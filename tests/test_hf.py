@@ -145,10 +145,9 @@ COST_POLICIES = [name for name in BUDGETED if isinstance(get_policy(name), CostP
 def test_every_cost_policy_selects_as_the_reference(policy, fill):
     model = fresh("deepseek_v3")
     predictors = StandInPredictors(model)
-    budget = 2  # below every layer's routed union on these inputs, so the fill matters (checked below)
+    budget = 1  # below each layer's routed union (layer 2 routes these tokens to two experts): the fill matters
     base_moe.apply(model, predictors=predictors, budget=budget, policy=policy, fill=fill, record=True)
     pol = get_policy(policy)
-    slots_moved = 0
     for layout in moe_layouts(model):
         hidden = block_input(layout, batch=8)
         run_block(layout, hidden)
@@ -168,8 +167,7 @@ def test_every_cost_policy_selects_as_the_reference(policy, fill):
         assert torch.equal(sel.ids, ids) and torch.equal(sel.kept, kept) and torch.equal(sel.counts, counts)
         torch.testing.assert_close(sel.weights, weights)
         torch.testing.assert_close(sel.batch_cost, D)
-        slots_moved += int((ids != reference.route(logits, layout.routing, layout.correction_bias())[0]).sum())
-    assert slots_moved > 0
+        assert bool((ids != reference.route(logits, layout.routing, layout.correction_bias())[0]).any())  # a slot moved
 
 
 def test_base_policy_follows_the_predictor():
@@ -522,13 +520,13 @@ def test_decode_path_traces_without_graph_breaks(family, dynamic):
         (dict(budget=2, policy="base"), ValueError, r"policy 'base' needs predictors: run base_moe.calibrate"),
         (dict(budget=2, policy="nope"), ValueError, r"unknown policy 'nope'; available: dense, base"),
         (dict(budget=2, policy="router_sum", fill="sideways"), ValueError, r"unknown fill rule 'sideways'"),
-        (dict(budget=0, policy="router_sum"), ValueError, r"budget must be a positive int"),
-        (dict(budget=2.0, policy="router_sum"), ValueError, r"budget must be a positive int"),
-        (dict(budget=True, policy="router_sum"), ValueError, r"budget must be a positive int"),
-        (dict(budget="2", policy="router_sum"), ValueError, r"budget must be a positive int"),
-        (dict(budget=torch.tensor(0), policy="router_sum"), ValueError, r"budget must be a positive int"),
-        (dict(budget=torch.tensor(True), policy="router_sum"), ValueError, r"budget must be a positive int"),
-        (dict(budget=2**63, policy="router_sum"), ValueError, r"budget must be a positive int"),  # past int64
+        (dict(budget=0, policy="router_sum"), ValueError, r"budget must be an int in \[1, 2\^63\)"),
+        (dict(budget=2.0, policy="router_sum"), ValueError, r"budget must be an int in \[1, 2\^63\)"),
+        (dict(budget=True, policy="router_sum"), ValueError, r"budget must be an int in \[1, 2\^63\)"),
+        (dict(budget="2", policy="router_sum"), ValueError, r"budget must be an int in \[1, 2\^63\)"),
+        (dict(budget=torch.tensor(0), policy="router_sum"), ValueError, r"budget must be an int in \[1, 2\^63\)"),
+        (dict(budget=torch.tensor(True), policy="router_sum"), ValueError, r"budget must be an int in \[1, 2\^63\)"),
+        (dict(budget=2**63, policy="router_sum"), ValueError, r"budget must be an int in \[1, 2\^63\)"),  # past int64
         (dict(budget=2, policy="router_sum", group_by="token"), ValueError, r"group_by must be one of"),
         (dict(budget=2, policy="router_sum", dense_positions=-1), ValueError, r"dense_positions must be"),
         (dict(budget=2, policy="router_sum", colour="red"), TypeError, r"unknown option\(s\) 'colour'"),

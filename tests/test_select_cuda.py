@@ -285,9 +285,10 @@ def test_zero_tokens_match_the_cpu_ops():
     """No tokens (any number of groups divides 0): every selection op gives the CPU op's outputs."""
     routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
     logits, hidden, W = torch.zeros(0, 8), torch.zeros(0, 64, dtype=torch.bfloat16), torch.randn(8, 64).bfloat16()
+    batch_cost = torch.rand(3, 8)
     calls = [
         lambda dev: ops.route_cost(logits.to(dev), routing, num_groups=3, cost=Cost.ROUTER_SUM),
-        lambda dev: ops.select_fill(logits.to(dev), torch.rand(3, 8).to(dev), routing, budget=2),
+        lambda dev: ops.select_fill(logits.to(dev), batch_cost.to(dev), routing, budget=2),
         lambda dev: ops.route_select(logits.to(dev), routing, budget=2, num_groups=3, cost=Cost.ROUTER_SUM),
         lambda dev: ops.select_experts(hidden.to(dev), W.to(dev), routing, budget=2, num_groups=3,
                                        cost=Cost.ROUTER_SUM),
