@@ -53,11 +53,17 @@ def _rank(score: torch.Tensor, *preferences: torch.Tensor) -> torch.Tensor:
     return order
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sigmoid through float64: torch's fp32 CPU sigmoid rounds its vectorised body and its scalar tail
+    differently, so equal logits could score unequally by their position in the row (and tie to a higher index)."""
+    return torch.sigmoid(x.double()).float()
+
+
 def choice_scores(logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None) -> torch.Tensor:
     """The score experts are ranked by: the logits for softmax scorings, sigmoid + bias for SIGMOID."""
     if routing.scoring != Scoring.SIGMOID:
         return logits
-    scores = torch.sigmoid(logits)
+    scores = sigmoid(logits)
     return scores + correction_bias.float() if correction_bias is not None else scores
 
 
@@ -88,7 +94,7 @@ def routing_weights(logits: torch.Tensor, ids: torch.Tensor, routing: Routing) -
         masked = chosen_logits.masked_fill(~valid, float("-inf"))
         w = torch.softmax(masked, dim=-1).nan_to_num(0.0)  # a token with no expert left: all zero
     else:
-        w = torch.sigmoid(chosen_logits)
+        w = sigmoid(chosen_logits)
     w = torch.where(valid, w, 0.0)
     if routing.renormalize and routing.scoring != Scoring.SOFTMAX_AFTER_TOPK:
         total = w.sum(dim=-1, keepdim=True)

@@ -428,6 +428,18 @@ def test_no_tokens_with_base_cost_on_cpu():
         ops.route_select(logits, routing, budget=3, log_norms=torch.randn(0, 0))
 
 
+def test_reference_sigmoid_ties_go_to_the_lower_index():
+    """Equal logits score equally wherever they sit in a row (torch's fp32 CPU sigmoid rounds a row's vectorised body
+    and its tail differently: 44 of 2,000 random values routed to expert 32 of 40), so ties go to the lower index in
+    the reference as in the op."""
+    routing = Routing(2, Scoring.SIGMOID, renormalize=True)
+    first_two = torch.tensor([[0, 1]], dtype=torch.int32)
+    for value in (torch.randn(300, generator=torch.Generator().manual_seed(0)) * 4).tolist():
+        logits = torch.full((1, 40), value)  # one row: its last elements are the vectorised loop's tail
+        assert torch.equal(ref.route(logits, routing)[0], first_two), value
+        assert torch.equal(ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM)[0], first_two), value
+
+
 def test_num_groups_is_bounded_without_tokens():
     """Any group count divides zero tokens: the bound keeps the outputs' [G, E] allocation and the kernels' int."""
     routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
