@@ -56,39 +56,46 @@ def backfill_ref(logits: torch.Tensor, groups: int, keep: list[set[int]], k: int
     return ids, w
 
 
+def softmax_routed(logits: torch.Tensor, k: int, renormalize: bool) -> list[list[tuple[int, float]]]:
+    """Each token's routed slots, (expert, weight) in rank order, of softmax routing."""
+    out = []
+    for row in logits:
+        experts = ranked(row)[:k]
+        out.append(list(zip(experts, weights_of(row, experts, renormalize))))
+    return out
+
+
+def routed_union(routed, groups: int, slots: int | None = None) -> list[set[int]]:
+    """Per group, the experts in the first ``slots`` routed slots (all with None) of its tokens."""
+    B = len(routed) // groups
+    return [{u for token in routed[g * B:(g + 1) * B] for u, _ in token[:slots]} for g in range(groups)]
+
+
 def oea_ref(logits, groups, k, k0, renormalize):
-    T = logits.shape[0]
-    B = T // groups
-    keep = [set() for _ in range(groups)]
-    for t in range(T):
-        keep[t // B].update(ranked(logits[t])[:k0])
+    keep = routed_union(softmax_routed(logits, k0, renormalize), groups)
     return backfill_ref(logits, groups, keep, k, renormalize), keep
 
 
-def lynx_scores_ref(logits, groups, k, renormalize, bins=4, width=math.log(2.0), decay=0.5):
-    T, E = logits.shape
-    B = T // groups
+def lynx_scores_ref(routed, groups, E, bins=4, width=math.log(2.0), decay=0.5):
+    """Each slot scores decay ** its bin, the bin counted from the token's largest weight."""
+    B = len(routed) // groups
     D = torch.zeros(groups, E, dtype=torch.float64)
-    for t in range(T):
-        routed = ranked(logits[t])[:k]
-        w = weights_of(logits[t], routed, renormalize)
-        for u, wu in zip(routed, w):
-            b = min(bins - 1, math.floor(math.log(w[0] / wu) / width))
-            D[t // B, u] += decay**b
+    for t, slots in enumerate(routed):
+        top = max(w for _, w in slots)
+        for u, w in slots:
+            D[t // B, u] += decay ** min(bins - 1, math.floor(math.log(top / w) / width))
     return D
+
+
+def lynx_threshold_keep(D: torch.Tensor, threshold: float) -> list[set[int]]:
+    """Every expert whose score reaches the threshold, and the best one (ties to the lower index)."""
+    E = D.shape[1]
+    best = [min(range(E), key=lambda u: (-float(row[u]), u)) for row in D]
+    return [{u for u in range(E) if row[u] >= threshold and row[u] > 0} | {b} for row, b in zip(D, best)]
 
 
 def top_by(D_row: torch.Tensor, candidates: set[int], m: int) -> set[int]:
     return set(sorted(candidates, key=lambda u: (-float(D_row[u]), u))[:m])
-
-
-def routed_sets(logits, groups, k):
-    T = logits.shape[0]
-    B = T // groups
-    out = [set() for _ in range(groups)]
-    for t in range(T):
-        out[t // B].update(ranked(logits[t])[:k])
-    return out
 
 
 def make_step(logits, routing, groups, budget=None, fill=Fill.BACKFILL) -> DecodeStep:
@@ -143,9 +150,10 @@ def test_lynx_budgeted_matches_loop_reference(groups, B, E, k, budget, renormali
     logits = random_logits(groups * B, E, seed=7 + groups + B)
     routing = Routing(k, Scoring.SOFTMAX, renormalize)
     sel = LynxPolicy().select(make_step(logits, routing, groups, budget=budget))
-    D = lynx_scores_ref(logits, groups, k, renormalize)
+    routed = softmax_routed(logits, k, renormalize)
+    D = lynx_scores_ref(routed, groups, E)
     torch.testing.assert_close(sel.batch_cost.double(), D, rtol=1e-6, atol=1e-6)
-    union = routed_sets(logits, groups, k)
+    union = routed_union(routed, groups)
     keep = [top_by(D[g], union[g], budget) for g in range(groups)]
     ids, w = backfill_ref(logits, groups, keep, k, renormalize)
     assert torch.equal(sel.ids, ids)
@@ -162,11 +170,8 @@ def test_lynx_threshold_matches_loop_reference(groups, B, E, k, threshold):
     policy = get_policy(f"lynx:threshold={threshold}:bins=3:decay=0.25")
     assert not policy.needs_budget
     sel = policy.select(make_step(logits, routing, groups))
-    D = lynx_scores_ref(logits, groups, k, True, bins=3, decay=0.25)
-    keep = []
-    for g in range(groups):
-        best = min(range(E), key=lambda u: (-float(D[g, u]), u))
-        keep.append({u for u in range(E) if D[g, u] >= threshold and D[g, u] > 0} | {best})
+    D = lynx_scores_ref(softmax_routed(logits, k, True), groups, E, bins=3, decay=0.25)
+    keep = lynx_threshold_keep(D, threshold)
     ids, w = backfill_ref(logits, groups, keep, k, True)
     assert torch.equal(sel.ids, ids)
     torch.testing.assert_close(sel.weights.double(), w, rtol=1e-5, atol=1e-6)
@@ -214,16 +219,6 @@ def scoring_step(scoring, fill=Fill.BACKFILL, budget=3, seed=21):
     return step, routed
 
 
-def lynx_scores_loop(routed, groups, E, bins=4, width=math.log(2.0), decay=0.5):
-    B = len(routed) // groups
-    D = torch.zeros(groups, E, dtype=torch.float64)
-    for t, slots in enumerate(routed):
-        top = max(w for _, w in slots)
-        for u, w in slots:
-            D[t // B, u] += decay ** min(bins - 1, math.floor(math.log(top / w) / width))
-    return D
-
-
 def drop_fill_loop(routed, groups, keep, E, renormalize):
     """``drop`` / ``drop_renorm``: each token's routed experts in the keep set, in routing order, sentinels after;
     with renormalisation the survivors' weights scaled to the routed total (0 when none survives)."""
@@ -248,18 +243,17 @@ def kept_tensor(keep, E):
 @pytest.mark.parametrize("policy", ["oea", "oea:k0=2", "lynx", "lynx:threshold=1.5"])
 def test_keep_rule_policies_match_loop_reference(policy, scoring, fill):
     step, routed = scoring_step(scoring, fill)
-    E, B = 16, 6
+    E = 16
     sel = get_policy(policy).select(step)
     if policy.startswith("oea"):
-        k0 = 2 if policy == "oea:k0=2" else 1
-        keep = [{u for slots in routed[g * B:(g + 1) * B] for u, _ in slots[:k0]} for g in range(2)]
+        keep = routed_union(routed, 2, slots=2 if policy == "oea:k0=2" else 1)
     else:
-        D = lynx_scores_loop(routed, 2, E)
+        D = lynx_scores_ref(routed, 2, E)
         torch.testing.assert_close(sel.batch_cost.double(), D, rtol=1e-6, atol=1e-6)
         if policy == "lynx":  # the top 3 routed experts by D, ties to the lower index
-            keep = [top_by(D[g], {u for slots in routed[g * B:(g + 1) * B] for u, _ in slots}, 3) for g in range(2)]
+            keep = [top_by(D[g], union, 3) for g, union in enumerate(routed_union(routed, 2))]
         else:
-            keep = [{u for u in range(E) if D[g, u] >= 1.5 and D[g, u] > 0} | {int(D[g].argmax())} for g in range(2)]
+            keep = lynx_threshold_keep(D, 1.5)
     assert [{u for u in row.tolist() if u < E} for row in sel.kept] == keep
     if fill == Fill.BACKFILL:  # the fill rule itself is checked against the ops in tests/test_ops.py
         ids, w = reference.fill(step.logits, step.correction_bias, step.routing, kept_tensor(keep, E), fill)
