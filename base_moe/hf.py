@@ -188,6 +188,10 @@ def selections(model: nn.Module) -> dict[int, tuple[Selection, int]]:
 # ---------------------------------------------------------------------------------------------------------------
 # Settings and predictors
 # ---------------------------------------------------------------------------------------------------------------
+class BudgetNotAppliedWarning(UserWarning):
+    """A budget given with a policy that sets its own number of experts (the budget stays set for a later policy)."""
+
+
 def _settings(current: Settings, found: list[MoELayout], predictors, **changes) -> Settings:
     unknown = sorted(set(changes) - {"budget", "policy", "fill", *_OPTIONS})
     if unknown:
@@ -228,7 +232,7 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
     if changes.get("budget") is not None and s.policy.budgeted and not s.policy.needs_budget:
         warnings.warn(
             f"policy '{s.policy.name}' sets its own number of experts and takes no budget: budget={s.budget} is not "
-            "applied (it stays set for a later policy that takes one)", stacklevel=3,
+            "applied (it stays set for a later policy that takes one)", BudgetNotAppliedWarning, stacklevel=3,
         )
     if s.active and s.policy.needs_predictors and predictors is None:
         raise ValueError(
