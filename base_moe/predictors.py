@@ -55,6 +55,7 @@ class Predictors:
         expert_r2: dict[int, torch.Tensor] | None = None,
     ) -> None:
         layers = sorted(weight)
+        expert_r2 = expert_r2 or {}
         if not layers:
             raise ValueError("predictors need at least one layer (got no weight)")
         if sorted(bias) != layers or sorted(mean_log_norm) != layers:
@@ -77,14 +78,14 @@ class Predictors:
                 )
             if not all(bool(torch.isfinite(t).all()) for t in (weight[i], bias[i], mean_log_norm[i])):
                 raise ValueError(f"layer {i}: the predictor holds NaN or infinite values")
-            if i in (expert_r2 or {}) and expert_r2[i].shape != (E,):
+            if i in expert_r2 and expert_r2[i].shape != (E,):
                 raise ValueError(f"layer {i}: expert_r2 must be [{E}], got {tuple(expert_r2[i].shape)}")
-        if not set(expert_r2 or {}) <= set(layers):
+        if not set(expert_r2) <= set(layers):
             raise ValueError(f"expert_r2 names layers {sorted(set(expert_r2) - set(layers))} that have no predictor")
         self.weight = {i: weight[i].float().contiguous() for i in layers}
         self.bias = {i: bias[i].float().contiguous() for i in layers}
         self.mean_log_norm = {i: mean_log_norm[i].float().contiguous() for i in layers}
-        self.expert_r2 = {i: t.float().contiguous() for i, t in sorted((expert_r2 or {}).items())}
+        self.expert_r2 = {i: t.float().contiguous() for i, t in sorted(expert_r2.items())}
         self.r2 = {i: float((r2 or {}).get(i, math.nan)) for i in layers}
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.metadata.setdefault("format", FORMAT)
