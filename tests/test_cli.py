@@ -129,10 +129,10 @@ def test_seq_follows_the_models_context(tmp_path):
     assert resolve_seq(None, str(tmp_path), 512) == 512 and resolve_seq(9000, str(tmp_path), 512) == 9000
 
 
-def empty_checkpoint(folder):
+def empty_checkpoint(folder, config="{}"):
     """A folder that passes the CLI's early check (it has a config.json) but would fail to load as a model."""
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text(config)
 
 
 @pytest.mark.parametrize(
@@ -218,8 +218,7 @@ def test_eval_takes_the_models_shorter_context_and_a_broken_config_is_named(tmp_
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"max_position_embeddings": 128}')
+    empty_checkpoint(model, '{"max_position_embeddings": 128}')
     argv = ["eval", "--model", str(model), "--text", str(text), "--json", str(tmp_path / "o.json"), "--policies",
             "router_sq", "--device", "cpu"]
     with pytest.raises(SystemExit) as exit_info:  # the folder holds no weights: loading fails, after the --seq check
