@@ -128,6 +128,24 @@ def test_all_dropped_and_one_expert():
     check_accuracy(300, shape, torch.bfloat16, used=1, drop=0.0)  # one expert, 300 tokens: several passes
 
 
+@pytest.mark.parametrize("config", ["default", "T16", "W64", "WS"])
+def test_out_of_range_ids_are_empty_slots(config, monkeypatch):
+    """Expert ids outside [0, E] (-1, E + 5), which the CUDA op cannot refuse without a host sync, are empty slots:
+    the same bits as the sentinel E in their place, whatever their weights (README says so; the CPU op raises)."""
+    if config != "default":
+        monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
+    E = 8
+    hidden, ids, w, gate_up, down = make_problem(100, dtype=torch.bfloat16, H=256, I=128, E=E, k=4, used=6, drop=0.0,
+                                                 seed=5)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    bad = torch.rand(ids.shape, device="cuda", generator=g) < 0.25
+    wrong = torch.where(torch.rand(ids.shape, device="cuda", generator=g) < 0.5, -1, E + 5).to(torch.int32)
+    expected = torch.ops.base_moe.experts(hidden, torch.where(bad, E, ids).to(torch.int32), w, gate_up, down)
+    poison_allocator()
+    out = torch.ops.base_moe.experts(hidden, torch.where(bad, wrong, ids).to(torch.int32), w, gate_up, down)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("config", ["T16", "T32", "W64", "W128", "WS"])
 @pytest.mark.parametrize("T,shape,used", [(1, dict(H=320, I=192, E=10, k=3), 9), (70, dict(H=320, I=192, E=10, k=3), 2),
                                           (300, dict(H=128, I=64, E=4, k=2), 1), (40, QWEN3, 16)])
