@@ -191,6 +191,24 @@ def launched_kernels(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def assert_same_on_a_non_current_gpu(call, *tensors):
+    """``call(*tensors)`` with its tensors on cuda:1 while cuda:0 is current gives the bits it gives on cuda:0 (a
+    launcher that used the current device's stream, properties or per-device caches instead of its tensors' would
+    show). Both GPUs are of one kind."""
+    results = []
+    with torch.cuda.device(0):
+        for device in ("cuda:0", "cuda:1"):
+            out = call(*[None if t is None else t.to(device) for t in tensors])
+            results.append(list(out) if isinstance(out, (tuple, list)) else [out])
+    torch.cuda.synchronize(1)
+    for on_0, on_1 in zip(*results):
+        assert on_1.device == torch.device("cuda:1")
+        assert torch.equal(on_0, on_1.to("cuda:0"))
+
+
 def gate_up_tile_rows(fn):
     """The tile heights (the ROWS template argument) of the gate_up kernels that ``fn`` launches."""
     names = [n for n in launched_kernels(fn) if "expert_gemm_kernel" in n]
@@ -339,6 +357,13 @@ def test_max_active_experts(config, T, used, bound, monkeypatch):
         torch.testing.assert_close(out, expected, rtol=2**-7, atol=2**-7 * expected.abs().max().item())
     else:
         assert torch.equal(out, expected)
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("T,used", [(16, 16), (256, 16)])  # T16; WS on sm_90
+def test_on_a_non_current_gpu(T, used):
+    assert_same_on_a_non_current_gpu(lambda *a: torch.ops.base_moe.experts(*a, used),
+                                     *make_problem(T, dtype=torch.bfloat16, **QWEN3, used=used, seed=T))
 
 
 def test_deterministic():

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from base_moe import Cost, Fill, Routing, Scoring, ops, reference
+from test_experts_cuda import TWO_GPUS, assert_same_on_a_non_current_gpu
 
 pytestmark = pytest.mark.cuda
 DEVICE = os.environ.get("BASE_MOE_TEST_DEVICE", "cuda")
@@ -101,6 +102,14 @@ def test_add_rms_norm_is_torchs_add_then_our_norm(dtype, T, H):
     shifted.copy_(residual)
     again, again_total = ops.add_rms_norm(hidden, shifted, weight, 1e-6)
     assert torch.equal(again, normed) and torch.equal(again_total, total)
+
+
+@TWO_GPUS
+def test_norms_on_a_non_current_gpu():
+    hidden, weight = random_inputs(16, 2048, torch.bfloat16, seed=3)
+    residual, _ = random_inputs(16, 2048, torch.bfloat16, seed=4)
+    assert_same_on_a_non_current_gpu(lambda x, w: ops.rms_norm(x, w, 1e-6), hidden, weight)
+    assert_same_on_a_non_current_gpu(lambda x, r, w: ops.add_rms_norm(x, r, w, 1e-6), hidden, residual, weight)
 
 
 def norm_then_select(hidden, weight, Wr, Wp, bp, residual=None):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from base_moe import Cost, Fill, Routing, Scoring, ops, reference
-from test_experts_cuda import launched_kernels
+from test_experts_cuda import TWO_GPUS, assert_same_on_a_non_current_gpu, launched_kernels
 from test_ops import assert_kept_matches
 
 pytestmark = pytest.mark.cuda
@@ -441,6 +441,18 @@ def test_select_experts_launch_path(case):
     fused = [n for n in names if "select_experts_kernel" in n]
     two = [n for n in names if "router_predict" in n or "route_select_kernel" in n]
     assert (len(fused), len(two)) == ((1, 0) if one_launch else (0, 2)), names
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("B", [4, 64])  # the one-launch kernel; router_predict then route_select
+def test_select_experts_on_a_non_current_gpu(B):
+    routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
+    hidden, Wr, _, Wp, bp, _ = fused_inputs(2, B, 2048, 128, torch.bfloat16, True, False, False, False, seed=B)
+
+    def select(hidden, Wr, Wp, bp):
+        return ops.select_experts(hidden, Wr, routing, budget=16, num_groups=2, predictor_weight=Wp, predictor_bias=bp)
+
+    assert_same_on_a_non_current_gpu(select, hidden, Wr, Wp, bp)
 
 
 def test_select_experts_deterministic():
