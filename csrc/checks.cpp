@@ -115,7 +115,9 @@ void check_route_cost(const Tensor& logits, const OptTensor& log_norms, int64_t 
   BASE_MOE_CHECK(log_norms->dim() == 2 && log_norms->sizes() == logits.sizes(), "log_norms must have logits' shape ",
               logits.sizes(), ", got ", log_norms->sizes());
   BASE_MOE_CHECK(log_norms->scalar_type() == at::kFloat, "log_norms must be float32, got ", log_norms->scalar_type());
-  BASE_MOE_CHECK(log_norms->stride(1) == 1, "log_norms must be contiguous along experts (rows may be broadcast)");
+  // (with one expert, any column stride: torch counts a [T, 1] tensor as contiguous whatever it is)
+  BASE_MOE_CHECK(log_norms->size(1) == 1 || log_norms->stride(1) == 1,
+                 "log_norms must be contiguous along experts (rows may be broadcast)");
   check_same_device(*log_norms, logits, "log_norms", "logits");
 }
 

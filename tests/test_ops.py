@@ -116,6 +116,20 @@ def test_route_cost_accepts_broadcast_log_norms(device):
     assert torch.equal(D, exp_D)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_cost_accepts_one_expert_log_norms_of_any_column_stride(device):
+    """With one expert, [T, 1] log-norms are contiguous whatever their column stride, as torch counts them (a
+    transposed [1, T] row has stride T there)."""
+    routing = Routing(1, Scoring.SOFTMAX)
+    logits = torch.randn(6, 1, device=device)
+    transposed = torch.randn(1, 6, device=device).t()
+    packed = torch.empty(6, 1, device=device).copy_(transposed)
+    assert transposed.stride(1) == 6 and packed.stride(1) == 1
+    _, _, D = ops.route_cost(logits, routing, num_groups=3, log_norms=transposed)
+    _, _, exp_D = ops.route_cost(logits, routing, num_groups=3, log_norms=packed)
+    assert torch.equal(D, exp_D)
+
+
 # ---------------------------------------------------------------------------------------------
 # select_fill and route_select
 # ---------------------------------------------------------------------------------------------
