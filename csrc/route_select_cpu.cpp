@@ -20,10 +20,19 @@ struct Candidate {
   int32_t index;
 };
 
+// Scores descending as torch.sort(descending=True) orders them: a NaN before every number, NaNs tied with each other
+// (so the ranking stays a strict weak order, as std::partial_sort needs). Only a batch cost can be NaN: the base cost of
+// a slot of weight 0 whose log-norm exceeds ~44 is 0 x inf. The routing's scores come from finite inputs.
+bool score_before(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return !std::isnan(b);
+  return a > b;
+}
+
 bool ranks_before(const Candidate& a, const Candidate& b) {
   if (a.eligible != b.eligible) return a.eligible;
   if (a.preferred != b.preferred) return a.preferred;
-  if (a.score != b.score) return a.score > b.score;
+  if (score_before(a.score, b.score)) return true;
+  if (score_before(b.score, a.score)) return false;
   return a.index < b.index;
 }
 

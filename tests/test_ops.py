@@ -181,6 +181,25 @@ def test_route_select_matches_reference(device, E, k, routing, cost, fill, G, B,
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_route_select_ranks_nan_base_costs_like_the_reference(device):
+    """A slot of weight exactly 0 (its softmax underflows) on an expert whose log-norm is above ~44 has the base cost
+    0 x inf = NaN. The op ranks NaN batch costs as the reference (torch.sort) does: first, ties to the lower index.
+    (On the CPU an invalid comparator had ranked them.)"""
+    G, B, E, k = 2, 5, 8, 2
+    routing = Routing(k, Scoring.SOFTMAX)
+    logits = torch.randn(G * B, E, generator=torch.Generator().manual_seed(0)).to(device)
+    logits[torch.arange(G * B), torch.arange(G * B) % 4] = 5.0  # second choices: four experts in each group
+    logits[:, 6] = 300.0  # so every token's second slot has weight 0
+    log_norms = torch.full((G * B, E), 50.0, device=device)  # exp(2 x 50) = inf
+    for budget in (1, 3, E):
+        _, _, kept, _, D = ops.route_select(logits, routing, budget=budget, num_groups=G, log_norms=log_norms)
+        exp_D = ref.route_cost(logits.cpu(), log_norms.cpu(), None, G, routing, Cost.BASE)[2]
+        assert torch.equal(D.cpu().isnan(), exp_D.isnan()) and (exp_D.isnan().sum(dim=1) == 4).all()
+        routed, _ = ref.route(logits.cpu(), routing)
+        assert torch.equal(kept.cpu(), ref.keep_experts(exp_D, ref.routed_union(routed, G, E), budget))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_route_select_equals_its_stages(device):
     routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
     logits = torch.randn(32, 128, device=device)
