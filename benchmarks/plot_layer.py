@@ -75,9 +75,16 @@ def plot(result: dict[str, Any], path: str) -> None:
         share_ax.set_title(f"{model}: expert op, share of copy bandwidth")
         share_ax.grid(True, alpha=0.3)
         share_ax.legend(fontsize=8)
+    save(fig, path, result, f"copy {result.get('copy_bandwidth_TBps', float('nan')):.2f} TB/s")
+
+
+def save(fig, path: str, result: dict[str, Any], detail: str) -> None:
+    """Titles a benchmark figure with the machine, torch, commit and date of ``result``, then ``detail``, and writes it
+    to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(f"{result.get('machine', '?')}, torch {result.get('torch', '?')}, commit "
-                 f"{short_commit(result.get('git_commit', '?'))}, {result.get('date', '?')}; copy "
-                 f"{result.get('copy_bandwidth_TBps', float('nan')):.2f} TB/s")
+                 f"{short_commit(result.get('git_commit', '?'))}, {result.get('date', '?')}; {detail}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -91,15 +98,20 @@ def short_commit(commit: str) -> str:
     return sha[:12] + (f" + {n} patch{'es' if n > 1 else ''}" if n else "")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json", help="bench_layer.py's --out file")
+def cli(draw, doc: str, benchmark: str, argv: list[str] | None) -> int:
+    """The command line of a plot script: ``draw(result, path)`` on the JSON that ``benchmark`` wrote."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("json", help=f"{benchmark}'s --out file")
     ap.add_argument("png", help="where to write the figure")
     args = ap.parse_args(argv)
     with open(args.json) as f:
-        plot(json.load(f), args.png)
+        draw(json.load(f), args.png)
     print(f"wrote {args.png}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(plot, __doc__, "bench_layer.py", argv)
 
 
 if __name__ == "__main__":
