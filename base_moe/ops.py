@@ -54,8 +54,8 @@ def select_fill(
     """Stage 3: keep the ``budget`` routed experts of largest cost per group and fill every token's slots:
     ``(ids [T, k], weights [T, k], kept [G, min(budget, E)], counts [G, E])``; sentinel id ``E``.
 
-    ``batch_cost [G, E]`` must not hold NaN (checked on CPU; on CUDA, where a check would synchronise, a NaN
-    ranks arbitrarily)."""
+    ``batch_cost [G, E]`` ranks as ``torch.sort(descending=True)`` ranks it: a NaN before every number, equal values
+    (NaNs among them) to the lower expert index."""
     return _ops.select_fill(logits, batch_cost, correction_bias, *routing.op_args(), budget, int(fill))
 
 

@@ -21,8 +21,9 @@ struct Candidate {
 };
 
 // Scores descending as torch.sort(descending=True) orders them: a NaN before every number, NaNs tied with each other
-// (so the ranking stays a strict weak order, as std::partial_sort needs). Only a batch cost can be NaN: the base cost of
-// a slot of weight 0 whose log-norm exceeds ~44 is 0 x inf. The routing's scores come from finite inputs.
+// (so the ranking stays a strict weak order, as std::partial_sort needs). Only a batch cost can be NaN: select_fill's
+// input, or a base cost of 0 x inf (a slot whose weight is 0 or squares to 0, on an expert whose log-norm exceeds
+// ~44). The routing's scores come from finite inputs.
 bool score_before(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) return !std::isnan(b);
   return a > b;
@@ -125,11 +126,6 @@ void check_finite_inputs(const Tensor& logits, const OptTensor& correction_bias,
 
 OptTensor log_norms_read(const OptTensor& log_norms, int64_t cost) {
   return static_cast<Cost>(cost) == Cost::kBase ? log_norms : std::nullopt;
-}
-
-// A NaN has no place in the ranking (it would break the sort's ordering); any other float ranks by value.
-void check_batch_cost_values(const Tensor& batch_cost) {
-  BASE_MOE_CHECK(!at::isnan(batch_cost).any().item<bool>(), "batch_cost must not hold NaN");
 }
 
 // Per-token scratch space for the routing of one token.
@@ -336,7 +332,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cpu(const Tensor& logits,
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_select_fill(logits, batch_cost, budget, fill);
   check_finite_inputs(logits, correction_bias, std::nullopt);
-  check_batch_cost_values(batch_cost);
   auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
   return keep_and_fill(logits, correction_bias, r, routed, routed_w, batch_cost, budget, fill);
 }

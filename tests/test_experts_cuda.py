@@ -128,14 +128,15 @@ def test_all_dropped_and_one_expert():
     check_accuracy(300, shape, torch.bfloat16, used=1, drop=0.0)  # one expert, 300 tokens: several passes
 
 
-@pytest.mark.parametrize("config", ["default", "T16", "W64", "WS"])
-def test_out_of_range_ids_are_empty_slots(config, monkeypatch):
+@pytest.mark.parametrize("config", ["default", "T16", "T32", "W64", "W128", "WS"])
+@pytest.mark.parametrize("H", [256, 320])  # 320: the down GEMM's 64-row tiles
+def test_out_of_range_ids_are_empty_slots(config, H, monkeypatch):
     """Expert ids outside [0, E] (-1, E + 5), which the CUDA op cannot refuse without a host sync, are empty slots:
     the same bits as the sentinel E in their place, whatever their weights (README says so; the CPU op raises)."""
     if config != "default":
         monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
     E = 8
-    hidden, ids, w, gate_up, down = make_problem(100, dtype=torch.bfloat16, H=256, I=128, E=E, k=4, used=6, drop=0.0,
+    hidden, ids, w, gate_up, down = make_problem(100, dtype=torch.bfloat16, H=H, I=128, E=E, k=4, used=6, drop=0.0,
                                                  seed=5)
     g = torch.Generator(device="cuda").manual_seed(6)
     bad = torch.rand(ids.shape, device="cuda", generator=g) < 0.25
@@ -183,30 +184,40 @@ def test_pass_splits_same_bits(config, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
-def launched_kernels(fn) -> list[str]:
-    """The names of the CUDA kernels that ``fn`` launches, one per launch, as the profiler records them."""
+def kernel_events(fn) -> list:
+    """The profiler's events of the CUDA kernels that ``fn`` launches (on any GPU), one per launch."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(device)
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def launched_kernels(fn) -> list[str]:
+    """The names of the CUDA kernels that ``fn`` launches, one per launch, as the profiler records them."""
+    return [e.name for e in kernel_events(fn)]
 
 
 TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
 def assert_same_on_a_non_current_gpu(call, *tensors):
-    """``call(*tensors)`` with its tensors on cuda:1 while cuda:0 is current gives the bits it gives on cuda:0 (a
-    launcher that used the current device's stream, properties or per-device caches instead of its tensors' would
-    show). Both GPUs are of one kind."""
-    results = []
+    """``call(*tensors)`` with its tensors on cuda:1 while cuda:0 is current runs every kernel on cuda:1 (the profiler
+    says where each ran: a launcher that took the current device's stream or properties would launch on cuda:0, where
+    peer access could still give the same bits) and gives the bits it gives on cuda:0. Both GPUs are of one kind."""
+    outputs = []
     with torch.cuda.device(0):
         for device in ("cuda:0", "cuda:1"):
-            out = call(*[None if t is None else t.to(device) for t in tensors])
-            results.append(list(out) if isinstance(out, (tuple, list)) else [out])
-    torch.cuda.synchronize(1)
-    for on_0, on_1 in zip(*results):
-        assert on_1.device == torch.device("cuda:1")
-        assert torch.equal(on_0, on_1.to("cuda:0"))
+            moved = [None if t is None else t.to(device) for t in tensors]
+            for device_index in range(2):
+                torch.cuda.synchronize(device_index)  # the copies are done before the profiled call
+            events = kernel_events(lambda: outputs.append(call(*moved)))
+            ran_on = {e.device_index for e in events}
+            assert ran_on == {int(device[-1])}, [(e.name, e.device_index) for e in events]
+    on_0, on_1 = ([out] if isinstance(out, torch.Tensor) else list(out) for out in outputs)
+    for a, b in zip(on_0, on_1):
+        assert b.device == torch.device("cuda:1")
+        assert torch.equal(a, b.to("cuda:0"))
 
 
 def gate_up_tile_rows(fn):
