@@ -116,8 +116,9 @@ void check_finite(const Tensor& t, const char* name) {
   BASE_MOE_CHECK(at::isfinite(t).all().item<bool>(), name, " must be finite (found NaN or infinity)");
 }
 
-// The values the routing and the costs read must be finite: a NaN would break the ranking's order, so the CPU ops
-// refuse them (the CUDA ops do not check: it would synchronise). `log_norms` only where the cost reads them.
+// The values the routing and the costs read must be finite: a NaN or infinite logit, bias or log-norm makes the routing
+// meaningless, so the CPU ops refuse them (the CUDA ops do not check: it would synchronise). `log_norms` only where the
+// cost reads them.
 void check_finite_inputs(const Tensor& logits, const OptTensor& correction_bias, const OptTensor& log_norms) {
   check_finite(logits, "logits");
   if (correction_bias.has_value()) check_finite(*correction_bias, "correction_bias");
