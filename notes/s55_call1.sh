@@ -1,4 +1,4 @@
-# session 55 call 1: the five prepared patches stacked, one build; the whole CUDA suite (no -x), the cluster-less
+# session 55 call 1: the seven prepared patches stacked, one build; the whole CUDA suite (no -x), the cluster-less
 # selection suite, the selection sanitizers, expert memcheck at a 99 KiB cap
 P="route_warps8 inbox_push_one_template experts_small_smem ws_capture_first cuda_host_checks zero_weight_cost drop_renorm_subnormal"
 for p in $P; do git apply notes/$p.patch || { echo "apply $p failed"; exit 1; }; done
