@@ -194,6 +194,19 @@ def test_topk_reduce_matches_loop_reference(keep, renormalize):
             [x * scale for x in w[:kk]] + [0.0] * (k - kk), dtype=torch.float64), rtol=1e-5, atol=1e-6)
 
 
+def test_topk_reduce_keeps_the_total_of_tiny_weights():
+    """Sigmoid scores of logits near -80 are ~1e-35 (normal fp32, below the 1e-30 that the scale's divisor was once
+    clamped to): the kept weights must still sum to the routed total."""
+    T, E, k = 6, 16, 4
+    logits = random_logits(T, E, seed=5) - 80.0
+    routing = Routing(k, Scoring.SIGMOID, renormalize=False)
+    sel = TopKReducePolicy(2).select(make_step(logits, routing, 2))
+    _, routed_weights = reference.route(logits, routing, None)
+    assert (routed_weights < 1e-30).all() and (routed_weights > 0).all()
+    torch.testing.assert_close(sel.weights.sum(dim=1), routed_weights.sum(dim=1), rtol=1e-5, atol=0.0)
+    assert (sel.weights[:, 2:] == 0).all() and (sel.weights[:, :2] > 0).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # Every scoring and fill rule: loop references over the model's routing (reference.route, itself checked against
 # the ops in tests/test_ops.py), so the policies' own rules are what these tests check
