@@ -53,10 +53,17 @@ def _rank(score: torch.Tensor, *preferences: torch.Tensor) -> torch.Tensor:
     return order
 
 
+_FP32_EXP_OVERFLOW = 2.0**128 - 2.0**103
+"""The least real number that rounds to inf in fp32 (FLT_MAX plus half its ulp)."""
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """fp32 sigmoid through float64: torch's fp32 CPU sigmoid rounds its vectorised body and its scalar tail
-    differently, so equal logits could score unequally by their position in the row (and tie to a higher index)."""
-    return torch.sigmoid(x.double()).float()
+    differently, so equal logits could score unequally by their position in the row (and tie to a higher index).
+    0 where exp(-x) overflows fp32 (x below about -88.72), as the kernels' fp32 1 / (1 + exp(-x)) gives: such logits
+    score, and tie, as they do in the ops (float64 alone would give them distinct subnormal scores)."""
+    x = x.double()
+    return torch.where(torch.exp(-x) >= _FP32_EXP_OVERFLOW, 0.0, torch.sigmoid(x)).float()
 
 
 def choice_scores(logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None) -> torch.Tensor:

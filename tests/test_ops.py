@@ -474,6 +474,23 @@ def test_reference_sigmoid_ties_go_to_the_lower_index():
         assert torch.equal(ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM)[0], first_two), value
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sigmoid_of_logits_whose_exp_overflows_scores_zero(device):
+    """Below about -88.72, exp(-x) overflows fp32 and the ops' 1 / (1 + exp(-x)) is 0: those experts tie and rank by
+    index, in the reference as in the ops, behind every expert whose score is above 0; their weights are 0."""
+    routing = Routing(3, Scoring.SIGMOID, renormalize=True)
+    g = torch.Generator().manual_seed(0)
+    logits = -89.0 - 10.0 * torch.rand(16, 12, generator=g)  # every score 0: ids 0, 1, 2
+    logits[8:, 7] = -88.0  # a subnormal score (~6e-39) ranks first, then the ties by index
+    ids, weights, _ = ops.route_cost(logits.to(device), routing, cost=Cost.ROUTER_SUM)
+    ref_ids, ref_weights = ref.route(logits, routing, None)
+    assert torch.equal(ref_ids[:8], torch.tensor([[0, 1, 2]] * 8, dtype=torch.int32))
+    assert torch.equal(ref_ids[8:], torch.tensor([[7, 0, 1]] * 8, dtype=torch.int32))
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-5, atol=0.0)
+    assert (ref_weights[:8] == 0).all() and (ref_weights[8:, 1:] == 0).all()
+
+
 def test_num_groups_is_bounded_without_tokens():
     """Any group count divides zero tokens: the bound keeps the outputs' [G, E] allocation and the kernels' int."""
     routing = Routing(2, Scoring.SOFTMAX, renormalize=True)
