@@ -431,7 +431,7 @@ class LynxPolicy(Policy):
         ids, weights = reference.route(step.logits, step.routing, step.correction_bias)
         valid = ids < E
         top = weights.amax(dim=-1, keepdim=True)
-        ratio = torch.where(valid & (weights > 0), torch.log(top.clamp_min(1e-30) / weights.clamp_min(1e-30)), math.inf)
+        ratio = torch.where(valid & (weights > 0), torch.log(top / weights), math.inf)  # inf: the last bin
         bins = torch.floor(ratio / self.width).clamp(max=self.bins - 1)
         score = torch.where(valid, torch.pow(self.decay, bins), 0.0).float()
         return reference.batch_cost(ids, score, step.num_groups, E, Cost.FREQUENCY, step.routing)

@@ -207,6 +207,21 @@ def test_topk_reduce_keeps_the_total_of_tiny_weights():
     assert (sel.weights[:, 2:] == 0).all() and (sel.weights[:, :2] > 0).all()
 
 
+def test_lynx_bins_tiny_weights_by_their_ratio():
+    """Sigmoid scores of logits near -80 are ~1e-35 (normal fp32, below the 1e-30 that both sides of the ratio were
+    once clamped to, which put every slot in bin 0): the bins follow top / w at any scale."""
+    T, E, k = 12, 16, 4
+    logits = random_logits(T, E, seed=7) - 80.0
+    routing = Routing(k, Scoring.SIGMOID, renormalize=False)
+    ids, w = reference.route(logits, routing, None)
+    assert (w < 1e-30).all() and (w > 0).all()
+    routed = [list(zip(ids[t].tolist(), w[t].double().tolist())) for t in range(T)]
+    D = get_policy("lynx").batch_scores(make_step(logits, routing, 2))
+    expected = lynx_scores_ref(routed, 2, E)
+    assert len({float(x) for x in expected.flatten()}) > 2  # several bins, not only 0
+    torch.testing.assert_close(D.double(), expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # Every scoring and fill rule: loop references over the model's routing (reference.route, itself checked against
 # the ops in tests/test_ops.py), so the policies' own rules are what these tests check
