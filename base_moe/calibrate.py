@@ -30,10 +30,8 @@ from typing import Any
 
 import torch
 
+from .layouts import LOG_NORM_FLOOR, expert_log_norms
 from .predictors import FORMAT, FORMAT_VERSION, Predictors, model_type
-
-LOG_NORM_FLOOR = 1e-12
-"""Expert-output norms are clamped to at least this before the log."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,15 +158,6 @@ def held_out_sequences(first: int, count: int, holdout: float) -> torch.Tensor:
     i = torch.arange(first, first + count, dtype=torch.int64)
     return ((i + 1) * frac.numerator) // frac.denominator > (i * frac.numerator) // frac.denominator
 
-
-def expert_log_norms(layout: Any, x: torch.Tensor) -> torch.Tensor:
-    """Targets ``[N, E]`` fp32: ``log ||E_u(x)||`` for every expert ``u`` (floored at ``LOG_NORM_FLOOR``)."""
-    norms = torch.empty(x.shape[0], layout.num_experts, dtype=torch.float32, device=x.device)
-    x = x.float()  # once, not once per expert (expert_output computes in fp32 anyway)
-    for u in range(layout.num_experts):
-        out = layout.expert_output(x, u)
-        norms[:, u] = torch.linalg.vector_norm(out, dim=-1, dtype=torch.float32)
-    return norms.clamp_min_(LOG_NORM_FLOOR).log_()
 
 
 def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:

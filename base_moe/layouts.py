@@ -25,6 +25,20 @@ from .routing import Routing, Scoring
 
 __all__ = ["MoELayout", "MoELayoutError", "find_moe_layouts"]
 
+LOG_NORM_FLOOR = 1e-12
+"""Expert-output norms are clamped to at least this before the log (a zero output would give -inf)."""
+
+
+def expert_log_norms(layout, x: torch.Tensor) -> torch.Tensor:
+    """``log max(||E_u(x_t)||, LOG_NORM_FLOOR)`` for every token and expert ``u``, ``[N, E]`` fp32: calibration's
+    targets and the oracle policy's log-norms. Runs every expert; ``layout`` is anything with ``hidden_size``,
+    ``num_experts`` and ``expert_output(x, u)`` (an ``MoELayout``, or a test's stand-in)."""
+    x = x.reshape(-1, layout.hidden_size).float()  # once, not once per expert (expert_output computes in fp32)
+    norms = torch.empty(x.shape[0], layout.num_experts, dtype=torch.float32, device=x.device)
+    for u in range(layout.num_experts):
+        norms[:, u] = torch.linalg.vector_norm(layout.expert_output(x, u), dim=-1, dtype=torch.float32)
+    return norms.clamp_min_(LOG_NORM_FLOOR).log_()
+
 
 class MoELayoutError(ValueError):
     """A module looks like an MoE block but base_moe does not understand its layout."""
@@ -127,9 +141,8 @@ class MoELayout:
 
     # -- helpers for the drop-in module and the oracle policy ---------------------------------------------------
     def expert_log_norms(self, x: torch.Tensor) -> torch.Tensor:
-        """``log ||E_u(x_t)||`` for every token and expert, ``[N, E]`` fp32 (runs every expert: evaluation only)."""
-        norms = [torch.linalg.vector_norm(self.expert_output(x, u), dim=-1) for u in range(self.num_experts)]
-        return torch.stack(norms, dim=1).clamp_min(1e-30).log().contiguous()
+        """``[N, E]`` fp32: see the module function ``expert_log_norms`` (the oracle policy's log-norms)."""
+        return expert_log_norms(self, x)
 
     def routed_experts(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fallback_ids: torch.Tensor | None = None

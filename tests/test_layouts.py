@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hf_models import FAMILIES, NUM_EXPERTS, tiny_model
 from torch import nn
 
 from base_moe import reference
-from base_moe.layouts import MoELayoutError, find_moe_layouts
+from base_moe.layouts import LOG_NORM_FLOOR, MoELayoutError, find_moe_layouts
 from base_moe.routing import Routing, Scoring
 
 EXPECTED = {
@@ -84,6 +86,11 @@ def test_expert_log_norms_match_expert_outputs():
     norms = lay.expert_log_norms(x)
     assert norms.shape == (5, lay.num_experts) and norms.dtype == torch.float32
     torch.testing.assert_close(norms[:, 3], lay.expert_output(x, 3).norm(dim=-1).log())
+    fresh = find_moe_layouts(tiny_model("gpt_oss"))[0]  # model_of's models are shared: this one is changed
+    with torch.no_grad():
+        fresh.experts.down_proj[5].zero_()  # a zero output: the floor, as calibration's targets have it
+    zero = fresh.expert_log_norms(x)[:, 5]
+    assert torch.equal(zero, torch.full((5,), math.log(LOG_NORM_FLOOR), dtype=torch.float32))
 
 
 def test_norm_topk_prob_is_read_from_the_model():
