@@ -513,14 +513,13 @@ class _BlockState:
         if mean is not None:
             self.mean_log_norm = mean.to(device=weight.device, dtype=torch.float32).contiguous()
 
-    def _follow(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Re-convert the predictor tensors if the model moved after apply (python-level check, no sync)."""
-        w = self.predictor_weight
-        if w is not None and (w.device != device or w.dtype != dtype):
-            self.predictor_weight = w.to(device=device, dtype=dtype)
-            self.predictor_bias = self.predictor_bias.to(device)
-        if self.mean_log_norm is not None and self.mean_log_norm.device != device:
-            self.mean_log_norm = self.mean_log_norm.to(device)
+    def _follow(self) -> None:
+        """Convert the predictor tensors again if the router moved or changed dtype after apply (python-level check,
+        no sync): from the calibrated tensors, never from the converted copy, which a round trip through a narrower
+        dtype (model.to(bfloat16) then back) would have rounded."""
+        weight, w = self.layout.router_weight, self.predictor_weight
+        if w is not None and (w.device != weight.device or w.dtype != weight.dtype):
+            self.set_predictors(self.predictors)
 
     def router_bias_fp32(self) -> torch.Tensor | None:
         """The router's bias as the ops take it (fp32). A bias in another dtype (GPT-OSS: bf16) is converted once and
@@ -544,7 +543,7 @@ class _BlockState:
         bias = self.router_bias_fp32()
         s, pw, pb = self.settings, None, None
         if s.policy.needs_predictors:
-            self._follow(weight.device, weight.dtype)
+            self._follow()
             pw, pb = self.predictor_weight, self.predictor_bias
         cost = s.policy.fused_cost
         if cost is not None and s.budget is not None and has_kernel("select_experts", x.device):
@@ -578,8 +577,8 @@ class _BlockState:
 
     def _step(self, x: torch.Tensor, logits: torch.Tensor, log_norms: torch.Tensor, num_groups: int) -> DecodeStep:
         layout, s = self.layout, self.settings
-        if s.policy.needs_statistics:
-            self._follow(x.device, x.dtype)
+        if s.policy.needs_statistics:  # the router's dtype, not the hidden states' (DeepSeek-V3 routes in fp32)
+            self._follow()
         return DecodeStep(
             hidden=x,
             logits=logits,

@@ -205,6 +205,29 @@ def test_position_groups(family):
     torch.testing.assert_close(mixed[:, :2], run_block(layout, hidden)[:, :2], rtol=1e-6, atol=1e-6)
 
 
+def test_predictors_follow_the_router_from_their_calibrated_values():
+    """After model.to(bfloat16) and back, and after static_energy steps on bf16 hidden states with an fp32 router
+    (DeepSeek-V3's), the predictor is the calibrated one in the router's dtype (it was converted again from its
+    rounded bf16 copy, and a statistics policy converted it to the hidden states' dtype)."""
+    model = fresh("qwen3_moe")
+    predictors = StandInPredictors(model)
+    base_moe.apply(model, predictors=predictors, budget=2, policy="base")
+    layout = moe_layouts(model)[0]
+    state, calibrated = layout.block._base_moe, predictors.weight[layout.layer_index]
+    model.to(torch.bfloat16)
+    run_block(layout, block_input(layout))
+    assert state.predictor_weight.dtype == torch.bfloat16
+    model.to(torch.float32)
+    run_block(layout, block_input(layout))
+    assert torch.equal(state.predictor_weight, calibrated)
+    model.to(torch.bfloat16)
+    layout.router.to(torch.float32)
+    for policy in ("static_energy", "base"):
+        base_moe.configure(model, policy=policy)
+        run_block(layout, block_input(layout))
+        assert torch.equal(state.predictor_weight, calibrated)
+
+
 def test_router_bias_cast_once_and_follows_changes():
     """A bf16 router bias (GPT-OSS) reaches the ops as fp32 through a cached copy: made once, remade when the
     parameter changes in place or moves; the block's output always matches a block patched after the change."""
