@@ -208,8 +208,9 @@ def test_calibrate_accepts_an_iterable_of_batches_and_is_deterministic():
 def test_calibrate_rejects_bad_options():
     model, layouts = planted_setup()
     ids = torch.randint(0, 256, (4, 8))
-    with pytest.raises(ValueError, match="holdout"):
-        calibrate_layouts(model, layouts, ids, holdout=1.0, progress=False)
+    for holdout in (1.0, -0.1, 4e-5, 0.99996):  # the last two round to 0 and 1 as the split's fraction
+        with pytest.raises(ValueError, match=f"holdout must be 0 or in \\[1/20000, 1 - 1/20000\\], got {holdout}"):
+            calibrate_layouts(model, layouts, ids, holdout=holdout, progress=False)
     with pytest.raises(ValueError, match="input_ids batches must be"):
         calibrate_layouts(model, layouts, ids[None], progress=False)
     with pytest.raises(ValueError, match="input_ids batches must hold tokens"):
