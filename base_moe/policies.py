@@ -469,7 +469,7 @@ class TopKReducePolicy(Policy):
         slot = torch.arange(top_k, device=ids.device) < keep
         kept_weights = torch.where(slot, weights, 0.0)
         total, kept_total = weights.sum(dim=-1, keepdim=True), kept_weights.sum(dim=-1, keepdim=True)
-        kept_weights = kept_weights * torch.where(kept_total > 0, total / kept_total, 0.0)  # <= k / keep: finite
+        kept_weights = reference.renormalised(kept_weights, total, kept_total)
         ids = torch.where(slot, ids, E).to(torch.int32)
         return Selection(ids, kept_weights, None, reference.expert_counts(ids, step.num_groups, E))
 

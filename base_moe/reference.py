@@ -207,6 +207,13 @@ def keep_experts(D: torch.Tensor, candidates: torch.Tensor, budget: int) -> torc
     return torch.where(torch.gather(candidates, 1, order), order, E).to(torch.int32)
 
 
+def renormalised(kept_weights: torch.Tensor, total: torch.Tensor, kept_total: torch.Tensor) -> torch.Tensor:
+    """``kept_weights x total / kept_total`` (0 where nothing is kept). Where that scale overflows fp32 (a tiny kept
+    total: a correction bias can rank first an expert whose sigmoid is ~1e-39), the weights are divided first."""
+    scale = torch.where(kept_total > 0, total / kept_total, 0.0)
+    return torch.where(scale.isinf(), kept_weights / kept_total * total, kept_weights * scale)
+
+
 def fill(
     logits: torch.Tensor,
     correction_bias: torch.Tensor | None,

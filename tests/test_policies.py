@@ -222,6 +222,25 @@ def test_lynx_bins_tiny_weights_by_their_ratio():
     torch.testing.assert_close(D.double(), expected)
 
 
+def test_topk_reduce_of_a_tiny_first_weight_stays_finite():
+    """A correction bias ranks first an expert whose sigmoid is ~6e-39 (DeepSeek-V3-style routing): keeping it alone,
+    total / kept_total overflows fp32. Its weight becomes the routed total and the empty slots weigh 0 (not inf, NaN)."""
+    E, k = 16, 8
+    routing = Routing(k, Scoring.SIGMOID, renormalize=True, scaling=2.5)
+    logits = torch.full((1, E), 4.0)
+    logits[0, 0], logits[0, 9:] = -88.0, -5.0
+    bias = torch.zeros(E)
+    bias[0] = 1.5
+    step = make_step(logits, routing, 1)
+    step.correction_bias = bias
+    sel = TopKReducePolicy(1).select(step)
+    _, routed_weights = reference.route(logits, routing, bias)
+    assert routed_weights[0, 0] < torch.finfo(torch.float32).tiny
+    assert sel.ids.tolist() == [[0] + [E] * (k - 1)]
+    assert torch.equal(sel.weights[0, 1:], torch.zeros(k - 1))
+    torch.testing.assert_close(sel.weights[0, 0], routed_weights.sum(), rtol=1e-6, atol=0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Every scoring and fill rule: loop references over the model's routing (reference.route, itself checked against
 # the ops in tests/test_ops.py), so the policies' own rules are what these tests check
