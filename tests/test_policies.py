@@ -224,7 +224,7 @@ def test_lynx_bins_tiny_weights_by_their_ratio():
 
 def test_topk_reduce_of_a_tiny_first_weight_stays_finite():
     """A correction bias ranks first an expert whose sigmoid is ~6e-39 (DeepSeek-V3-style routing): keeping it alone,
-    total / kept_total overflows fp32. Its weight becomes the routed total and the empty slots weigh 0 (not inf, NaN)."""
+    total / kept_total overflows fp32. Its weight becomes the routed total, the empty slots weigh 0 (not inf, NaN)."""
     E, k = 16, 8
     routing = Routing(k, Scoring.SIGMOID, renormalize=True, scaling=2.5)
     logits = torch.full((1, E), 4.0)
