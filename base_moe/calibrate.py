@@ -159,7 +159,6 @@ def held_out_sequences(first: int, count: int, holdout: float) -> torch.Tensor:
     return ((i + 1) * frac.numerator) // frac.denominator > (i * frac.numerator) // frac.denominator
 
 
-
 def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
     items = [input_ids] if isinstance(input_ids, torch.Tensor) else input_ids
     for item in items:
@@ -214,8 +213,8 @@ def calibrate(
         ridge: ridge strength on standardised features (each weight's penalty is ``ridge`` x its feature's
             sum of squared deviations), so independent of the token count and of the features' scales.
         holdout: fraction of the sequences held out for R^2 (deterministic: every ``1/holdout``-th sequence;
-            with fewer sequences than that none is held out, R^2 is NaN and a UserWarning says so); 0, or from
-            1/20000 to 1 - 1/20000.
+            with fewer sequences than that none is held out, R^2 is NaN and a UserWarning says so); 0, or strictly
+            between 1/20000 and 1 - 1/20000 (the split rounds it to a fraction of denominator at most 10,000).
         progress: show a tqdm progress bar (tokens).
         device: where input ids are sent; defaults to the device of the model's input embeddings. The sums
             of each layer live on the device of that layer's inputs.
@@ -255,7 +254,7 @@ def calibrate_layouts(
 
     if not 0 <= holdout < 1 or (holdout > 0 and not 0 < holdout_fraction(holdout) < 1):
         # (the split takes holdout as a fraction of denominator at most 10,000: above 0 it must not round to 0 or 1)
-        raise ValueError(f"holdout must be 0 or in [1/20000, 1 - 1/20000], got {holdout}")
+        raise ValueError(f"holdout must be 0 or strictly between 1/20000 and 1 - 1/20000, got {holdout}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     ridge_sweep = [float(r) for r in ridge_sweep]

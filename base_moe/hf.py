@@ -577,8 +577,10 @@ class _BlockState:
 
     def _step(self, x: torch.Tensor, logits: torch.Tensor, log_norms: torch.Tensor, num_groups: int) -> DecodeStep:
         layout, s = self.layout, self.settings
-        if s.policy.needs_statistics:  # the router's dtype, not the hidden states' (DeepSeek-V3 routes in fp32)
-            self._follow()
+        mean = self.mean_log_norm
+        if s.policy.needs_statistics and mean is not None and mean.device != x.device:
+            # (not _follow: an offloaded router's weight is back on "meta" once its forward has returned)
+            self.mean_log_norm = mean.to(x.device)
         return DecodeStep(
             hidden=x,
             logits=logits,

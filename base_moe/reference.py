@@ -53,8 +53,9 @@ def _rank(score: torch.Tensor, *preferences: torch.Tensor) -> torch.Tensor:
     return order
 
 
-_FP32_EXP_OVERFLOW = 2.0**128 - 2.0**103
-"""The least real number that rounds to inf in fp32 (FLT_MAX plus half its ulp)."""
+_SIGMOID_ZERO_AT_OR_BELOW = -88.72283935546875
+"""The largest fp32 x whose exp(-x) rounds to inf in fp32 (exp(-x) >= FLT_MAX + half its ulp = 2^128 - 2^103); the next
+fp32 above it, -88.72283172607422, has a finite exp(-x) and a subnormal sigmoid."""
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -62,8 +63,7 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     differently, so equal logits could score unequally by their position in the row (and tie to a higher index).
     0 where exp(-x) overflows fp32 (x below about -88.72), as the kernels' fp32 1 / (1 + exp(-x)) gives: such logits
     score, and tie, as they do in the ops (float64 alone would give them distinct subnormal scores)."""
-    x = x.double()
-    return torch.where(torch.exp(-x) >= _FP32_EXP_OVERFLOW, 0.0, torch.sigmoid(x)).float()
+    return torch.where(x <= _SIGMOID_ZERO_AT_OR_BELOW, 0.0, torch.sigmoid(x.double())).float()
 
 
 def choice_scores(logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None) -> torch.Tensor:

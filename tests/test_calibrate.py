@@ -209,7 +209,8 @@ def test_calibrate_rejects_bad_options():
     model, layouts = planted_setup()
     ids = torch.randint(0, 256, (4, 8))
     for holdout in (1.0, -0.1, 4e-5, 0.99996):  # the last two round to 0 and 1 as the split's fraction
-        with pytest.raises(ValueError, match=f"holdout must be 0 or in \\[1/20000, 1 - 1/20000\\], got {holdout}"):
+        message = f"holdout must be 0 or strictly between 1/20000 and 1 - 1/20000, got {holdout}"
+        with pytest.raises(ValueError, match=message):
             calibrate_layouts(model, layouts, ids, holdout=holdout, progress=False)
     with pytest.raises(ValueError, match="input_ids batches must be"):
         calibrate_layouts(model, layouts, ids[None], progress=False)

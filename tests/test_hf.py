@@ -228,6 +228,28 @@ def test_predictors_follow_the_router_from_their_calibrated_values():
         assert torch.equal(state.predictor_weight, calibrated)
 
 
+def test_statistics_policy_with_an_offloaded_router():
+    """accelerate-style offload puts the router's weight on "meta" between its forwards: a statistics policy, which
+    runs after the router has returned, must not follow the router's device there."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy="static_energy")
+    layout = moe_layouts(model)[0]
+    router, weight = layout.router, layout.router.weight
+
+    def onload(module, args, kwargs=None):
+        module.weight = weight
+
+    def offload(module, args, output):
+        module.weight = torch.nn.Parameter(weight.to("meta"), requires_grad=False)
+
+    router.register_forward_pre_hook(onload)
+    router.register_forward_hook(offload)
+    expected = fresh("qwen3_moe")
+    base_moe.apply(expected, predictors=StandInPredictors(expected), budget=2, policy="static_energy")
+    hidden = block_input(layout)
+    torch.testing.assert_close(run_block(layout, hidden), run_block(moe_layouts(expected)[0], hidden))
+
+
 def test_router_bias_cast_once_and_follows_changes():
     """A bf16 router bias (GPT-OSS) reaches the ops as fp32 through a cached copy: made once, remade when the
     parameter changes in place or moves; the block's output always matches a block patched after the change."""

@@ -489,6 +489,15 @@ def test_sigmoid_of_logits_whose_exp_overflows_scores_zero(device):
     assert torch.equal(ids.cpu(), ref_ids)
     torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-5, atol=0.0)
     assert (ref_weights[:8] == 0).all() and (ref_weights[8:, 1:] == 0).all()
+    # the two fp32 values either side of the threshold: exp(-x) overflows at the first, not at the second
+    logits = torch.full((1, 4), -200.0)
+    logits[0, :2] = torch.tensor([-88.72283935546875, -88.72283172607422])
+    routing = Routing(2, Scoring.SIGMOID, renormalize=False)
+    ids, weights, _ = ops.route_cost(logits.to(device), routing, cost=Cost.ROUTER_SUM)
+    ref_ids, ref_weights = ref.route(logits, routing, None)
+    assert ref_ids.tolist() == [[1, 0]] and ref_weights[0, 1] == 0 and 0 < ref_weights[0, 0] < 3e-39
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-5, atol=0.0)
 
 
 def test_num_groups_is_bounded_without_tokens():
