@@ -356,7 +356,7 @@ def evaluate(
         hf.configure(model, budget=None, policy="dense", fill=fill_rule, group_by="position",
                      dense_positions=prefill, record=True, **extra)
     layouts = hf.moe_layouts(model)
-    state = layouts[0].block._base_moe
+    used_predictors = layouts[0].block._base_moe.predictors  # the finally below puts the user's back
 
     runs = [(pol, None) for pol in pols if not pol.needs_budget]
     runs += [(pol, b) for b in budgets for pol in pols if pol.needs_budget]
@@ -416,7 +416,7 @@ def evaluate(
                              dense_positions=old.dense_positions, experts=old.experts, record=old.record,
                              predictors=old_predictors)
 
-    return _report(model, layouts, dense, results, runs, state.predictors, locals_=dict(
+    return _report(model, layouts, dense, results, runs, used_predictors, locals_=dict(
         batch=batch, seq=seq, prefill=prefill, batches=batches, fill=fill_rule.name.lower(), device=str(device),
         timing=timing, energy=energy, repeats=repeats, byte_level=byte_level, seconds=time.perf_counter() - start))
 
@@ -514,18 +514,21 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     return info
 
 
-def git_commit() -> str | None:
+def git_commit(root: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) -> str | None:
     """The commit measured: $BASE_MOE_COMMIT where set (a copy of the tree whose .git does not follow the commits, as on
-    a lent GPU machine), else the source tree's git HEAD, else None."""
+    a lent GPU machine), else the git HEAD of the source tree ``root`` (the package's parent folder), else None: an
+    installed copy in site-packages has no tree of its own, and a repository around it (a project's .venv) is not
+    the one measured."""
     if os.environ.get("BASE_MOE_COMMIT"):
         return os.environ["BASE_MOE_COMMIT"]
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        ).stdout.strip() or None
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=root).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
+    if len(out) != 2 or os.path.realpath(out[0]) != os.path.realpath(root):
+        return None
+    return out[1]
 
 
 # ---------------------------------------------------------------------------------------------

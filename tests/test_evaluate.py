@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
+import subprocess
 import warnings
 
 import pytest
@@ -20,6 +22,7 @@ from base_moe.evaluate import (
     dense_union,
     evaluate,
     format_table,
+    git_commit,
     json_ready,
     machine_info,
     make_batches,
@@ -173,6 +176,19 @@ def test_model_is_left_as_found():
     assert hf.moe_layouts(model)[0].block._base_moe.settings.policy.name == "oea"
 
 
+def test_result_names_the_predictors_it_ran_with():
+    """On a model the user patched without predictors, the result records the ones passed to evaluate (it read them
+    after handing the user's settings back, and said None)."""
+    model, ids = model_and_ids()
+    predictors = StandInPredictors(model)
+    predictors.metadata.update(tokens=1234, r2=0.5)
+    base_moe.apply(model, policy="router_sum", budget=4)
+    result = evaluate(model, ids, predictors=predictors, policies=["base"], budgets=[3], batch=B, seq=S, prefill=P,
+                      batches=1, progress=False, energy=False)
+    assert result["predictors"] is not None and result["predictors"]["tokens"] == 1234
+    assert hf.moe_layouts(model)[0].block._base_moe.predictors is None  # the user's own setting is back
+
+
 def test_errors():
     model, ids = model_and_ids()
     with pytest.raises(ValueError, match="need budgets"):
@@ -282,3 +298,18 @@ def test_git_commit_names_the_measured_tree(monkeypatch):
     monkeypatch.delenv("BASE_MOE_COMMIT")
     head = machine_info()["git_commit"]
     assert head is None or (len(head) == 40 and all(c in "0123456789abcdef" for c in head))
+
+
+def test_git_commit_ignores_a_repository_around_an_installed_copy(tmp_path, monkeypatch):
+    """Installed in a project's .venv, the package is inside the project's repository, whose HEAD is not base_moe's."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    monkeypatch.delenv("BASE_MOE_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q", str(tmp_path)], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-q", "--allow-empty", "-m", "project"], check=True)
+    site = tmp_path / ".venv" / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    assert git_commit(str(site)) is None
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert git_commit(str(tmp_path)) == head.strip()

@@ -57,6 +57,11 @@ def test_quickstart_rejects_a_prefill_past_the_sequence():
     assert done.returncode != 0 and "prefill" in done.stderr
 
 
+def test_quickstart_rejects_a_sequence_past_the_context():
+    done = run_example("quickstart.py", "--device", "cpu", "--seq", "512")
+    assert done.returncode != 0 and "longer than the testbed's context (max_position_embeddings 256)" in done.stderr
+
+
 @pytest.mark.parametrize("policy", ["base", "router_sq"])
 def test_generate_under_a_budget(policy, testbed_predictors):
     args = ["--policy", policy, "--budget", "2", "--max-new-tokens", "4"]
