@@ -323,6 +323,10 @@ def evaluate(
     """
     start = time.perf_counter()
     check_prefill(prefill, seq)
+    context = _context(model)
+    if context is not None and seq > context:
+        warnings.warn(f"seq={seq} is longer than the model's context (max_position_embeddings {context}): positions "
+                      "past it are off the model's distribution, and every figure of the run with them", stacklevel=2)
     fill_rule = parse_fill(fill)
     pols = [p for p in _resolve_policies(policies) if p.budgeted]
     budgets = _budgets(budgets)
@@ -419,6 +423,14 @@ def evaluate(
     return _report(model, layouts, dense, results, runs, used_predictors, locals_=dict(
         batch=batch, seq=seq, prefill=prefill, batches=batches, fill=fill_rule.name.lower(), device=str(device),
         timing=timing, energy=energy, repeats=repeats, byte_level=byte_level, seconds=time.perf_counter() - start))
+
+
+def _context(model: torch.nn.Module) -> int | None:
+    """The model's context (its text config's ``max_position_embeddings``), where it says."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _layer_means(d: dict[int, list[float]]) -> dict[str, float]:

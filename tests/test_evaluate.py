@@ -189,6 +189,14 @@ def test_result_names_the_predictors_it_ran_with():
     assert hf.moe_layouts(model)[0].block._base_moe.predictors is None  # the user's own setting is back
 
 
+def test_a_sequence_past_the_context_warns():
+    model, _ = model_and_ids()  # max_position_embeddings 64
+    ids = torch.randint(3, 64, (2 * 66,), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="seq=66 is longer than the model's context \\(max_position_embeddings 64\\)"):
+        evaluate(model, ids, policies=["router_sum"], budgets=[2], batch=2, seq=66, prefill=P, batches=1,
+                 progress=False, energy=False)
+
+
 def test_errors():
     model, ids = model_and_ids()
     with pytest.raises(ValueError, match="need budgets"):
