@@ -28,7 +28,7 @@ import time
 import torch
 
 import base_moe
-from base_moe.cli import model_context
+from base_moe.cli import resolve_seq
 from base_moe.evaluate import budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready, plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,9 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.batch, args.seq, args.batches) < 1 or args.calib_bytes < args.seq:
         parser.error("--batch, --seq and --batches must be >= 1, and --calib-bytes at least one sequence (--seq)")
-    context = model_context(TESTBED)
-    if context and args.seq > context:  # positions past it are off the model's distribution: every figure worse
-        parser.error(f"--seq {args.seq} is longer than the testbed's context (max_position_embeddings {context})")
+    resolve_seq(args.seq, TESTBED, args.seq)  # refuses a --seq past the testbed's context, as the CLI does
     try:
         check_prefill(args.prefill, args.seq)
     except ValueError:

@@ -59,7 +59,8 @@ def test_quickstart_rejects_a_prefill_past_the_sequence():
 
 def test_quickstart_rejects_a_sequence_past_the_context():
     done = run_example("quickstart.py", "--device", "cpu", "--seq", "512")
-    assert done.returncode != 0 and "longer than the testbed's context (max_position_embeddings 256)" in done.stderr
+    message = "--seq 512 is longer than the model's context (max_position_embeddings 256)"
+    assert done.returncode != 0 and message in done.stderr
 
 
 @pytest.mark.parametrize("policy", ["base", "router_sq"])
