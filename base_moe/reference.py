@@ -59,10 +59,11 @@ fp32 above it, -88.72283172607422, has a finite exp(-x) and a subnormal sigmoid.
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """fp32 sigmoid through float64: torch's fp32 CPU sigmoid rounds its vectorised body and its scalar tail
-    differently, so equal logits could score unequally by their position in the row (and tie to a higher index).
-    0 where exp(-x) overflows fp32 (x below about -88.72), as the kernels' fp32 1 / (1 + exp(-x)) gives: such logits
-    score, and tie, as they do in the ops (float64 alone would give them distinct subnormal scores)."""
+    """fp32 sigmoid through float64, rounded once, as the ops compute it (csrc/include/base_moe/routing.h): fp32
+    arithmetic rounds twice and differs in the last place for about a third of all logits, and torch's fp32 CPU
+    sigmoid even rounds its vectorised body and its scalar tail differently, so equal logits could score unequally by
+    their position in the row. 0 where exp(-x) overflows fp32 (x below about -88.72), as fp32 1 / (1 + exp(-x))
+    gives: such logits score, and tie, as zeros (float64 alone would give them distinct subnormal scores)."""
     return torch.where(x <= _SIGMOID_ZERO_AT_OR_BELOW, 0.0, torch.sigmoid(x.double())).float()
 
 

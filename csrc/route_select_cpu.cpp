@@ -49,7 +49,7 @@ void choice_scores(const float* logits, const float* correction_bias, const Rout
     if (r.scoring != Scoring::kSigmoid) {
       choice[u] = logits[u];
     } else {
-      const float s = 1.0f / (1.0f + std::exp(-logits[u]));
+      const float s = sigmoid(logits[u]);
       choice[u] = correction_bias != nullptr ? s + correction_bias[u] : s;
     }
   }
@@ -100,7 +100,7 @@ void routing_weights(const float* logits, const int32_t* ids, const RoutingParam
     }
     for (int64_t j = 0; j < r.top_k; ++j) w[j] = denom > 0.0f ? w[j] / denom : 0.0f;
   } else {
-    for (int64_t j = 0; j < r.top_k; ++j) w[j] = ids[j] < E ? 1.0f / (1.0f + std::exp(-logits[ids[j]])) : 0.0f;
+    for (int64_t j = 0; j < r.top_k; ++j) w[j] = ids[j] < E ? sigmoid(logits[ids[j]]) : 0.0f;
   }
   if (r.renormalize && r.scoring != Scoring::kSoftmaxAfterTopk) {
     float total = 0.0f;

@@ -474,6 +474,25 @@ def test_reference_sigmoid_ties_go_to_the_lower_index():
         assert torch.equal(ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM)[0], first_two), value
 
 
+def test_sigmoid_rounds_like_the_reference(device="cpu"):
+    """The ops' sigmoid scores and weights are reference.sigmoid's, bit for bit: with fp32 1 / (1 + exp(-x)) (two
+    roundings) two logits 3e-5 apart tie to the lower index, and DeepSeek group scores equal in exact math
+    (s(2) + s(-2), s(1) + s(-1)) pick another group than the reference's."""
+    top1 = Routing(1, Scoring.SIGMOID)
+    logits = torch.tensor([[8.000112533569336, 8.000140190124512]], device=device)
+    assert torch.equal(ops.route_cost(logits, top1, cost=Cost.ROUTER_SUM)[0].cpu(), ref.route(logits.cpu(), top1)[0])
+    grouped = Routing(2, Scoring.SIGMOID, n_group=2, topk_group=1)
+    logits = torch.tensor([[-2.0, 2.0, -1.0, 1.0], [-1.0, 1.0, -2.0, 2.0]], device=device)
+    got, want = ops.route_cost(logits, grouped, cost=Cost.ROUTER_SUM)[:2], ref.route(logits.cpu(), grouped)[:2]
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    every = Routing(16, Scoring.SIGMOID)  # k = E: every expert's weight is its sigmoid
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.linspace(-100.0, 100.0, 16 * 2000), 8 * torch.randn(16 * 2000, generator=g)]).view(-1, 16)
+    ids, weights, _ = ops.route_cost(logits.to(device), every, cost=Cost.ROUTER_SUM)
+    scores = torch.zeros_like(logits).scatter_(1, ids.long().cpu(), weights.cpu())
+    assert torch.equal(scores, ref.sigmoid(logits))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_sigmoid_of_logits_whose_exp_overflows_scores_zero(device):
     """Below about -88.72, exp(-x) overflows fp32 and the ops' 1 / (1 + exp(-x)) is 0: those experts tie and rank by

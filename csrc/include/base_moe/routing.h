@@ -2,7 +2,14 @@
 // The integer values are part of the op schemas and match base_moe/routing.py.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+
+#if defined(__CUDACC__)
+#define BASE_MOE_HOST_DEVICE __host__ __device__
+#else
+#define BASE_MOE_HOST_DEVICE
+#endif
 
 namespace base_moe {
 
@@ -29,6 +36,14 @@ struct RoutingParams {
 inline float top1_offset(int64_t tokens_per_group, const RoutingParams& routing) {
   const double scale = routing.scaling > 1.0 ? routing.scaling : 1.0;
   return static_cast<float>(static_cast<double>(tokens_per_group * routing.top_k) * scale);
+}
+
+// The fp32 sigmoid that scores and weights SIGMOID routing (reference.sigmoid): through double and rounded once, so
+// that the CPU, the GPU and the reference agree bit for bit (fp32 1 / (1 + exp(-x)) rounds twice and differs in the
+// last place for about a third of all logits, enough to flip ties between close logits and between DeepSeek group
+// scores that are equal in exact math). 0 where fp32 exp(-x) would overflow, as fp32 arithmetic gives.
+BASE_MOE_HOST_DEVICE inline float sigmoid(float x) {
+  return x <= -88.72283935546875f ? 0.0f : static_cast<float>(1.0 / (1.0 + ::exp(-static_cast<double>(x))));
 }
 
 }  // namespace base_moe
