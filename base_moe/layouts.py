@@ -13,6 +13,7 @@ the router's logits, one expert's output, the shared experts' output, all in pla
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
 
@@ -101,7 +102,7 @@ class MoELayout:
     # -- the public contract -----------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, H]`` -> the HF router's logits ``[N, E]`` as fp32 (computed by the router's own forward)."""
-        return _logits_of(self.router_class.forward(self.router, x.reshape(-1, self.hidden_size))).float()
+        return _logits_of(_router_forward(self, x.reshape(-1, self.hidden_size))).float()
 
     def correction_bias(self) -> torch.Tensor | None:
         """DeepSeek-V3's ``e_score_correction_bias`` (fp32, contiguous) or None."""
@@ -271,7 +272,7 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
         router_class=getattr(type(router), "_base_moe_original_class", type(router)),
     )
     layout.routing = _infer_routing(layout, where)
-    layout.returns_router_scores = _returns_tuple(layout)
+    layout.returns_router_scores = _returns_tuple(layout, where)
     return layout
 
 
@@ -367,7 +368,7 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(64, layout.hidden_size, generator=generator).to(device=weight.device, dtype=layout.dtype)
     with torch.no_grad():
-        out = layout.router_class.forward(layout.router, probe)
+        out = _router_forward(layout, probe, where)
         route = getattr(layout.block, "route_tokens_to_experts", None)
         if isinstance(out, tuple) and len(out) >= 3:  # (logits, top_k_weights, top_k_index)
             logits, weights, ids = out[0], out[1], out[2]
@@ -417,14 +418,63 @@ def _matches(logits, weights, ids, routing: Routing, bias) -> bool:
     return torch.allclose(w, ref_w, rtol=2e-2, atol=1e-3 * max(1.0, routing.scaling))
 
 
-def _returns_tuple(layout: MoELayout) -> bool:
-    """Whether the block's forward returns ``(hidden, router_scores)`` (run once on two probe tokens)."""
+def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None):
+    """The router's own (unpatched) forward on ``x [N, H]``, given the block's correction bias where the forward
+    takes it as an argument (``gate(hidden_states, self.e_score_correction_bias)``: MiniMax-M2, HY-V3)."""
+    forward = layout.router_class.forward
+    required = [
+        p for p in list(inspect.signature(forward).parameters.values())[2:]  # self, hidden_states
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if not required:
+        return forward(layout.router, x)
+    bias = _correction_bias(layout.router, layout.block)
+    if len(required) == 1 and "bias" in required[0].name and bias is not None:
+        return forward(layout.router, x, bias)
+    raise MoELayoutError(
+        f"{where or layout.name}: its router '{layout.router_name}' takes arguments base_moe does not know "
+        f"({', '.join(p.name for p in required)})."
+    )
+
+
+def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
+    """Whether the block's forward returns ``(hidden, router_scores)``. Run once, in eval mode, on a few probe
+    tokens, and verified: the block's output must be what base_moe computes from the router's own choices (its
+    routed experts, weighted, plus its shared experts), so that a block that combines them otherwise (Cohere2-MoE's
+    ``(routed + shared) / 2``) is refused rather than computed wrongly."""
     weight = layout.router_weight
     if weight.device.type == "meta":
         return False
     block = layout.block
-    probe = torch.zeros(1, 2, layout.hidden_size, device=weight.device, dtype=layout.dtype)
+    generator = torch.Generator().manual_seed(1)
+    probe = torch.randn(1, 4, layout.hidden_size, generator=generator).to(device=weight.device, dtype=layout.dtype)
     forward = getattr(type(block), "_base_moe_original_class", type(block)).forward
-    with torch.no_grad():
-        out = forward(block, probe)
+    modes = [(module, module.training) for module in block.modules()]
+    try:
+        block.eval()  # no dropout or router jitter in the comparison
+        with torch.no_grad():
+            out = forward(block, probe)
+            hidden = _logits_of(out)
+            x = probe.reshape(-1, layout.hidden_size)
+            routed = _router_forward(layout, x, where)
+            if isinstance(routed, tuple) and len(routed) >= 3:
+                weights, ids = routed[1], routed[2]
+            else:
+                first, second = block.route_tokens_to_experts(_logits_of(routed))
+                ids, weights = (first, second) if not first.is_floating_point() else (second, first)
+            expected = layout.routed_experts(x, ids.long(), weights)
+            shared = layout.shared_output(x)
+            if shared is not None:
+                expected = expected + shared
+    finally:
+        for module, training in modes:
+            module.training = training
+    got, want = hidden.reshape(-1, layout.hidden_size).float(), expected.float()
+    tolerance = 1e-5 if layout.dtype == torch.float32 else 2e-2
+    if float((got - want).norm()) > tolerance * float(want.norm()) + 1e-6:
+        raise MoELayoutError(
+            f"{where or layout.name}: its output is not the weighted sum of its routed experts plus its shared "
+            f"experts (relative difference {float((got - want).norm() / want.norm().clamp_min(1e-30)):.3g} on a probe); "
+            "base_moe does not understand how this block combines them."
+        )
     return isinstance(out, tuple)

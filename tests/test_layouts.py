@@ -140,6 +140,15 @@ class _FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(E, H, I))
         self.act_fn = nn.SiLU()
 
+    def forward(self, hidden, top_k_index, top_k_weights):  # HF's eager loop
+        out = torch.zeros_like(hidden)
+        for u in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == u)
+            gate, up = nn.functional.linear(hidden[token], self.gate_up_proj[u]).chunk(2, dim=-1)
+            y = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[u])
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
 
 class _Router(nn.Module):
     def __init__(self, E=4, H=8, mode="softmax"):
@@ -167,7 +176,8 @@ class _Block(nn.Module):
             self.adapter = nn.Linear(8, 8)
 
     def forward(self, hidden):
-        return hidden
+        _, weights, ids = self.gate(hidden.reshape(-1, 8))
+        return self.experts(hidden.reshape(-1, 8), ids, weights).view(hidden.shape)
 
 
 class _LogitsRouter(nn.Linear):
@@ -189,7 +199,52 @@ class _RoutingBlock(nn.Module):
         return ids, weights / weights.sum(-1, keepdim=True) * self.routed_scaling_factor
 
     def forward(self, hidden):
-        return hidden
+        x = hidden.reshape(-1, 8)
+        ids, weights = self.route_tokens_to_experts(self.gate(x))
+        return self.experts(x, ids, weights).view(hidden.shape)
+
+
+class _SharedBlock(_Block):
+    """Routed experts plus a shared expert, combined as ``(routed + shared) / 2`` (Cohere2-MoE's default
+    ``shared_expert_combination_strategy="average"``) or summed (every other family)."""
+
+    def __init__(self, average: bool):
+        super().__init__()
+        self.shared_experts = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 8))
+        self.average = average
+
+    def forward(self, hidden):
+        out = super().forward(hidden) + self.shared_experts(hidden)
+        return out / 2 if self.average else out
+
+
+class _BiasArgumentRouter(nn.Module):
+    """A router whose forward takes the block's correction bias (MiniMax-M2, HY-V3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8))
+        self.top_k = 2
+
+    def forward(self, x, e_score_correction_bias):
+        logits = nn.functional.linear(x, self.weight)
+        scores = logits.sigmoid()
+        ids = torch.topk(scores + e_score_correction_bias, 2, dim=-1).indices
+        weights = scores.gather(1, ids)
+        return logits, weights / weights.sum(-1, keepdim=True), ids
+
+
+class _BiasArgumentBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = _BiasArgumentRouter()
+        self.experts = _FusedExperts()
+        self.register_buffer("e_score_correction_bias", torch.randn(4) * 0.1)
+
+    def forward(self, hidden):
+        x = hidden.reshape(-1, 8)
+        _, weights, ids = self.gate(x, self.e_score_correction_bias)
+        return self.experts(x, ids, weights).view(hidden.shape)
 
 
 class _Model(nn.Module):
@@ -220,9 +275,40 @@ def test_block_that_routes_the_logits_itself():
         (_Block(mode="other"), "match none of base_moe's routing rules"),
         (_Block(extra=True), "unexpected submodule 'adapter'"),
         (_Block(router=False), "no router found"),
+        (_SharedBlock(average=True), "not the weighted sum of its routed experts plus its shared experts"),
     ],
 )
 def test_unknown_layouts_raise_naming_the_module(block, message):
     with pytest.raises(MoELayoutError, match=message) as info:
         find_moe_layouts(_Model(block))
     assert "'layers.1.mlp'" in str(info.value)
+
+
+def test_shared_experts_that_are_summed_are_understood():
+    (lay,) = find_moe_layouts(_Model(_SharedBlock(average=False)))
+    assert lay.shared_names == ("shared_experts",)
+
+
+def test_router_that_takes_the_correction_bias():
+    (lay,) = find_moe_layouts(_Model(_BiasArgumentBlock()))
+    assert lay.routing == Routing(2, Scoring.SIGMOID, True)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(lay.router_logits(x), nn.functional.linear(x, lay.router.weight))
+
+
+def test_cohere2_moe_averaging_its_shared_expert_is_refused():
+    """Cohere2-MoE's default (routed + shared) / 2 used to be taken for routed + shared: a budget keeping every
+    expert returned routed + shared where the block returns half of it."""
+    import transformers
+
+    def model(strategy):
+        cfg = transformers.Cohere2MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+            shared_expert_combination_strategy=strategy, max_position_embeddings=64,
+        )
+        return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").eval()
+
+    assert [lay.shared_names for lay in find_moe_layouts(model("sum"))] == [("shared_experts",)]
+    with pytest.raises(MoELayoutError, match="'model.layers.0.mlp'.*not the weighted sum"):
+        find_moe_layouts(model("average"))
