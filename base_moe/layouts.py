@@ -471,10 +471,12 @@ def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
             module.training = training
     got, want = hidden.reshape(-1, layout.hidden_size).float(), expected.float()
     tolerance = 1e-5 if layout.dtype == torch.float32 else 2e-2
-    if float((got - want).norm()) > tolerance * float(want.norm()) + 1e-6:
+    difference = float((got - want).norm())
+    if difference > tolerance * float(want.norm()) + 1e-6:
+        relative = difference / max(float(want.norm()), 1e-30)
         raise MoELayoutError(
             f"{where or layout.name}: its output is not the weighted sum of its routed experts plus its shared "
-            f"experts (relative difference {float((got - want).norm() / want.norm().clamp_min(1e-30)):.3g} on a probe); "
+            f"experts (relative difference {relative:.3g} on a probe); "
             "base_moe does not understand how this block combines them."
         )
     return isinstance(out, tuple)
