@@ -12,7 +12,8 @@ The BASE layer is timed as consecutive layers (each selection follows the previo
 end its programmatic dependent launch may overlap), and behind the decoder layer's RMSNorm as in decode
 ((norm + layer) - norm: a plain PyTorch kernel that lets nothing overlap it); "after our norm" puts
 ``base_moe.ops.rms_norm`` there instead, whose kernel lets the selection start while it runs, and still subtracts
-torch's norm alone, so that a slower norm counts against it.
+torch's norm alone, so that a slower norm counts against it (and a faster one for it: the row also has both norms
+alone, and ``base_layer_behind_our_norm_us``, (our norm + layer) - our norm, the layer's own cost behind our norm).
 
     python3 benchmarks/bench_layer.py [--out benchmarks/results/bench_layer.json]
 """
@@ -239,7 +240,7 @@ def main():
                 def our_norm():  # base_moe's: the selection after it may start while it runs
                     return torch.ops.base_moe.rms_norm(x, norm_weight, 1e-6)
 
-                base_us = base_norm_us = base_our_norm_us = base_active = None
+                base_us = base_norm_us = base_our_norm_us = base_active = norm_us = our_norm_us = None
                 try:  # the selection ops are developed elsewhere: report a failure, keep the expert-op numbers
                     base_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp) for gu, dp in copies])
                     sid = select()[0]
@@ -247,6 +248,7 @@ def main():
                     norm_us = time_graph([norm for _ in copies])
                     base_norm_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp, norm())
                                                for gu, dp in copies]) - norm_us
+                    our_norm_us = time_graph([our_norm for _ in copies])
                     base_our_norm_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp, our_norm())
                                                    for gu, dp in copies]) - norm_us
                 except Exception as exc:
@@ -263,7 +265,10 @@ def main():
                 bw = active * expert_bytes / (ours * 1e-6)
                 row = dict(model=name, batch=T, budget=M, active=active, ours_us=ours, ours_bw_TBps=bw / 1e12,
                            ours_frac_copy=bw / copy_bw, base_layer_us=base_us, base_layer_after_norm_us=base_norm_us,
-                           base_layer_after_our_norm_us=base_our_norm_us, base_layer_active=base_active,
+                           base_layer_after_our_norm_us=base_our_norm_us,
+                           base_layer_behind_our_norm_us=(None if base_our_norm_us is None else
+                                                          base_our_norm_us + norm_us - our_norm_us),
+                           norm_us=norm_us, our_norm_us=our_norm_us, base_layer_active=base_active,
                            hf_grouped_mm_us=hf_us, floor_us=active * expert_bytes / copy_bw * 1e6,
                            vllm_us=VLLM_US.get((T, M)) if name == "qwen3-30b-a3b" else None)
                 rows.append(row)

@@ -19,6 +19,10 @@ the previous call finishes. In decode the kernel before it is the layer's norm: 
 a norm" column is the selection's cost in a decode step that keeps torch's norm), base_moe's does ("after our
 norm": the step's extra cost over torch's norm alone when it runs base_moe's). --hidden hot gives every call the same
 hidden states instead (L2-resident, as in decode, where the norm kernel just before the MoE block wrote them).
+Behind a norm (the "after" columns and the norms alone) every call reads one hidden-state buffer, whatever --hidden
+says: in decode the norm's input is the residual stream the attention just wrote (L2-resident), and the norm alone
+must find its input where the chained norm does (with rotated copies the norm alone read them from L2 at small T,
+where all ROT copies fit, while the chained norm, ~2 L2 of weights later, read them from HBM).
 --weights hot gives every call the same router and predictor weights (L2-resident: what a selection would cost if
 something had pulled its weights into L2 before the norm; in decode, between two layers' selections, ~40 MB of other
 weights stream by).
@@ -49,6 +53,15 @@ MODELS = {
 TOKENS = (1, 4, 16, 64, 256)
 BUDGET = 16
 L2_BYTES = 60 * 2**20
+# the paths timed behind a norm, and the norms alone subtracted from them: one hidden-state buffer for all calls
+NORM_PATHS = ("norm", "norm_select", "norm_two_kernels", "norm_pytorch", "our_norm", "our_norm_select",
+              "our_norm_two_kernels")
+
+
+def path_inputs(path: str, xs: list) -> list:
+    """The hidden states each of a graph's calls reads: behind a norm one buffer for every call (as in decode, and so
+    that the norm alone and the norm inside a chain read their input from the same place); elsewhere ``xs``."""
+    return [xs[0]] * len(xs) if path in NORM_PATHS else xs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,32 +148,35 @@ def hf_router(x, W_r, routing: Routing, bias):
 # Timing
 # ---------------------------------------------------------------------------------------------
 def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", weights: str = "rotated",
-                tokens: tuple[int, ...] = TOKENS) -> list[dict]:
+                tokens: tuple[int, ...] = TOKENS, device: str = "cuda") -> list[dict]:
     H, E, routing = cfg["H"], cfg["E"], cfg["routing"]
     dtype = torch.bfloat16
     weight_bytes = 2 * E * H * 2  # router + predictor, bf16: what a selection path reads per call
     # enough copies that the least any timed path reads per call (HF's router alone, half of it) cycles through twice
     # the L2: no path's weights are served from L2 (rotating by weight_bytes left HF's router at about one L2)
     rot = max(2, min(256, (2 * L2_BYTES) // (E * H * 2) + 1))
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     sets = []
     for _ in range(rot if weights == "rotated" else 1):
-        Wr = (torch.randn(E, H, device="cuda", generator=gen) / H**0.5).to(dtype)
-        Wp = (torch.randn(E, H, device="cuda", generator=gen) / H**0.5).to(dtype)
+        Wr = (torch.randn(E, H, device=device, generator=gen) / H**0.5).to(dtype)
+        Wp = (torch.randn(E, H, device=device, generator=gen) / H**0.5).to(dtype)
         sets.append(
             dict(
                 Wr=Wr, Wp=Wp, W_cat=torch.cat([Wr, Wp]),  # concatenated at load time
-                bp=torch.randn(E, device="cuda", generator=gen) * 0.1,
-                bias=torch.randn(E, device="cuda", generator=gen) * 0.1 if cfg["bias"] else None,
+                # HF keeps DeepSeek-V3's gate.weight in fp32 (_keep_in_fp32_modules_strict): its router reads fp32
+                # weights and casts nothing per call
+                Wr_hf=Wr.float() if routing.scoring == Scoring.SIGMOID else Wr,
+                bp=torch.randn(E, device=device, generator=gen) * 0.1,
+                bias=torch.randn(E, device=device, generator=gen) * 0.1 if cfg["bias"] else None,
             )
         )
     for s in sets:
-        s["b_cat"] = torch.cat([torch.zeros(E, device="cuda"), s["bp"]])
+        s["b_cat"] = torch.cat([torch.zeros(E, device=device), s["bp"]])
     sets = sets * (rot // len(sets))  # "hot": one weight set for every call
     rows = []
     for T in tokens:
         copies = rot if hidden == "rotated" else 1
-        xs = [torch.randn(T, H, device="cuda", generator=gen).to(dtype) for _ in range(copies)]
+        xs = [torch.randn(T, H, device=device, generator=gen).to(dtype) for _ in range(copies)]
         xs = xs * (rot // len(xs))  # "hot": one buffer for every call
 
         def select_experts(x, s):
@@ -176,9 +192,9 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
             return torch_select(x, s["W_cat"], s["b_cat"], routing, s["bias"], E, BUDGET)
 
         def hf(x, s):
-            return hf_router(x, s["Wr"], routing, s["bias"])
+            return hf_router(x, s["Wr_hf"], routing, s["bias"])
 
-        norm_weight = torch.ones(H, device="cuda", dtype=dtype)
+        norm_weight = torch.ones(H, device=device, dtype=dtype)
 
         def norm(x, s):  # the decoder layer's norm just before the MoE block (a plain PyTorch kernel, no PDL)
             return F.rms_norm(x, (H,), norm_weight, 1e-6)
@@ -188,6 +204,9 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
 
         def norm_two_kernels(x, s):
             return two_kernels(norm(x, s), s)
+
+        def norm_pytorch(x, s):  # the baseline behind the same norm, so that the speed-up compares like with like
+            return pytorch(norm(x, s), s)
 
         def our_norm(x, s):  # base_moe's: programmatic dependent launch lets the selection after it start early
             return ops.rms_norm(x, norm_weight, 1e-6)
@@ -219,9 +238,10 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
             row[f"{path}_us"] = median(graph_time_us(calls, replays))
         for path, fn in (("select_experts", select_experts), ("two_kernels", two_kernels), ("pytorch", pytorch),
                          ("hf_router", hf), ("norm", norm), ("norm_select", norm_select),
-                         ("norm_two_kernels", norm_two_kernels), ("our_norm", our_norm),
+                         ("norm_two_kernels", norm_two_kernels), ("norm_pytorch", norm_pytorch),
+                         ("our_norm", our_norm),
                          ("our_norm_select", our_norm_select), ("our_norm_two_kernels", our_norm_two_kernels)):
-            calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
+            calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(path_inputs(path, xs), sets)]
             times = graph_time_us(calls, replays)
             row[f"{path}_us"] = median(times)
             row[f"{path}_us_min"] = min(times)
@@ -232,7 +252,10 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
         row["two_kernels_after_norm_us"] = row["norm_two_kernels_us"] - row["norm_us"]
         row["select_experts_after_our_norm_us"] = row["our_norm_select_us"] - row["norm_us"]
         row["two_kernels_after_our_norm_us"] = row["our_norm_two_kernels_us"] - row["norm_us"]
+        row["pytorch_after_norm_us"] = row["norm_pytorch_us"] - row["norm_us"]
         row["speedup_vs_pytorch"] = row["pytorch_us"] / row["select_experts_us"]
+        # both behind torch's norm: select_experts_us overlaps the previous selection (PDL), which decode never offers
+        row["speedup_vs_pytorch_after_norm"] = row["pytorch_after_norm_us"] / row["select_experts_after_norm_us"]
         row["speedup_vs_hf_router"] = row["hf_router_us"] / row["select_experts_us"]
         rows.append(row)
         print(
@@ -294,8 +317,8 @@ def main():
     result = run_metadata(
         benchmark="bench_select",
         copy_bandwidth_TBps=bandwidth / 1e12,  # bytes read + written per second by a 1 GiB device copy
-        timing=f"CUDA-graph replay of ROT consecutive calls, weights {args.weights}, hidden states {args.hidden}; "
-               "median over replays / ROT",
+        timing=f"CUDA-graph replay of ROT consecutive calls, weights {args.weights}, hidden states {args.hidden} "
+               "(behind a norm and for the norms alone: one buffer); median over replays / ROT",
         hidden_states=args.hidden,
         weights=args.weights,
         programmatic_dependent_launch=os.environ.get("BASE_MOE_PDL", "1") != "0",

@@ -1,10 +1,10 @@
 """bench_layer.py's JSON as a figure, one row of panels per model.
 
 Left: the expert op's time against the experts a batch activates, one line per batch size, next to HF's grouped_mm
-block (dashed, same colour), vLLM's fused_moe where DESIGN section 8 has a point (crosses) and the HBM floor (the
-active experts' bytes at the run's copy bandwidth, dotted). Right: the op's share of the copy bandwidth, with the
-75% target. Where several budgets of one batch activate the same number of experts (batch 1: every budget routes to
-8), the point is their mean.
+experts module alone, no router (dashed, same colour), vLLM's fused_moe where DESIGN section 8 has a point (crosses)
+and the HBM floor (the active experts' bytes at the run's copy bandwidth, dotted). Right: the op's share of the copy
+bandwidth, with the 75% target. Where several budgets of one batch activate the same number of experts (batch 1: every
+budget routes to 8), the point is their mean.
 
     python benchmarks/plot_layer.py benchmarks/results/bench_layer.json benchmarks/results/bench_layer.png
 """

@@ -82,3 +82,26 @@ def test_active_experts_counts_what_the_budget_leaves():
     assert all(not layout.block._base_moe.settings.record for layout in base_moe.hf.moe_layouts(model))
     bench_e2e.configure_variant(model, "hf_grouped_mm", predictors)
     assert bench_e2e.active_experts(model, batch=6, prompt_len=4) is None
+
+
+def test_non_moe_step_of_base_variants_runs_base_moes_norm(monkeypatch):
+    """moe_share = 1 - non-MoE step / step: base_moe's variants run add_rms_norm in their non-MoE part (base_moe_dense
+    too, budget E being a budget), the HF ones the model's add and norm, so each needs its own skipped-MoE step."""
+    import base_moe
+
+    assert [bench_e2e.runs_base_moe_norm(v) for v in
+            ("hf_grouped_mm", "hf_grouped_mm_compiled", "base_moe_dense", "base_M16", "base_M16_model_norm")] == [
+        False, False, True, True, False]
+    model = tiny_model()
+    predictors = bench_e2e.random_predictors(model)
+    calls = []
+    real = base_moe.ops.add_rms_norm
+    monkeypatch.setattr(base_moe.ops, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    layer = model.model.layers[0]
+    h = torch.randn(2, 1, model.config.hidden_size)
+    for name in ("hf_grouped_mm", "base_moe_dense", "base_M4", "base_M4_model_norm"):
+        bench_e2e.configure_variant(model, name, predictors)
+        calls.clear()
+        with torch.no_grad():
+            base_moe.hf.post_attention(layer, h, torch.randn_like(h))
+        assert bool(calls) == bench_e2e.runs_base_moe_norm(name), name

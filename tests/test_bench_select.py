@@ -35,3 +35,55 @@ def test_plain_pytorch_path_matches_the_ops(name, T, budget):
     order, order_op = ids.argsort(dim=1), ids_op.long().argsort(dim=1)
     assert torch.equal(ids.gather(1, order), ids_op.long().gather(1, order_op))
     torch.testing.assert_close(w.gather(1, order), w_op.gather(1, order_op), rtol=1e-5, atol=1e-6)
+
+
+def fake_graph_time(seen):
+    """Stands in for graph_time_us: records, per timed path, the hidden-state buffers its calls read (a call's first
+    default argument) and returns a time that differs between paths."""
+
+    def graph_time_us(calls, replays=25, rounds=1):
+        defaults = calls[0].__defaults__
+        path = "route_select" if isinstance(defaults[-1], int) else defaults[-1].__name__
+        seen[path] = {call.__defaults__[0].data_ptr() for call in calls}
+        return [1.0 + len(path)]
+
+    return graph_time_us
+
+
+@pytest.mark.parametrize("name", list(bench_select.MODELS))
+def test_norm_alone_reads_its_input_where_the_chained_norm_does(monkeypatch, name):
+    """"After a norm" subtracts the norm alone from norm + selection: both must read the same (decode-like, one buffer)
+    hidden states. With rotated copies the norm alone read ROT x T x H x 2 bytes, which fit in L2 at small T, while
+    the chained norm ran ~2 L2 of weights after its last use of the same copy."""
+    cfg = bench_select.MODELS[name]
+    monkeypatch.setattr(bench_select, "L2_BYTES", cfg["E"] * cfg["H"] * 2)  # a small rotation (3 copies)
+    seen = {}
+    monkeypatch.setattr(bench_select, "graph_time_us", fake_graph_time(seen))
+    (row,) = bench_select.bench_model(name, cfg, replays=1, tokens=(2,), device="cpu")
+    assert row["rotation"] >= 2
+    for path in bench_select.NORM_PATHS:
+        assert len(seen[path]) == 1, path
+    for path in ("select_experts", "two_kernels", "pytorch", "hf", "gemv_only"):
+        assert len(seen[path]) == row["rotation"], path  # HBM-bound paths still rotate
+    assert row["speedup_vs_pytorch_after_norm"] == pytest.approx(
+        (row["norm_pytorch_us"] - row["norm_us"]) / (row["norm_select_us"] - row["norm_us"]))
+
+
+def test_hf_deepseek_router_gets_fp32_weights(monkeypatch):
+    """HF keeps DeepSeek-V3's gate.weight in fp32: the HF baseline must not pay a per-call bf16 -> fp32 cast."""
+    cfg = bench_select.MODELS["deepseek-v3-like"]
+    monkeypatch.setattr(bench_select, "L2_BYTES", cfg["E"] * cfg["H"] * 2)
+    dtypes = []
+    real = bench_select.hf_router
+    monkeypatch.setattr(bench_select, "hf_router", lambda x, W, r, b: dtypes.append(W.dtype) or real(x, W, r, b))
+
+    def graph_time_us(calls, replays=25, rounds=1):
+        if getattr(calls[0].__defaults__[-1], "__name__", None) == "hf":
+            calls[0]()
+        return [2.0]
+
+    monkeypatch.setattr(bench_select, "graph_time_us", graph_time_us)
+    count = iter(range(1, 100))
+    monkeypatch.setattr(bench_select, "median", lambda v: float(next(count)))  # nonzero differences
+    bench_select.bench_model("deepseek-v3-like", cfg, replays=1, tokens=(2,), device="cpu")
+    assert dtypes == [torch.float32]
