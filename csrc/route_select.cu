@@ -497,19 +497,26 @@ void launch_select(SelectParams p, int groups, bool clusters, int device, cudaSt
   }
 }
 
-// Batches of 9-64 tokens with E 65-256 run on CTAs of 4 warps, one token per warp, so that the routing and the fill,
-// issue-bound per SM, spread over up to 16 SMs instead of 1-4, and the cost sums over the owned experts of more CTAs
-// (route_select alone, us, 16 warps -> 4: Qwen3 shape at T = 16 / 32 / 64 6.10 / 6.45 / 6.51 -> 5.44 / 5.87 / 5.38,
-// DeepSeek-like 15.00 / 15.20 / 16.21 -> 11.84 / 12.01 / 12.52; the selection at Qwen3's T = 64 11.79 -> 10.68). Up
-// to 4 tokens the batch is on one CTA either way: 4 warps lost there for DeepSeek-like (T = 1 / 4 8.66 / 10.63 ->
+// Whether CTAs of NW warps hold the whole batch in one pass on a cluster this device allows.
+template <int EPL, int NW, bool GENERIC>
+bool one_pass(const SelectParams& p, bool clusters, int device) {
+  return clusters && p.B <= kMaxCluster * NW && p.B <= select_cluster<EPL, NW, GENERIC>(p, clusters, device) * NW;
+}
+
+// Batches of more than 8 tokens with E 65-256 run on CTAs of the fewest warps (4, else 8) that hold the batch in one
+// pass, one token per warp, so that the routing and the fill, issue-bound per SM, spread over up to 16 SMs instead of
+// 1-8, and the cost sums over the owned experts of more CTAs (route_select alone, us, 16 warps -> 4: Qwen3 shape at
+// T = 16 / 32 / 64 6.10 / 6.45 / 6.51 -> 5.44 / 5.87 / 5.38, DeepSeek-like 15.00 / 15.20 / 16.21 -> 11.84 / 12.01 /
+// 12.52; the selection at Qwen3's T = 64 11.79 -> 10.68; 16 -> 8 warps at T = 128: 6.46 -> 5.71 and 15.74 -> 12.87).
+// Up to 4 tokens the batch is on one CTA either way: 4 warps lost there for DeepSeek-like (T = 1 / 4 8.66 / 10.63 ->
 // 10.19 / 11.88), gained 0.1-0.2 us for Qwen3; device_runs/session48.txt, call 4 (5-8 tokens, two CTAs, not
-// measured: they keep 16 warps). Only where the cluster holds the whole batch in one pass.
+// measured: they keep 16 warps).
 template <int EPL, bool GENERIC>
 void launch_by_tokens(const SelectParams& p, int groups, bool clusters, int device, cudaStream_t stream) {
-  constexpr int kFewWarps = 4;
-  if (clusters && p.B > 2 * kFewWarps && p.B <= kMaxCluster * kFewWarps &&
-      p.B <= select_cluster<EPL, kFewWarps, GENERIC>(p, clusters, device) * kFewWarps) {
-    launch_select<EPL, kFewWarps, GENERIC>(p, groups, clusters, device, stream);
+  if (p.B > 8 && one_pass<EPL, 4, GENERIC>(p, clusters, device)) {
+    launch_select<EPL, 4, GENERIC>(p, groups, clusters, device, stream);
+  } else if (p.B > 8 && one_pass<EPL, 8, GENERIC>(p, clusters, device)) {
+    launch_select<EPL, 8, GENERIC>(p, groups, clusters, device, stream);
   } else {
     launch_select<EPL, 16, GENERIC>(p, groups, clusters, device, stream);
   }

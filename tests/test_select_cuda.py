@@ -205,6 +205,8 @@ SELECT_CASES = _select_cases(48, seed=3) + [
     # E not a power of two on route_select's 4-warp CTAs (9-64 tokens): CTAs that own no expert, padded rank keys
     (2, 40, 100, 8, "softmax_renorm", "normal"),
     (1, 20, 200, 8, "sigmoid_groups8_4", "ties"),
+    (3, 100, 128, 8, "softmax_renorm", "ties"),  # 65-128 tokens: 8-warp CTAs
+    (2, 128, 256, 8, "sigmoid_groups8_4", "normal"),
 ]
 
 
