@@ -18,10 +18,10 @@
 // order). After the last chunk's barrier no CTA reads or writes another's shared memory except through the inbox, whose
 // owner waits for it, so no barrier is needed before exit.
 // route_select on one chunk of up to 32 tokens, or of 256 or more experts (Plan::kBroadcast, broadcast_wins) exchanges
-// less: each token warp pushes its k slot records (expert, cost) into every CTA's inbox (cuda::inbox_push2), and every
-// CTA, once all B k records are in, scatters them into an [E][tokens] table and adds each expert's row in token order
-// itself (every CTA the same values in the same order: the same bits). No cluster barrier after the routing, no
-// owners' sums, no key exchange.
+// less: each token warp pushes its k slot records (expert, cost) into every CTA's inbox (cuda::inbox_push, 8 bytes),
+// and every CTA, once all B k records are in, scatters them into an [E][tokens] table and adds each expert's row in
+// token order itself (every CTA the same values in the same order: the same bits). No cluster barrier after the
+// routing, no owners' sums, no key exchange.
 // No float atomics, no host synchronisation, fixed output shapes.
 // The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
 #include <ATen/cuda/CUDAContext.h>
@@ -261,11 +261,11 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       if constexpr (kBroadcast) {  // the slot's record (expert, cost) into every CTA's inbox, at the token's cell
         const float cost = id < E ? slot_cost(p.cost, w, base_cost ? log_norm : 0.0f) : 0.0f;
         if (lane < k) {
-          uint32_t* cell = reinterpret_cast<uint32_t*>(records + column * k + lane);
+          uint2* cell = records + column * k + lane;
 #pragma unroll 1
           for (int receiver = 0; receiver < C; ++receiver) {
-            cuda::inbox_push2(cell, static_cast<unsigned>(receiver), static_cast<uint32_t>(id), __float_as_uint(cost),
-                              inbox);
+            cuda::inbox_push(cell, static_cast<unsigned>(receiver),
+                             make_uint2(static_cast<uint32_t>(id), __float_as_uint(cost)), inbox);
           }
         }
       } else if (id < E) {

@@ -8,6 +8,7 @@
 
 #include <cooperative_groups.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "base_moe/tma.cuh"
 
@@ -229,38 +230,30 @@ __device__ __forceinline__ uint32_t cluster_shared_address(const void* ptr, unsi
 }
 #endif
 
-// `value` to `dst` (a shared-memory variable, as in this CTA) of CTA `rank`, counted by that CTA's inbox.
-__device__ __forceinline__ void inbox_push(uint32_t* dst, unsigned rank, uint32_t value, uint64_t* inbox) {
+// `value` to `dst` (a shared-memory variable, as in this CTA) of CTA `rank`, counted by that CTA's inbox: one 4- or
+// 8-byte st.async (uint32_t or uint2; dst aligned to its size).
+template <typename V>
+__device__ __forceinline__ void inbox_push(V* dst, unsigned rank, V value, uint64_t* inbox) {
+  static_assert(std::is_same_v<V, uint32_t> || std::is_same_v<V, uint2>, "st.async takes 4 or 8 bytes here");
 #ifdef BASE_MOE_HAS_CLUSTERS
   if (inbox_counts_bytes()) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];\n" ::"r"(
-                     cluster_shared_address(dst, rank)),
-                 "r"(value), "r"(cluster_shared_address(inbox, rank))
-                 : "memory");
+    if constexpr (std::is_same_v<V, uint2>) {
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n" ::"r"(
+                       cluster_shared_address(dst, rank)),
+                   "r"(value.x), "r"(value.y), "r"(cluster_shared_address(inbox, rank))
+                   : "memory");
+    } else {
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];\n" ::"r"(
+                       cluster_shared_address(dst, rank)),
+                   "r"(value), "r"(cluster_shared_address(inbox, rank))
+                   : "memory");
+    }
     return;
   }
 #endif
   (void)rank;
   (void)inbox;
   *dst = value;
-}
-
-// inbox_push of two 32-bit values at once (one 8-byte st.async; dst 8-byte aligned).
-__device__ __forceinline__ void inbox_push2(uint32_t* dst, unsigned rank, uint32_t first, uint32_t second,
-                                            uint64_t* inbox) {
-#ifdef BASE_MOE_HAS_CLUSTERS
-  if (inbox_counts_bytes()) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n" ::"r"(
-                     cluster_shared_address(dst, rank)),
-                 "r"(first), "r"(second), "r"(cluster_shared_address(inbox, rank))
-                 : "memory");
-    return;
-  }
-#endif
-  (void)rank;
-  (void)inbox;
-  dst[0] = first;
-  dst[1] = second;
 }
 
 // Returns once this CTA's inbox has received all the bytes inbox_expect declared. The acquire is at cluster scope: the
