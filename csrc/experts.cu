@@ -505,6 +505,16 @@ struct GemmKernel {
     return ctas;
   }
 
+  // Whether one CTA fits `limit` bytes of shared memory (shared_memory_limit), its static shared memory included.
+  static bool fits(size_t limit) {
+    static const size_t static_bytes = [] {
+      cudaFuncAttributes attributes{};
+      C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+      return attributes.sharedSizeBytes;
+    }();
+    return smem + static_bytes <= limit;
+  }
+
   // The CTAs of a launch over row_tiles x grid_experts (launch_gemm's grid: each row tile split over its passes).
   static int64_t ctas(int row_tiles, int grid_experts, int64_t busiest_expert) {
     return static_cast<int64_t>(row_tiles) * pass_splits(busiest_expert, NP) * grid_experts;
@@ -526,7 +536,9 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t b
 
 // launch_gemm with STAGES while the grid fits one wave of resident CTAs, with FEW_STAGES past it where those fit more
 // CTAs per SM: deeper rings keep more weight bytes in flight per CTA, which decides the time of a single wave, but
-// past one wave the partial last wave decides it, and more resident CTAs shorten it. H200, Qwen3 shape
+// past one wave the partial last wave decides it, and more resident CTAs shorten it. Also with FEW_STAGES wherever
+// STAGES do not fit smem_limit: T32's 5 stages take 106 KiB and W64's 4 103.5 KiB, so GPUs with 99 KiB per CTA (sm_86
+// / sm_89 / sm_120) run their 3 and 2. H200, Qwen3 shape
 // (device_runs/session9.txt): T16 at 5 vs 3 stages (2 vs 3 CTAs per SM): b1 27.9 vs 30.9 us and b16/M16 45.9 vs
 // 46.5 within one wave; b16/M32 87.1 vs 80.5, b4 dense 80.6 vs 74.7, b64/M64 159.9 vs 155.7 past it. W64 at 4 vs 2
 // stages (2 vs 3 per SM) past one wave: b64/M32 93.9 vs 86.0, b256/M16 105.9 vs 95.7, b256/M64 192.8 vs 189.2; T32
@@ -535,12 +547,16 @@ void launch_gemm(const GemmParams& p, int row_tiles, int grid_experts, int64_t b
 // estimate without a sync.
 template <typename T, bool GATED, int ROWS, int NTW, int WARPS, int STAGES, int FEW_STAGES, int WR, bool WG = false>
 void launch_gemm_by_waves(const GemmParams& p, int row_tiles, int grid_experts, int64_t busiest_expert,
-                          cudaStream_t stream, bool pdl) {
+                          cudaStream_t stream, bool pdl, size_t smem_limit) {
   if constexpr (FEW_STAGES != STAGES) {
     using G = GemmKernel<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>;
     using Few = GemmKernel<T, GATED, ROWS, NTW, WARPS, FEW_STAGES, WR, WG>;
-    const int wave = G::prepare();
-    if (G::ctas(row_tiles, grid_experts, busiest_expert) > wave && Few::prepare() > wave) {
+    bool few = !G::fits(smem_limit);
+    if (!few) {
+      const int wave = G::prepare();
+      few = G::ctas(row_tiles, grid_experts, busiest_expert) > wave && Few::prepare() > wave;
+    }
+    if (few) {
       launch_gemm<T, GATED, ROWS, NTW, WARPS, FEW_STAGES, WR, WG>(p, row_tiles, grid_experts, busiest_expert, stream,
                                                                   pdl);
       return;
@@ -549,8 +565,17 @@ void launch_gemm_by_waves(const GemmParams& p, int row_tiles, int grid_experts, 
   launch_gemm<T, GATED, ROWS, NTW, WARPS, STAGES, WR, WG>(p, row_tiles, grid_experts, busiest_expert, stream, pdl);
 }
 
+// Warns that `knob`'s `value` is not `expected` and is ignored: once per knob and process (TORCH_WARN_ONCE would warn
+// once for all the knobs of its call site).
+void warn_ignored_knob(const char* knob, const char* value, const std::string& expected) {
+  static std::mutex mutex;
+  static std::set<std::string> warned;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (warned.insert(knob).second) TORCH_WARN(knob, "=", value, " is not ", expected, ": ignored");
+}
+
 // A benchmark knob that names one of `choices`: the index of the one it names, or -1 where it is unset or names none
-// (with a warning, once per knob and process: TORCH_WARN_ONCE would warn once for all the knobs of this call site).
+// (with a warning: warn_ignored_knob).
 int forced_choice(const char* knob, std::initializer_list<const char*> choices) {
   const char* value = std::getenv(knob);
   if (value == nullptr) return -1;
@@ -559,15 +584,29 @@ int forced_choice(const char* knob, std::initializer_list<const char*> choices) 
     if (!std::strcmp(value, choice)) return index;
     ++index;
   }
-  static std::mutex mutex;
-  static std::set<std::string> warned;
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (warned.insert(knob).second) {
-    std::string names;
-    for (const char* choice : choices) names += (names.empty() ? "" : ", ") + std::string(choice);
-    TORCH_WARN(knob, "=", value, " is not one of ", names, ": ignored");
-  }
+  std::string names;
+  for (const char* choice : choices) names += (names.empty() ? "" : ", ") + std::string(choice);
+  warn_ignored_knob(knob, value, "one of " + names);
   return -1;
+}
+
+// The shared memory one CTA may take on the current device (PyTorch caches the device properties): its opt-in limit
+// (227 KiB on H100 / H200, 163 on A100, 99 on sm_86 / sm_89 / sm_120), or less where BASE_MOE_EXPERTS_SMEM_KIB caps
+// it (tests run the 99 KiB fallbacks on an H100; read per op call like the other knobs). A cap below 99 KiB, the
+// least of any device the kernels run on (sm_80 and later), is ignored with a warning: T16 needs 96 KiB.
+size_t shared_memory_limit() {
+  constexpr long kLeastKiB = 99;
+  const size_t optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  const char* knob = "BASE_MOE_EXPERTS_SMEM_KIB";
+  const char* value = std::getenv(knob);
+  if (value == nullptr) return optin;
+  char* end = nullptr;
+  const long kib = std::strtol(value, &end, 10);
+  if (end == value || *end != '\0' || kib < kLeastKiB) {
+    warn_ignored_knob(knob, value, "a whole number of KiB of at least 99");
+    return optin;
+  }
+  return std::min(optin, static_cast<size_t>(kib) * 1024);
 }
 
 // Tile configurations, named by the tokens of one expert that a CTA takes per pass over its weights: T16 / T32 on
@@ -700,7 +739,7 @@ enum class GateUpTiles { kFull, kHalf };  // in the order of BASE_MOE_EXPERTS_GA
 template <typename T, int ROWS, int NTW, int WARPS, int STAGES, int WR, bool WG = false, int FEW_STAGES = STAGES,
           bool HALF_TILES = false>
 void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
-                 int64_t busiest_expert, cudaStream_t stream, bool pdl) {
+                 int64_t busiest_expert, cudaStream_t stream, bool pdl, size_t smem_limit) {
   // BASE_MOE_EXPERTS_GATE_UP_TILES=full|half forces a height where the configuration has it (benchmarks); read per
   // op call like the other knobs, and for every configuration, so that a malformed value warns.
   const int forced = forced_choice("BASE_MOE_EXPERTS_GATE_UP_TILES", {"full", "half"});
@@ -718,32 +757,41 @@ void launch_pair(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t 
   }
   if (!half)
     launch_gemm_by_waves<T, true, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p1, I / (ROWS / 2), grid_experts,
-                                                                              busiest_expert, stream, pdl);
+                                                                              busiest_expert, stream, pdl, smem_limit);
   if (H % ROWS == 0)
     launch_gemm_by_waves<T, false, ROWS, NTW, WARPS, STAGES, FEW_STAGES, WR, WG>(p2, H / ROWS, grid_experts,
-                                                                               busiest_expert, stream, pdl);
-  else
+                                                                               busiest_expert, stream, pdl, smem_limit);
+  else if (GemmKernel<T, false, 64, 1, 4, 8, 1, false>::fits(smem_limit))
     launch_gemm<T, false, 64, 1, 4, 8, 1>(p2, H / 64, grid_experts, busiest_expert, stream, pdl);
+  else  // GPUs with 99 KiB per CTA: 6 stages (78 KiB) for 8 (102 KiB)
+    launch_gemm<T, false, 64, 1, 4, 6, 1>(p2, H / 64, grid_experts, busiest_expert, stream, pdl);
 }
 
 template <typename T>
 void run_experts(const GemmParams& p1, const GemmParams& p2, int64_t I, int64_t H, int grid_experts,
-                 int64_t busiest_expert, Config cfg, cudaStream_t stream, bool pdl) {
+                 int64_t busiest_expert, Config cfg, cudaStream_t stream, bool pdl, size_t smem_limit) {
   switch (cfg) {
     case Config::kT16:  // 128-row tiles, 4 warps, one row group each (16 gate + 16 up rows), 5 stages, 2 CTAs/SM;
                         // past one wave 3 stages, 3 CTAs/SM; gate_up in 64-row tiles where twice its CTAs fit one wave
-      launch_pair<T, 128, 2, 4, 5, 4, false, 3, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+      launch_pair<T, 128, 2, 4, 5, 4, false, 3, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl,
+                                                      smem_limit);
       break;
     case Config::kT32:  // as T16 with 32 tokens per pass (and 3 stages past one wave)
-      launch_pair<T, 128, 4, 4, 5, 4, false, 3>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
-      break;
-    case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM; past
-                        // one wave 2 stages, 4 CTAs/SM (<= 128 registers per thread)
-      launch_pair<T, 128, 8, 4, 4, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+      launch_pair<T, 128, 4, 4, 5, 4, false, 3>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl, smem_limit);
       break;
     case Config::kW128:  // wgmma: 128-row tiles, 128 tokens per pass, 3 stages, 2 CTAs/SM (at any stage count:
                          // its 255 registers per thread)
-      launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl);
+      if (GemmKernel<T, true, 128, 16, 4, 3, 4, true>::fits(smem_limit)) {
+        launch_pair<T, 128, 16, 4, 3, 4, true>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl, smem_limit);
+        break;
+      }
+      if (forced_config() == static_cast<int>(Config::kW128))
+        TORCH_WARN_ONCE("BASE_MOE_EXPERTS_CONFIG=W128: needs 104 KiB of shared memory per CTA, more than this device "
+                        "allows; ran W64");
+      [[fallthrough]];  // W64 fits 99 KiB GPUs at 2 stages
+    case Config::kW64:  // wgmma: 128-row tiles (two m64 blocks), 64 tokens per pass, 4 stages, 2 CTAs/SM; past
+                        // one wave 2 stages, 4 CTAs/SM (<= 128 registers per thread)
+      launch_pair<T, 128, 8, 4, 4, 4, true, 2>(p1, p2, I, H, grid_experts, busiest_expert, stream, pdl, smem_limit);
       break;
     case Config::kWS:  // unreachable: experts_cuda_launch runs WS itself, or a cp.async configuration instead
       break;
@@ -810,6 +858,7 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
   // which costs time, not correctness).
   const int64_t busiest_expert = std::min(T, tokens_per_expert + tokens_per_expert / 3);
   const bool pdl = use_pdl(hidden.get_device());
+  const size_t smem_limit = shared_memory_limit();
   // WS needs TMA and wgmma: this build's sm_90a code (the default target) on an sm_90 device
   bool ran_ws = false;
   if (cfg == Config::kWS) {
@@ -823,10 +872,10 @@ Tensor experts_cuda_launch(const Tensor& hidden, const Tensor& expert_ids, const
     }
   }
   if (hidden.scalar_type() == at::kBFloat16) {
-    if (!ran_ws) run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
+    if (!ran_ws) run_experts<__nv_bfloat16>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl, smem_limit);
     launch_slot_sum<__nv_bfloat16>(p1.ids, static_cast<const __nv_bfloat16*>(p2.out), y, T, k, E, H, stream, pdl);
   } else {
-    if (!ran_ws) run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl);
+    if (!ran_ws) run_experts<__half>(p1, p2, I, H, grid_experts, busiest_expert, cfg, stream, pdl, smem_limit);
     launch_slot_sum<__half>(p1.ids, static_cast<const __half*>(p2.out), y, T, k, E, H, stream, pdl);
   }
   return y;

@@ -331,10 +331,64 @@ def test_ws_item_columns(monkeypatch):
     assert ws_kernels_ran(names) == {("true", "160"), ("false", "160")}, names
 
 
+SMALL_SMEM_KIB = 99  # shared memory per CTA on sm_86 / sm_89 / sm_120 GPUs
+# a cp.async expert GEMM instance's name: ROWS, NTW, WARPS, STAGES, WR, WG (GATED skipped)
+GEMM_INSTANCE = re.compile(r"expert_gemm_kernel<[^,]+, (?:true|false), "
+                           r"(\d+), (\d+), (\d+), (\d+), (\d+), (true|false)>")
+
+
+def expert_gemm_smem(names):
+    """The dynamic shared memory (bytes) of each cp.async expert GEMM launch among kernel names: csrc/experts.cu's
+    GemmKernel::smem restated (the stages of weight rows and token columns, 128 bytes each; counts, active experts and
+    their offsets for 512 experts; the pass's token list and weights; 1 KiB to align wgmma's swizzle)."""
+    sizes = []
+    for name in names:
+        if m := GEMM_INSTANCE.search(name):
+            rows, ntw, warps, stages, wr = map(int, m.groups()[:5])
+            columns = warps // wr * ntw * 8
+            wgmma_align = 1024 if m.group(6) == "true" else 0
+            sizes.append(stages * (rows + columns) * 128 + (3 * 512 + 2 * columns) * 4 + wgmma_align)
+    assert sizes, names
+    return sizes
+
+
+@pytest.mark.parametrize("config", ["T16", "T32", "W64", "W128"])
+def test_small_shared_memory_fallbacks(config, monkeypatch):
+    """With shared memory capped at 99 KiB per CTA (BASE_MOE_EXPERTS_SMEM_KIB, as on sm_86 / sm_89 / sm_120 GPUs) every
+    configuration runs kernels that fit (T32 and W64 at fewer stages, W128 as W64, the 64-row down GEMM of an H that
+    128 does not divide at 6 stages) and matches the reference; fewer stages give the same bits; and what fits
+    uncapped runs unchanged (T16's 5 stages, 96 KiB)."""
+    monkeypatch.setenv("BASE_MOE_EXPERTS_CONFIG", config)
+    limit = SMALL_SMEM_KIB * 1024 - 128  # less the kernels' static shared memory (128 bytes: the aligned extern array)
+    exceeded = False
+    # the bound on active experts (used) keeps the grids within one wave, where the deepest rings run uncapped
+    for T, shape, used, tiles in [(16, QWEN3, 8, "full"), (40, QWEN3, 16, None),
+                                  (300, dict(H=320, I=192, E=10, k=3), 4, None)]:
+        if tiles is None:
+            monkeypatch.delenv("BASE_MOE_EXPERTS_GATE_UP_TILES", raising=False)
+        else:
+            monkeypatch.setenv("BASE_MOE_EXPERTS_GATE_UP_TILES", tiles)
+        problem = make_problem(T, dtype=torch.bfloat16, **shape, used=used, seed=T)
+        monkeypatch.delenv("BASE_MOE_EXPERTS_SMEM_KIB", raising=False)
+        outs = []
+        uncapped = expert_gemm_smem(launched_kernels(lambda: outs.append(torch.ops.base_moe.experts(*problem, used))))
+        monkeypatch.setenv("BASE_MOE_EXPERTS_SMEM_KIB", str(SMALL_SMEM_KIB))
+        capped = expert_gemm_smem(launched_kernels(lambda: outs.append(check_problem(*problem, used))))
+        assert max(capped) <= limit, capped
+        if max(uncapped) > limit:
+            exceeded = True
+        else:
+            assert capped == uncapped
+        if config != "W128":
+            assert torch.equal(outs[0], outs[1])
+    assert exceeded, "no case needed a fallback"
+
+
 @pytest.mark.parametrize("name,value,config", [("BASE_MOE_EXPERTS_SPLITS", "two", None),
                                                ("BASE_MOE_EXPERTS_CONFIG", "W256", None),
                                                ("BASE_MOE_EXPERTS_GATE_UP_TILES", "tall", None),
-                                               ("BASE_MOE_WS_N", "64abc", "WS")])
+                                               ("BASE_MOE_WS_N", "64abc", "WS"),
+                                               ("BASE_MOE_EXPERTS_SMEM_KIB", "64", None)])
 def test_malformed_knob_warns_and_is_ignored(name, value, config, monkeypatch, capfd):
     """A benchmark knob with a value the op cannot use is reported (c10's warning on stderr, once per process: no
     other test sets a malformed value) and ignored: the output is the default's (for BASE_MOE_WS_N under forced WS:
