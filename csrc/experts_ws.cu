@@ -492,24 +492,41 @@ bool encode_tokens(CUtensorMap& map, const at::Tensor& t, int n) {
 // the GEMMs would trap.
 __device__ int ws_code_loaded = kWgmmaCompiled ? 1 : 0;
 
-// Whether the device runs this build's sm_90a code: an sm_90 device, and the symbol above read once per device. The
-// read is a synchronous copy, not allowed while the stream is being captured: a first call under capture answers no
-// (the op then runs a cp.async configuration) and asks again next time.
-bool ws_available(cudaStream_t stream) {
+// Reads ws_code_loaded on the current device into `loaded`. Through a stream of its own, in the relaxed capture mode
+// (as PyTorch's allocator calls cudaMalloc during capture), so that a first op call during stream capture (a graph
+// captured before any eager call) gets the answer an eager call gets, and the graph holds what eager calls run. The
+// mode is swapped by hand rather than by c10's guard, which throws on an error: nothing in this file may throw.
+bool read_ws_code_loaded(int& loaded) {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  cudaStream_t side = nullptr;
+  bool read = cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess;
+  if (read) {
+    const cudaError_t copied =
+        cudaMemcpyFromSymbolAsync(&loaded, ws_code_loaded, sizeof(int), 0, cudaMemcpyDeviceToHost, side);
+    read = copied == cudaSuccess && cudaStreamSynchronize(side) == cudaSuccess;
+    (void)cudaStreamDestroy(side);
+  }
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);  // the caller's mode back
+  if (!read) (void)cudaGetLastError();
+  return read;
+}
+
+// Whether the device runs this build's sm_90a code: an sm_90 device, and the symbol above read once per device (a
+// failed read answers no and asks again next time).
+bool ws_available() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];  // 0 unknown, 1 no, 2 yes
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
   const int cached = known[device].load(std::memory_order_acquire);
   if (cached != 0) return cached == 2;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
   int loaded = 0;
-  if (major == 9 && cudaMemcpyFromSymbol(&loaded, ws_code_loaded, sizeof(int)) != cudaSuccess) {
-    (void)cudaGetLastError();  // no image for this device, or another thread's capture: ask again next time
-    return false;
-  }
+  if (major == 9 && !read_ws_code_loaded(loaded)) return false;  // no image for this device
   known[device].store(loaded == 1 ? 2 : 1, std::memory_order_release);
   return loaded == 1;
 }
@@ -575,7 +592,7 @@ double experts_ws_round_fill(int64_t experts, int64_t I, int64_t H, int sms) {
 bool experts_ws_launch(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
                        const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& act, at::Tensor& yslot,
                        int columns, cudaStream_t stream, bool pdl) {
-  if (!ws_available(stream)) return false;
+  if (!ws_available()) return false;
   const int64_t H = hidden.size(1), k = expert_ids.size(1), tk = expert_ids.numel();
   const int64_t E = gate_up_proj.size(0), I = gate_up_proj.size(1) / 2;
   const int gate_up_tiles = static_cast<int>(weight_tiles<true>(I));

@@ -491,15 +491,47 @@ print("ok")
 """
 
 
-def test_shape_errors():
-    """Clear errors for unsupported shapes and dtypes. Run in a subprocess: on the device (torch 2.11) a failing
-    TORCH_CHECK in base_moe._C has crashed the process, which must not take the test session down."""
+def run_in_fresh_process(script, **env):
+    """Runs ``script`` in a new Python process (the repository importable, ``env`` added to the environment): its
+    return code, stdout and stderr."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _SHAPE_ERRORS], cwd=root, env=env, capture_output=True, text=True,
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_shape_errors():
+    """Clear errors for unsupported shapes and dtypes. Run in a subprocess: on the device (torch 2.11) a failing
+    TORCH_CHECK in base_moe._C has crashed the process, which must not take the test session down."""
+    rc, out, err = run_in_fresh_process(_SHAPE_ERRORS)
+    assert rc == 0 and "ok" in out, (rc, out[-2000:], err[-2000:])
+
+
+_CAPTURE_FIRST = """
+import torch, base_moe.ops
+from tests.test_experts_cuda import make_problem
+
+problem = make_problem(100, dtype=torch.bfloat16, H=256, I=128, E=8, k=4, used=4)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):  # the process's first expert-op call
+    out = torch.ops.base_moe.experts(*problem)
+graph.replay()
+assert torch.equal(out, torch.ops.base_moe.experts(*problem)), "the graph and the eager call differ"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="WS runs on sm_90 devices only")
+def test_ws_in_a_graph_captured_first():
+    """WS forced, in a process whose first expert-op call is captured in a CUDA graph: the capture runs WS as eager
+    calls do (ws_available asks the device during capture too), so the graph and an eager call give the same bits and
+    nothing falls back to a cp.async configuration."""
+    rc, out, err = run_in_fresh_process(_CAPTURE_FIRST, BASE_MOE_EXPERTS_CONFIG="WS")
+    assert rc == 0 and "ok" in out, (rc, out[-2000:], err[-2000:])
+    assert "unavailable" not in err, err[-2000:]
