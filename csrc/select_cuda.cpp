@@ -43,7 +43,8 @@ std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tenso
   check_router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
   const int64_t T = hidden.size(0), H = hidden.size(1), E = router_weight.size(0);
   const bool predict = predictor_weight.has_value();
-  BASE_MOE_CHECK(T < (int64_t{1} << 20) && H < (int64_t{1} << 24), "router_predict on CUDA: hidden shape ",
+  // T: the simple kernel's grid holds 16 tokens per block row, at most 65535 rows (gridDim.y)
+  BASE_MOE_CHECK(T <= int64_t{65535} * 16 && H < (int64_t{1} << 24), "router_predict on CUDA: hidden shape ",
               hidden.sizes(), " is too large");
   const c10::cuda::CUDAGuard guard(hidden.device());
   Tensor logits = at::empty({T, E}, hidden.options().dtype(at::kFloat));
@@ -208,7 +209,7 @@ SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& rout
   check_route_cost(logits, predict ? OptTensor(log_norms) : std::nullopt, num_groups, cost);
   check_budget_fill(budget, fill);
   check_token_count(logits);
-  const bool fusable = hidden.scalar_type() != at::kFloat && H % 8 == 0 && T > 0 &&
+  const bool fusable = hidden.scalar_type() != at::kFloat && H % 8 == 0 && H < (int64_t{1} << 24) && T > 0 &&
                        T <= kMaxFusedTokens * num_groups && aligned16(hidden.data_ptr()) &&
                        aligned16(router_weight.data_ptr()) &&
                        aligned16(predict ? predictor_weight->data_ptr() : nullptr);

@@ -40,6 +40,7 @@
 // Deterministic (no float atomics; integer counts only), graph-capturable, fixed output shapes. Shapes the kernel
 // does not take (fp32, H % 8 != 0, more than kMaxFusedTokens (16) tokens per group, weight rows that do not fit in
 // shared memory) run the two-kernel path (router_predict + route_select); csrc/select_cuda.cpp falls back.
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -532,15 +533,32 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
   }
 }
 
+// The dynamic shared memory this kernel may take on the device, asked once per device, and its attribute raised to
+// that: kMaxSmemBytes, or less where the device allows less beside the kernel's static shared memory (sm_120 GPUs
+// have clusters and 99 KiB per CTA); 0 for a device ordinal past the memo.
+template <typename T, int EPL, bool GENERIC>
+int smem_limit(int device) {
+  static std::atomic<int> memo[cuda::kMaxDevices];
+  return cuda::once_per_device(memo, device, 0, [&] {
+    auto kernel = select_experts_kernel<T, EPL, GENERIC>;
+    cudaFuncAttributes attributes{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    const int allowed = static_cast<int>(at::cuda::getDeviceProperties(device)->sharedMemPerBlockOptin -
+                                         attributes.sharedSizeBytes);
+    const int limit = std::min(kMaxSmemBytes, allowed);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+    return limit;
+  });
+}
+
 // Largest cluster the device can co-schedule for this kernel (16 needs the non-portable opt-in), 1 if neither 16 nor
 // 8 fits; 0 for a device ordinal past the memo (launch_fused then declines: the two kernels run).
 template <typename T, int EPL, bool GENERIC>
 int max_cluster(size_t smem, int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];
   return cuda::once_per_device(memo, device, 0, [&] {
-    auto kernel = select_experts_kernel<T, EPL, GENERIC>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes));
-    return cuda::largest_cluster(kernel, kThreads, smem);
+    if (smem_limit<T, EPL, GENERIC>(device) < static_cast<int>(smem)) return 1;
+    return cuda::largest_cluster(select_experts_kernel<T, EPL, GENERIC>, kThreads, smem);
   });
 }
 
@@ -553,7 +571,7 @@ bool plan(FusedSelectParams& f, int max_c) {
   int64_t best_bytes = -1;
   for (int rg = 1; rg <= max_c && rg <= std::max(1, E / 8); rg *= 2) {
     const int ec = (E + rg - 1) / rg, rows = ec * (f.predict ? 2 : 1);
-    if (rows * weight_row_stride(H) > kSmemWeightBytes) continue;
+    if (static_cast<int64_t>(rows) * weight_row_stride(H) > kSmemWeightBytes) continue;
     for (int tg = 1; tg * rg <= max_c; tg *= 2) {
       const int tc = (B + tg - 1) / tg;
       if ((tc + rg - 1) / rg > kWarps) continue;  // one warp per token
@@ -589,7 +607,7 @@ bool launch_fused(FusedSelectParams f, int groups, int device, cudaStream_t stre
   const int max_c = max_cluster<T, EPL, GENERIC>(64 * 1024, device);
   if (max_c < 1 || !plan(f, max_c)) return false;
   const size_t smem = static_cast<size_t>(fused_layout(f).total) * 4;
-  if (smem > static_cast<size_t>(kMaxSmemBytes)) return false;
+  if (smem > static_cast<size_t>(smem_limit<T, EPL, GENERIC>(device))) return false;
   const int C = f.token_groups * f.row_groups;
   cuda::launch({dim3(groups * C), dim3(kThreads), smem, stream, C, cuda::selection_pdl()},
                select_experts_kernel<T, EPL, GENERIC>, f);

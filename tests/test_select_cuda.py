@@ -302,6 +302,16 @@ def test_zero_tokens_match_the_cpu_ops():
         ops.route_select(logits.to(DEVICE), routing, budget=2, num_groups=2**31, cost=Cost.ROUTER_SUM)
 
 
+def test_router_predict_token_limit():
+    """The simple GEMV (fp32 here) holds up to 65535 x 16 tokens in its grid; one more is refused, not launched."""
+    T, H, E = 65535 * 16, 8, 8
+    x, W = torch.randn(T, H, device=DEVICE), torch.randn(E, H, device=DEVICE)
+    logits, _ = ops.router_predict(x, W)
+    torch.testing.assert_close(logits[-5:].cpu(), ops.router_predict(x[-5:].cpu(), W.cpu())[0])
+    with pytest.raises(RuntimeError, match="too large"):
+        ops.router_predict(torch.randn(T + 1, H, device=DEVICE), W)
+
+
 def test_route_select_broadcast_log_norms():
     G, B, E, k = 2, 16, 64, 4
     routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
