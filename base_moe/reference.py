@@ -139,7 +139,8 @@ def slot_costs(
     """Cost of each routed slot ``[T, k]`` (fp32)."""
     if cost == Cost.BASE:
         g = torch.gather(log_norms, 1, ids.long().clamp(max=log_norms.shape[1] - 1))
-        return weights * weights * torch.exp(2.0 * g)
+        w2 = weights * weights
+        return torch.where(w2 == 0, 0.0, w2 * torch.exp(2.0 * g))  # squared weight 0: cost 0, never 0 x inf
     if cost == Cost.ROUTER_SQ:
         return weights * weights
     if cost == Cost.FREQUENCY:

@@ -25,7 +25,8 @@ class Cost(enum.IntEnum):
     """What one routed (token, expert) slot contributes to the expert's batch cost D."""
 
     BASE = 0
-    """w^2 * exp(2 g): predicted removal error (``static_energy``/``oracle`` pass other log-norms)."""
+    """w^2 * exp(2 g): predicted removal error (``static_energy``/``oracle`` pass other log-norms); 0 where w^2 is 0 in
+    fp32, whatever g (not 0 x inf)."""
     ROUTER_SUM = 1
     """w (XShare's objective)."""
     ROUTER_SQ = 2

@@ -164,8 +164,10 @@ void route_all(const Tensor& logits, const OptTensor& correction_bias, const Rou
 
 float slot_cost(Cost cost, float w, float log_norm) {
   switch (cost) {
-    case Cost::kBase:
-      return w * w * std::exp(2.0f * log_norm);
+    case Cost::kBase: {  // a slot of squared weight 0 costs 0, never 0 x inf (log-norms above ~44)
+      const float w2 = w * w;
+      return w2 == 0.0f ? 0.0f : w2 * std::exp(2.0f * log_norm);
+    }
     case Cost::kRouterSq:
       return w * w;
     case Cost::kFrequency:

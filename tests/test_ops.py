@@ -181,23 +181,40 @@ def test_route_select_matches_reference(device, E, k, routing, cost, fill, G, B,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_route_select_ranks_nan_base_costs_like_the_reference(device):
-    """A slot of weight exactly 0 (its softmax underflows) on an expert whose log-norm is above ~44 has the base cost
-    0 x inf = NaN. The op ranks NaN batch costs as the reference (torch.sort) does: first, ties to the lower index.
-    (On the CPU an invalid comparator had ranked them.)"""
-    G, B, E, k = 2, 5, 8, 2
+@pytest.mark.parametrize("tokens_per_group", [5, 40, 100])
+@pytest.mark.parametrize("second_logit,second_cost", [(150.0, 0.0), (240.0, 0.0), (260.0, float("inf"))])
+def test_base_cost_of_tiny_weights_on_huge_log_norms(device, tokens_per_group, second_logit, second_cost):
+    """Every token routes expert 6 (logit 300: weight 1, log-norm 0, cost 1) and experts 0 and 3 (second_logit,
+    log-norm 50: exp(2 x 50) = inf in fp32). Their weight is 0 (gap 150), or ~1e-26 with a square of 0 (gap 60): the
+    slots cost 0, not 0 x inf = NaN. At gap 40 the square is ~2e-35 and the cost inf, which ranks first, ties to the
+    lower index. Through route_select (several of its CUDA instances, by tokens per group) and select_experts (logits
+    and log-norms made by the GEMV)."""
+    G, E, H, k = 2, 8, 64, 3
+    T = G * tokens_per_group
     routing = Routing(k, Scoring.SOFTMAX)
-    logits = torch.randn(G * B, E, generator=torch.Generator().manual_seed(0)).to(device)
-    logits[torch.arange(G * B), torch.arange(G * B) % 4] = 5.0  # second choices: four experts in each group
-    logits[:, 6] = 300.0  # so every token's second slot has weight 0
-    log_norms = torch.full((G * B, E), 50.0, device=device)  # exp(2 x 50) = inf
-    routed, _, exp_D = ref.route_cost(logits.cpu(), log_norms.cpu(), None, G, routing, Cost.BASE)
-    assert (exp_D.isnan().sum(dim=1) == 4).all()
-    union = ref.routed_union(routed, G, E)
-    for budget in (1, 3, E):
-        _, _, kept, _, D = ops.route_select(logits, routing, budget=budget, num_groups=G, log_norms=log_norms)
-        assert torch.equal(D.cpu().isnan(), exp_D.isnan())
-        assert torch.equal(kept.cpu(), ref.keep_experts(exp_D, union, budget))
+    x = torch.ones(T, H, dtype=torch.bfloat16, device=device)
+    wr = torch.zeros(E, H, dtype=torch.bfloat16, device=device)
+    wr[6] = 300.0 / H  # exact in bf16, as are the second logits / H: the logits are exactly these values
+    wr[[0, 3]] = second_logit / H
+    wp = torch.zeros(E, H, dtype=torch.bfloat16, device=device)
+    bp = torch.full((E,), 50.0, device=device)
+    bp[6] = 0.0
+    logits, log_norms = ops.router_predict(x, wr, None, wp, bp)
+    expected_D = torch.zeros(G, E)
+    expected_D[:, 6] = tokens_per_group
+    expected_D[:, [0, 3]] = second_cost
+    union = torch.zeros(G, E, dtype=torch.bool)
+    union[:, [0, 3, 6]] = True
+    _, _, ref_D = ref.route_cost(logits.cpu(), log_norms.cpu(), None, G, routing, Cost.BASE)
+    assert torch.equal(ref_D, expected_D)
+    for budget in (1, 2, E):
+        expected_kept = ref.keep_experts(expected_D, union, budget)
+        fused = ops.route_select(logits, routing, budget=budget, num_groups=G, log_norms=log_norms)
+        selected = ops.select_experts(x, wr, routing, budget=budget, num_groups=G, predictor_weight=wp,
+                                      predictor_bias=bp)
+        for kept, D in ((fused[2], fused[4]), (selected[4], selected[6])):
+            assert torch.equal(D.cpu(), expected_D)
+            assert torch.equal(kept.cpu(), expected_kept)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -310,8 +310,10 @@ __device__ __forceinline__ float thread_add_nonzero_in_order(float d, const floa
 
 __device__ __forceinline__ float slot_cost(int cost, float w, float log_norm) {
   switch (static_cast<Cost>(cost)) {
-    case Cost::kBase:
-      return w * w * expf(2.0f * log_norm);
+    case Cost::kBase: {  // a slot of squared weight 0 costs 0, never 0 x inf (log-norms above ~44)
+      const float w2 = w * w;
+      return w2 == 0.0f ? 0.0f : w2 * expf(2.0f * log_norm);
+    }
     case Cost::kRouterSq:
       return w * w;
     case Cost::kFrequency:
