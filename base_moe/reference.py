@@ -244,8 +244,7 @@ def fill(
     kept_weights = torch.where(torch.gather(survives, 1, order), torch.gather(weights, 1, order), 0.0)
     if fill_rule == Fill.DROP_RENORM:
         kept_total = kept_weights.sum(dim=-1, keepdim=True)
-        scale = torch.where(kept_total > 0, weights.sum(dim=-1, keepdim=True) / kept_total, 0.0)
-        kept_weights = kept_weights * scale
+        kept_weights = renormalised(kept_weights, weights.sum(dim=-1, keepdim=True), kept_total)
     return ids.to(torch.int32), kept_weights
 
 

@@ -272,7 +272,8 @@ void fill_tokens(const Tensor& logits, const OptTensor& correction_bias, const R
       }
       if (fill == Fill::kDropRenorm) {
         const float scale = kept_total > 0.0f ? total / kept_total : 0.0f;
-        for (int64_t j = 0; j < k; ++j) w[j] *= scale;
+        // a tiny kept total overflows the scale to inf: divide first there (as reference.renormalised)
+        for (int64_t j = 0; j < k; ++j) w[j] = std::isinf(scale) ? w[j] / kept_total * total : w[j] * scale;
       }
     }
   });

@@ -586,6 +586,35 @@ def test_non_finite_batch_costs_rank_like_the_reference(device):
         assert values[0] == values[0] or kept_ref[0, 0] == 5  # a NaN cost ranks first
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_drop_renorm_of_subnormal_kept_weights(device):
+    """Every token routes experts 7, 1 and 2 (logits 200, 100, 99; scaling 2.5: weights 2.5, ~9e-44, ~3e-44, the last
+    two subnormal); the frequency cost ties them, so a budget of 2 keeps experts 1 and 2 and drops every token's top-1.
+    drop_renorm scales the kept weights back to the routed total: total / kept_total overflows to inf there, and the
+    weights must come out finite, in proportion, summing to the total. Compared with the op's own routed weights (two
+    devices' exp of a subnormal result may differ by an ulp, which is a few percent here)."""
+    T, E, k = 6, 8, 3
+    routing = Routing(k, Scoring.SOFTMAX, scaling=2.5)
+    logits = torch.zeros(T, E)
+    logits[:, 7], logits[:, 1], logits[:, 2] = 200.0, 100.0, 99.0
+    logits = logits.to(device)
+    _, routed_weights, _ = ops.route_cost(logits, routing, cost=Cost.FREQUENCY)
+    routed_weights = routed_weights.cpu()
+    assert (routed_weights[:, 1:] > 0).all() and (routed_weights[:, 1:] < torch.finfo(torch.float32).tiny).all()
+    total = routed_weights.sum(dim=1, keepdim=True)
+    expected = torch.cat([routed_weights[:, 1:] / routed_weights[:, 1:].sum(dim=1, keepdim=True) * total,
+                          torch.zeros(T, 1)], dim=1)
+    fused = ops.route_select(logits, routing, budget=2, cost=Cost.FREQUENCY, fill=Fill.DROP_RENORM)
+    staged = ops.select_fill(logits, fused[4], routing, budget=2, fill=Fill.DROP_RENORM)
+    ref_ids, ref_weights = ref.select_fill(logits.cpu(), fused[4].cpu(), None, routing, 2, Fill.DROP_RENORM)[:2]
+    for ids, weights, kept in (fused[:3], staged[:3]):
+        assert torch.equal(kept.cpu(), torch.tensor([[1, 2]], dtype=torch.int32))
+        assert torch.equal(ids.cpu(), torch.tensor([[1, 2, E]] * T, dtype=torch.int32))
+        assert torch.equal(ids.cpu(), ref_ids)
+        torch.testing.assert_close(weights.cpu(), expected, rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(weights.cpu(), ref_weights, rtol=0.15, atol=0.0)
+
+
 def test_mixed_devices_raise():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU to mix devices")

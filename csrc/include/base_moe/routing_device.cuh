@@ -444,7 +444,8 @@ __device__ __forceinline__ void fill_token(const SelectParams& p, const Token<EP
   const unsigned below = (1u << lane) - 1u;
   slot = survives ? __popc(mask & below) : __popc(mask) + __popc(~mask & below);
   id = survives ? s.slot_id : E;
-  weight = survives ? s.slot_weight * scale : 0.0f;
+  // a tiny kept total overflows the scale to inf: divide first there (as reference.renormalised)
+  weight = survives ? (isinf(scale) ? s.slot_weight / kept_total * total : s.slot_weight * scale) : 0.0f;
 }
 
 }  // namespace routing_device
