@@ -491,7 +491,8 @@ def test_reference_sigmoid_ties_go_to_the_lower_index():
         assert torch.equal(ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM)[0], first_two), value
 
 
-def test_sigmoid_rounds_like_the_reference(device="cpu"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sigmoid_rounds_like_the_reference(device):
     """The ops' sigmoid scores and weights are reference.sigmoid's, bit for bit: with fp32 1 / (1 + exp(-x)) (two
     roundings) two logits 3e-5 apart tie to the lower index, and DeepSeek group scores equal in exact math
     (s(2) + s(-2), s(1) + s(-1)) pick another group than the reference's."""

@@ -27,10 +27,6 @@ struct Token {
   float slot_weight;
 };
 
-__device__ __forceinline__ float sigmoid(float x) {
-  return 1.0f / (1.0f + expf(-x));
-}
-
 // The scoring mode an instance routes by: the model's, or softmax where GENERIC = false (the caller knows the model
 // scores by softmax, and the other modes' code is left out).
 template <bool GENERIC>
