@@ -109,7 +109,8 @@ def torch_select(x, W_cat, b_cat, routing: Routing, bias, E: int, budget: int):
     logits, log_norms = out[:, :E], out[:, E:]
     scores = routing_scores(logits, routing, bias)  # once for the routing and the backfill
     ids, w = torch_routing(logits, routing, bias, scores=scores)
-    cost = w * w * torch.exp(2.0 * log_norms.gather(1, ids))
+    w2 = w * w
+    cost = torch.where(w2 == 0, 0.0, w2 * torch.exp(2.0 * log_norms.gather(1, ids)))  # as the ops: never 0 x inf
     D = torch.zeros(1, E, device=x.device).scatter_add_(1, ids.view(1, -1), cost.view(1, -1))
     union = torch.zeros(1, E, dtype=torch.bool, device=x.device).scatter_(1, ids.view(1, -1), True)
     top = torch.where(union, D, -1.0).topk(min(budget, E), dim=-1)
