@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -437,6 +438,11 @@ def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None
     )
 
 
+# blocks whose probe run passed -> whether they return a tuple: apply() detects the layouts more than once (its own
+# pass, the predictors' checks), and each probe runs the block's experts twice, which an offloaded model pays in loads
+_VERIFIED_BLOCKS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
 def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
     """Whether the block's forward returns ``(hidden, router_scores)``. Run once, in eval mode, on a few probe
     tokens, and verified: the block's output must be what base_moe computes from the router's own choices (its
@@ -446,6 +452,8 @@ def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
     if weight.device.type == "meta":
         return False
     block = layout.block
+    if block in _VERIFIED_BLOCKS:
+        return _VERIFIED_BLOCKS[block]
     generator = torch.Generator().manual_seed(1)
     probe = torch.randn(1, 4, layout.hidden_size, generator=generator).to(device=weight.device, dtype=layout.dtype)
     forward = getattr(type(block), "_base_moe_original_class", type(block)).forward
@@ -479,4 +487,5 @@ def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
             f"experts (relative difference {relative:.3g} on a probe); "
             "base_moe does not understand how this block combines them."
         )
-    return isinstance(out, tuple)
+    _VERIFIED_BLOCKS[block] = isinstance(out, tuple)
+    return _VERIFIED_BLOCKS[block]

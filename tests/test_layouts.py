@@ -312,3 +312,34 @@ def test_cohere2_moe_averaging_its_shared_expert_is_refused():
     assert [lay.shared_names for lay in find_moe_layouts(model("sum"))] == [("shared_experts",)]
     with pytest.raises(MoELayoutError, match="'model.layers.0.mlp'.*not the weighted sum"):
         find_moe_layouts(model("average"))
+
+
+def test_probe_check_runs_in_eval_mode_and_restores_training_flags():
+    """The probe check compares the block's output with a recomputation: it must run in eval mode (dropout, router
+    jitter) and leave every module's training flag as it found it (here: mixed)."""
+    block = _SharedBlock(average=False)
+    block.shared_experts.insert(1, nn.Dropout(0.5))
+    model = _Model(block).train()
+    block.experts.eval()
+    flags = [module.training for module in model.modules()]
+    (lay,) = find_moe_layouts(model)
+    assert lay.shared_names == ("shared_experts",)
+    assert [module.training for module in model.modules()] == flags
+
+
+def test_each_block_is_probed_once():
+    """The probe runs a block's experts twice; apply() detects the layouts several times (its own pass and the
+    predictors' checks), which must not run the probe again: on an offloaded model every run loads the experts."""
+    from hf_models import StandInPredictors, tiny_model
+
+    import base_moe
+
+    model = tiny_model("qwen3_moe")
+    calls = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts"):
+            module.register_forward_pre_hook(lambda *args: calls.append(1))
+    layers = len(find_moe_layouts(model))
+    assert len(calls) == 2 * layers  # the block's own forward and the recomputation it is checked against
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
+    assert len(calls) == 2 * layers
