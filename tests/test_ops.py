@@ -513,8 +513,9 @@ def test_sigmoid_rounds_like_the_reference(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sigmoid_of_logits_whose_exp_overflows_scores_zero(device):
-    """Below about -88.72, exp(-x) overflows fp32 and the ops' 1 / (1 + exp(-x)) is 0: those experts tie and rank by
-    index, in the reference as in the ops, behind every expert whose score is above 0; their weights are 0."""
+    """Below about -88.72, exp(-x) overflows fp32 and the ops' sigmoid is 0, as fp32 1 / (1 + exp(-x)) is: those
+    experts tie and rank by index, in the reference as in the ops, behind every expert whose score is above 0; their
+    weights are 0."""
     routing = Routing(3, Scoring.SIGMOID, renormalize=True)
     g = torch.Generator().manual_seed(0)
     logits = -89.0 - 10.0 * torch.rand(16, 12, generator=g)  # every score 0: ids 0, 1, 2

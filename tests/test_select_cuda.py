@@ -231,7 +231,7 @@ def test_route_cost(case):
         assert_weights_close(weights, w_ref)
         torch.testing.assert_close(D, D_ref, rtol=1e-4, atol=1e-6)
         # the kernel sums in token order: slot costs computed exactly like torch give D bit for bit
-        # (torch's CUDA sigmoid is 1 / (1 + expf(-x)), as in the kernel)
+        # (the kernel's sigmoid is reference.sigmoid's, bit for bit: routing.h)
         exact_costs = cost == Cost.FREQUENCY or (
             DEVICE == "cuda" and routing.scoring == Scoring.SIGMOID and not routing.renormalize and routing.scaling == 1.0
             and cost in (Cost.ROUTER_SUM, Cost.TOP1_UNION)
