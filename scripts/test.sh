@@ -11,3 +11,9 @@ BUILD_DIR="${BASE_MOE_CMAKE_BUILD:-$REPO/build_cmake}"
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_PREFIX_PATH="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
 cmake --build "$BUILD_DIR" -j "$(nproc)"  # (ninja's progress lines; compiler errors also go to stdout)
 "$BUILD_DIR/base_moe_smoke"
+# the installed package, as a C++ user's project finds it (find_package(base_moe), examples/cpp/CMakeLists.txt)
+cmake --install "$BUILD_DIR" --prefix "$BUILD_DIR/install" >/dev/null
+cmake -S examples/cpp -B "$BUILD_DIR/consumer" -G Ninja \
+  -DCMAKE_PREFIX_PATH="$BUILD_DIR/install;$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
+cmake --build "$BUILD_DIR/consumer" -j "$(nproc)"
+"$BUILD_DIR/consumer/base_moe_smoke"
