@@ -105,10 +105,15 @@ class RidgeAccumulator:
         C = A[:H, :H] - n * torch.outer(mean_x, mean_x)
         Cxy = B[:H] - n * torch.outer(mean_x, mean_y)
         variance = torch.diagonal(C).clamp_min(0)
-        variance = variance.clamp_min(1e-6 * float(variance.mean()))  # constant features: keep the system solvable
-        scale = variance.rsqrt()  # solve in standardised coordinates (unit diagonal): better conditioned
-        system = C * scale[:, None] * scale[None, :]
+        # A feature is constant when its centred sum of squares is at the fp64 rounding level of its raw one; it
+        # carries no information once centred and gets weight 0. Every other feature is standardised by its own
+        # variance, however small next to the others' (a floor relative to the mean variance would raise the
+        # penalty of the ordinary dimensions whenever a few massive ones dominate the mean).
+        constant = variance <= 1e-10 * torch.diagonal(A)[:H]
+        scale = torch.where(constant, 0.0, variance.clamp_min(torch.finfo(torch.float64).tiny).rsqrt())
+        system = C * scale[:, None] * scale[None, :]  # standardised coordinates (unit diagonal): better conditioned
         system.diagonal().add_(ridge)
+        system.diagonal()[constant] = 1.0  # their rows, columns and right-hand sides are 0: weight 0
         factor, info = torch.linalg.cholesky_ex(system)
         if int(info.item()) != 0:
             raise ValueError(
@@ -219,7 +224,8 @@ def calibrate(
         device: where input ids are sent; defaults to the device of the model's input embeddings. The sums
             of each layer live on the device of that layer's inputs.
         ridge_sweep: other ridge values to fit from the same sums, for choosing ``ridge``: their held-out R^2
-            per layer go to ``.stats["r2_by_ridge"]`` (not saved); the predictors use ``ridge``.
+            per layer go to ``.stats["r2_by_ridge"]`` (not saved; NaN where that ridge's system is singular);
+            the predictors use ``ridge``.
 
     Returns a :class:`Predictors`; ``.r2`` holds each layer's held-out R^2 and ``.stats`` the time and peak
     memory of the run. The result depends only on the model, the tokens and these options (fixed split, fp64
@@ -334,7 +340,10 @@ def calibrate_layouts(
         i = layout.layer_index
         fit = sums[i].fit(ridge)
         for r in ridge_sweep:
-            r2_by_ridge.setdefault(r, {})[i] = sums[i].fit(r).r2
+            try:
+                r2_by_ridge.setdefault(r, {})[i] = sums[i].fit(r).r2
+            except ValueError:  # a swept value too small for these tokens: no fit there, not a failed calibration
+                r2_by_ridge.setdefault(r, {})[i] = math.nan
         fits[i] = fit
         weight[i], bias[i], mean[i] = fit.weight.float().cpu(), fit.bias.float().cpu(), fit.mean_target.float().cpu()
         expert_r2[i], r2[i] = fit.expert_r2.float().cpu(), fit.r2

@@ -96,6 +96,31 @@ def test_ridge_is_invariant_to_feature_scales():
     assert fits[1].r2 == pytest.approx(fits[0].r2, abs=1e-9)
 
 
+def test_ridge_is_invariant_to_feature_scales_when_one_dimension_dwarfs_the_rest():
+    """Massive activations: one dimension 2^20 times larger must not change the penalty of the others."""
+    x, y, _, _ = planted(2000, 16, 3, noise=0.1)
+    s = torch.ones(16, dtype=torch.float64)
+    s[0] = 2.0**20
+    fits = []
+    for features in (x.double(), x.double() * s):
+        acc = RidgeAccumulator(16, 3)
+        acc.add(features, y, torch.arange(2000) % 5 == 0)
+        fits.append(acc.fit(ridge=1e-3))
+    torch.testing.assert_close(fits[1].weight * s, fits[0].weight)
+    torch.testing.assert_close(fits[1].bias, fits[0].bias)
+    assert fits[1].r2 == pytest.approx(fits[0].r2, abs=1e-9)
+
+
+def test_constant_features_get_weight_zero():
+    x, y, _, _ = planted(500, 8, 2, noise=0.1)
+    xc = torch.cat([x, torch.full((500, 1), 7.0), torch.zeros(500, 1)], dim=1)
+    for ridge in (0.0, 1e-3):
+        acc = RidgeAccumulator(10, 2)
+        acc.add(xc, y)
+        fit = acc.fit(ridge=ridge)
+        assert bool(torch.isfinite(fit.weight).all()) and fit.weight[:, 8:].abs().max() == 0
+
+
 def test_singular_system_is_a_clear_error():
     acc = RidgeAccumulator(16, 2)
     acc.add(torch.randn(5, 16), torch.randn(5, 2))
@@ -229,6 +254,15 @@ def test_calibrate_rejects_bad_options():
     for empty in ([], iter(())):
         with pytest.raises(ValueError, match="input_ids holds no sequences"):
             calibrate_layouts(model, layouts, empty, progress=False)
+
+
+def test_a_singular_ridge_sweep_value_does_not_abort_the_calibration():
+    """Fewer training tokens than features: ridge 0 is singular, the used ridge is not; the sweep reports NaN."""
+    model = tiny_qwen3_moe()
+    ids = torch.randint(0, 256, (10, 2), generator=torch.Generator().manual_seed(0))
+    pred = base_moe.calibrate(model, ids, ridge=1e-2, ridge_sweep=[0.0, 1.0], progress=False)
+    assert all(math.isnan(v) for v in pred.stats["r2_by_ridge"][0.0].values())
+    assert all(math.isfinite(v) for v in pred.stats["r2_by_ridge"][1.0].values())
 
 
 def test_calibrate_takes_any_integer_dtype():
