@@ -369,19 +369,7 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(64, layout.hidden_size, generator=generator).to(device=weight.device, dtype=layout.dtype)
     with torch.no_grad():
-        out = _router_forward(layout, probe, where)
-        route = getattr(layout.block, "route_tokens_to_experts", None)
-        if isinstance(out, tuple) and len(out) >= 3:  # (logits, top_k_weights, top_k_index)
-            logits, weights, ids = out[0], out[1], out[2]
-        elif isinstance(out, torch.Tensor) and callable(route):  # logits; the block routes them
-            logits = out
-            first, second = route(logits)
-            ids, weights = (first, second) if not first.is_floating_point() else (second, first)
-        else:
-            raise MoELayoutError(
-                f"{where}: its router '{layout.router_name}' returns neither (logits, top_k_weights, top_k_index) "
-                "nor logits that the block routes with route_tokens_to_experts (the transformers 5.x shapes)."
-            )
+        logits, weights, ids = _router_choices(layout, probe, where)
     logits, weights, ids = logits.float(), weights.float(), ids.long()
     bias = layout.correction_bias()
     for routing in candidates:
@@ -438,6 +426,23 @@ def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None
     )
 
 
+def _router_choices(layout: MoELayout, x: torch.Tensor, where: str | None = None):
+    """The router's own choices on ``x [N, H]``: ``(logits, top_k_weights, top_k_index)``, from its output or, where
+    it returns logits only, from the block's ``route_tokens_to_experts``."""
+    out = _router_forward(layout, x, where)
+    route = getattr(layout.block, "route_tokens_to_experts", None)
+    if isinstance(out, tuple) and len(out) >= 3:  # (logits, top_k_weights, top_k_index)
+        return out[0], out[1], out[2]
+    if isinstance(out, torch.Tensor) and callable(route):  # logits; the block routes them
+        first, second = route(out)
+        ids, weights = (first, second) if not first.is_floating_point() else (second, first)
+        return out, weights, ids
+    raise MoELayoutError(
+        f"{where or layout.name}: its router '{layout.router_name}' returns neither (logits, top_k_weights, "
+        "top_k_index) nor logits that the block routes with route_tokens_to_experts (the transformers 5.x shapes)."
+    )
+
+
 # blocks whose probe run passed -> whether they return a tuple: apply() detects the layouts more than once (its own
 # pass, the predictors' checks), and each probe runs the block's experts twice, which an offloaded model pays in loads
 _VERIFIED_BLOCKS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
@@ -464,12 +469,7 @@ def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
             out = forward(block, probe)
             hidden = _logits_of(out)
             x = probe.reshape(-1, layout.hidden_size)
-            routed = _router_forward(layout, x, where)
-            if isinstance(routed, tuple) and len(routed) >= 3:
-                weights, ids = routed[1], routed[2]
-            else:
-                first, second = block.route_tokens_to_experts(_logits_of(routed))
-                ids, weights = (first, second) if not first.is_floating_point() else (second, first)
+            _, weights, ids = _router_choices(layout, x, where)
             expected = layout.routed_experts(x, ids.long(), weights)
             shared = layout.shared_output(x)
             if shared is not None:
