@@ -283,10 +283,11 @@ def main() -> None:
         non_moe = {}  # the step with the MoE blocks skipped, per residual add + norm (the model's, base_moe's)
         for name in variants:
             configure_variant(model, name, predictors)
-            if runs_base_moe_norm(name) not in non_moe:
-                non_moe[runs_base_moe_norm(name)] = time_decode(model, batch, args.prompt, args.decode, args.repeats,
-                                                                skip_moe=True, compile_attention=compile_attention)
-            attention_only = non_moe[runs_base_moe_norm(name)]
+            norm_kind = runs_base_moe_norm(name)
+            if norm_kind not in non_moe:
+                non_moe[norm_kind] = time_decode(model, batch, args.prompt, args.decode, args.repeats, skip_moe=True,
+                                                 compile_attention=compile_attention)
+            attention_only = non_moe[norm_kind]
             step = time_decode(model, batch, args.prompt, args.decode, args.repeats,
                                compile_attention=compile_attention, compile_moe=name == "hf_grouped_mm_compiled")
             row = dict(batch=batch, variant=name, step_ms=step * 1e3, tokens_per_s=batch / step,
