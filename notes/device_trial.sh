@@ -143,7 +143,7 @@ for step in "$@"; do
     e2e) timeout 200 python3 benchmarks/bench_e2e.py --repeats 2 --json $OUT/bench_e2e.json > $OUT/e2e.log 2>&1; tail -25 $OUT/e2e.log;;
     # BASE M=16 with base_moe's residual add + norm against the model's own (norm='model'), batch 16 and 64; the
     # recompile count says whether dynamo compiled the non-MoE function again for the second variant (it must)
-    e2enorm) TORCH_LOGS=recompiles timeout 200 python3 benchmarks/bench_e2e.py --batches 16,64 --variants base_M16_model_norm --budgets 16 --repeats 2 --json $OUT/bench_e2e_norm.json > $OUT/e2enorm.log 2>&1; echo "recompile lines: $(grep -ci recompil $OUT/e2enorm.log)"; grep -v -i "warn\|recompil" $OUT/e2enorm.log | tail -7;;
+    e2enorm) TORCH_LOGS=recompiles timeout 200 python3 benchmarks/bench_e2e.py --batches ${E2E_BATCHES:-16,64} --variants base_M16_model_norm --budgets 16 --repeats 2 --json $OUT/bench_e2e_norm.json > $OUT/e2enorm.log 2>&1; echo "recompile lines: $(grep -ci recompil $OUT/e2enorm.log)"; grep -v -i "warn\|recompil" $OUT/e2enorm.log | tail -7;;
     e2eeager) timeout 300 python3 benchmarks/bench_e2e.py --non-moe eager --batches 16 --variants base_M16_model_norm --budgets 16 --repeats 2 --json $OUT/bench_e2e_norm_eager.json > $OUT/e2eeager.log 2>&1; tail -5 $OUT/e2eeager.log;;
     # README's main job on the GPU (the testbed through HF's forward with base_moe's CUDA ops; quality table)
     quick) timeout 400 python3 examples/quickstart.py --device cuda --json $OUT/quickstart_cuda.json > $OUT/quickstart_cuda.log 2>&1; echo "rc $?"; grep -v -i warn $OUT/quickstart_cuda.log | tail -24;;
