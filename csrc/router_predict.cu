@@ -37,13 +37,20 @@ __device__ __forceinline__ const T* weight_row(const GemvParams& p, int row) {
                    : static_cast<const T*>(p.predictor_weight) + static_cast<int64_t>(row - p.E) * p.H;
 }
 
-__device__ __forceinline__ void store_output(const GemvParams& p, int token, int row, float acc) {
+// Row `row`'s bias: the router's (0 without one: store_output then adds nothing) or the predictor's; 0 past R.
+__device__ __forceinline__ float row_bias(const GemvParams& p, int row) {
+  if (row >= p.R) return 0.0f;
+  if (row < p.E) return p.router_bias != nullptr ? p.router_bias[row] : 0.0f;
+  return p.predictor_bias[row - p.E];
+}
+
+// The output of (token, row) from its dot product and its row_bias.
+__device__ __forceinline__ void store_output(const GemvParams& p, int token, int row, float acc, float bias) {
   if (row < p.E) {
-    if (p.router_bias != nullptr) acc += p.router_bias[row];
+    if (p.router_bias != nullptr) acc += bias;
     p.logits[static_cast<int64_t>(token) * p.E + row] = acc;
   } else {
-    const int u = row - p.E;
-    p.log_norms[static_cast<int64_t>(token) * p.E + u] = acc + p.predictor_bias[u];
+    p.log_norms[static_cast<int64_t>(token) * p.E + row - p.E] = acc + bias;
   }
 }
 
@@ -136,6 +143,17 @@ __global__ void __launch_bounds__(kMmaThreads) router_predict_mma_kernel(const G
     if (s < stages) load_hidden(s);
     cuda::cp_async_commit();
   }
+  // The biases of this thread's first quad of the reduction below (at most one quad per thread wherever the grid
+  // has clusters of 8 or more), loaded now, after the wait (a bias may come from the kernel just before): their
+  // latency hides behind the k loop. Loaded in the reduction, each waited for the previous output's store (a load
+  // cannot move above a store to memory it may alias): four cold loads in a row on the kernel's tail.
+  constexpr int kQuads = BM * kTileRows / 4;
+  const int first_quad = static_cast<int>(rank) * kMmaThreads + tid;
+  float first_bias[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    first_bias[i] = first_quad < kQuads ? row_bias(p, row_base + (first_quad % (kTileRows / 4)) * 4 + i) : 0.0f;
+  }
 
   float acc[MT][NT][4] = {};
   for (int s = 0; s < stages; ++s) {
@@ -190,11 +208,13 @@ __global__ void __launch_bounds__(kMmaThreads) router_predict_mma_kernel(const G
   cuda::cluster_sync();
   // The cluster's CTAs reduce disjoint 4-row groups of the tile over all CTAs' slices of H, in rank order.
   const int cluster = p.cluster;
-  constexpr int kQuads = BM * kTileRows / 4;
-  for (int q = static_cast<int>(rank) * kMmaThreads + tid; q < kQuads; q += cluster * kMmaThreads) {
+  for (int q = first_quad; q < kQuads; q += cluster * kMmaThreads) {
     const int tl = q / (kTileRows / 4), rl = (q % (kTileRows / 4)) * 4;
     const int token = tok_base + tl;
     if (token >= p.T) continue;
+    float bias[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bias[i] = q == first_quad ? first_bias[i] : row_bias(p, row_base + rl + i);
     float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int c = 0; c < cluster; ++c) {
       const float4 v = *reinterpret_cast<const float4*>(cuda::cluster_map(&partial[tl][rl], c));
@@ -206,7 +226,7 @@ __global__ void __launch_bounds__(kMmaThreads) router_predict_mma_kernel(const G
     const float sums[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (row_base + rl + i < p.R) store_output(p, token, row_base + rl + i, sums[i]);
+      if (row_base + rl + i < p.R) store_output(p, token, row_base + rl + i, sums[i], bias[i]);
     }
   }
   cuda::cluster_sync();  // keep this CTA's shared memory alive until the others have read it
@@ -228,7 +248,7 @@ __global__ void __launch_bounds__(256) router_predict_simple_kernel(const GemvPa
     float acc = 0.0f;
     for (int k = lane; k < p.H; k += 32) acc = fmaf(cuda::to_float(x[k]), cuda::to_float(w[k]), acc);
     acc = cuda::warp_sum(acc);
-    if (lane == 0) store_output(p, t, row, acc);
+    if (lane == 0) store_output(p, t, row, acc, row_bias(p, row));
   }
 }
 
