@@ -641,3 +641,63 @@ def test_ops_carry_no_autograd_history():
     added, total = ops.add_rms_norm(x, torch.randn(5, 64, requires_grad=True), torch.ones(64), 1e-6)
     assert out.grad_fn is None and logits.grad_fn is None and normed.grad_fn is None
     assert added.grad_fn is None and total.grad_fn is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k,routing", ROUTINGS)
+@pytest.mark.parametrize("shift", [-120.0, 120.0])
+def test_shifted_logits_match_reference(device, E, k, routing, shift):
+    """Softmax is shift-invariant: logits around +-120 (exp over- or underflows fp32 unless the row's max is
+    subtracted first) route and weigh as the reference does, in the model's routing and in backfill."""
+    if routing.scoring == Scoring.SIGMOID:
+        pytest.skip("sigmoid saturates: no shift invariance to test")
+    G, B = 2, 6
+    gen = torch.Generator().manual_seed(E * 100 + k)
+    logits = (torch.randn(G * B, E, generator=gen) * 2.0 + shift).to(device)
+    ids, weights, _ = ops.route_cost(logits, routing, num_groups=G, cost=Cost.ROUTER_SUM)
+    exp_ids, exp_weights, _ = ref.route_cost(logits.cpu(), None, None, G, routing, Cost.ROUTER_SUM)
+    assert torch.equal(ids.cpu(), exp_ids)
+    torch.testing.assert_close(weights.cpu(), exp_weights, atol=1e-6, rtol=1e-5)
+    D = torch.rand(G, E, generator=gen).to(device)
+    out = ops.select_fill(logits, D, routing, budget=max(1, E // 4), fill=Fill.BACKFILL)
+    exp = ref.select_fill(logits.cpu(), D.cpu(), None, routing, max(1, E // 4), Fill.BACKFILL)
+    assert torch.equal(out[0].cpu(), exp[0]) and torch.equal(out[2].cpu(), exp[2])
+    torch.testing.assert_close(out[1].cpu(), exp[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_routing_and_shape_arguments_raise_clear_errors(device):
+    """Argument checks of csrc/checks.cpp that test_bad_arguments_raise_clear_errors does not reach."""
+    logits = torch.randn(8, 16, device=device)
+    sigmoid = Scoring.SIGMOID
+    cases = [
+        (lambda: ops.route_cost(torch.randn(8, 16, device=device), Routing(2, sigmoid, n_group=16, topk_group=4),
+                                cost=Cost.ROUTER_SUM), "each expert group needs at least 2 experts"),
+        (lambda: ops.route_cost(logits, Routing(6, sigmoid, n_group=4, topk_group=1), cost=Cost.ROUTER_SUM),
+         "cannot hold top_k=6"),
+        (lambda: ops.route_cost(logits, Routing(2, sigmoid, n_group=4, topk_group=5), cost=Cost.ROUTER_SUM),
+         "topk_group must be in"),
+        (lambda: ops.route_cost(logits, Routing(2, sigmoid), cost=Cost.ROUTER_SUM,
+                                correction_bias=torch.zeros(15, device=device)), "correction_bias must have shape"),
+        (lambda: ops.router_predict(torch.randn(4, 32, device=device), torch.randn(16, 32, device=device),
+                                    torch.zeros(17, device=device)), "router_bias must have shape"),
+        (lambda: ops.route_cost(logits, Routing(2), log_norms=torch.randn(16, 8, device=device).t()),
+         "log_norms must be contiguous along experts"),
+        (lambda: ops.route_cost(torch.randn(4, 513, device=device), Routing(2), cost=Cost.ROUTER_SUM),
+         "logits must have 1 to 512 experts"),
+        (lambda: ops.route_cost(logits, Routing(2, 3), cost=Cost.ROUTER_SUM), "scoring must be 0"),
+        (lambda: ops.route_select(logits, Routing(2), budget=0, cost=Cost.ROUTER_SUM), "budget must be >= 1"),
+        (lambda: ops.route_select(logits, Routing(2), budget=2, cost=Cost.ROUTER_SUM, fill=3), "fill must be 0"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+def test_experts_rejects_out_of_range_ids_on_cpu():
+    x, ids, weights, gate_up, down = random_expert_problem(4, 64, 32, 4, 2, "cpu", torch.float32, drop_fraction=0.0)
+    for bad in (-1, 5):
+        bad_ids = ids.clone()
+        bad_ids[2, 1] = bad
+        with pytest.raises(RuntimeError, match="expert_ids must be in \\[0, 4\\]"):
+            ops.experts(x, bad_ids, weights, gate_up, down)
