@@ -337,3 +337,55 @@ def test_calibrate_every_supported_family(family):
         assert all(torch.equal(again.weight[i], predictors.weight[i]) for i in layers)
     finally:
         base_moe.restore(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases found by mutation testing
+# ---------------------------------------------------------------------------------------------
+def test_constant_features_off_the_binary_grid_get_weight_zero():
+    """A constant like 0.1 is not exact in binary: its centred sum of squares is a rounding residue, not exactly 0.
+    It must still count as constant (weight 0), and the fit must be the one without it."""
+    x, y, _, _ = planted(500, 8, 2, noise=0.1)
+    held = torch.arange(500) % 5 == 0
+    plain = RidgeAccumulator(8, 2)
+    plain.add(x, y, held)
+    expected = plain.fit(ridge=1e-3)
+    consts = torch.tensor([0.1, 3.7, 12.3]).expand(500, 3)
+    acc = RidgeAccumulator(11, 2)
+    acc.add(torch.cat([x, consts], dim=1), y, held)
+    fit = acc.fit(ridge=1e-3)
+    assert fit.weight[:, 8:].abs().max() == 0
+    torch.testing.assert_close(fit.weight[:, :8], expected.weight)
+    torch.testing.assert_close(fit.bias, expected.bias)
+    assert fit.r2 == pytest.approx(expected.r2, abs=1e-9)
+
+
+class _CurvedLayout(PlantedLayout):
+    """Log-norms that are not linear in z: the fit (and its R^2) depends on which rows it was trained on."""
+
+    def expert_output(self, x: torch.Tensor, u: int) -> torch.Tensor:
+        return self.block.expert_output(x, u) * (1.0 + 4.0 * x[..., :1] ** 2)
+
+
+def test_held_out_rows_are_the_tokens_of_the_held_out_sequences():
+    """Sequence i's tokens are rows i*S .. i*S+S-1 of the block input: exactly those rows are held out."""
+    torch.manual_seed(0)
+    model = PlantedModel(layers=1)
+    layout = _CurvedLayout(0, model.blocks[0])
+    ids = torch.randint(0, 256, (10, 8), generator=torch.Generator().manual_seed(3))
+    predictors = calibrate_layouts(model, [layout], ids, batch_size=10, ridge=1e-2, holdout=0.2, progress=False)
+    captured = []
+    handle = model.blocks[0].register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    x = captured[0].reshape(-1, layout.hidden_size)
+    held = torch.tensor([4, 9]).repeat_interleave(8) * 8 + torch.arange(8).repeat(2)  # sequences 4 and 9
+    mask = torch.zeros(80, dtype=torch.bool)
+    mask[held] = True
+    acc = RidgeAccumulator(layout.hidden_size, layout.num_experts)
+    acc.add(x, base_moe.layouts.expert_log_norms(layout, x), mask)
+    fit = acc.fit(ridge=1e-2)
+    torch.testing.assert_close(predictors.weight[0], fit.weight.float())
+    torch.testing.assert_close(predictors.bias[0], fit.bias.float())
+    assert predictors.r2[0] == pytest.approx(fit.r2, abs=1e-6) and fit.r2 < 0.999

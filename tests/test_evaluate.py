@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import warnings
 
@@ -28,6 +29,7 @@ from base_moe.evaluate import (
     make_batches,
     plot,
 )
+from base_moe.policies import get_policy
 
 B, S, P, N = 4, 12, 3, 2
 _MODEL = {}
@@ -321,3 +323,37 @@ def test_git_commit_ignores_a_repository_around_an_installed_copy(tmp_path, monk
     assert git_commit(str(site)) is None
     head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert git_commit(str(tmp_path)) == head.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases found by mutation testing
+# ---------------------------------------------------------------------------------------------
+def test_standard_error_of_the_per_batch_increase(result):
+    for r in result["results"]:
+        deltas = [b - d for b, d in zip(r["bits_per_batch"], result["dense"]["bits_per_batch"])]
+        assert len(deltas) == N
+        assert r["delta_bits_stderr"] == pytest.approx(statistics.stdev(deltas) / math.sqrt(N), rel=1e-9, abs=1e-15)
+
+
+def test_a_byte_level_model_reports_bits_per_byte():
+    model = tiny_model("qwen3_moe", vocab_size=256)
+    ids = torch.randint(3, 256, (2 * 6,), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(policies=["oea"], batch=2, seq=6, prefill=2, batches=1, progress=False, energy=False)
+    result = evaluate(model, ids, **kwargs)
+    assert result["unit"] == "bits/byte" and result["model"]["vocab_size"] == 256
+    assert evaluate(model, ids, byte_level=False, **kwargs)["unit"] == "bits/token"
+
+
+def test_a_sequence_as_long_as_the_context_does_not_warn():
+    model, _ = model_and_ids()  # max_position_embeddings 64
+    ids = torch.randint(3, 64, (64,), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluate(model, ids, policies=["oea"], batch=1, seq=64, prefill=P, batches=1, progress=False, energy=False)
+
+
+def test_a_policy_named_twice_runs_once():
+    model, ids = model_and_ids()
+    result = evaluate(model, ids, policies=["router_sum", "oea", get_policy("router_sum"), "oea"], budgets=[2, 2],
+                      batch=2, seq=6, prefill=2, batches=1, progress=False, energy=False)
+    assert sorted((r["policy"], r["budget"] or 0) for r in result["results"]) == [("oea", 0), ("router_sum", 2)]

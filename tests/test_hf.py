@@ -756,3 +756,124 @@ def test_cuda_generate_static_cache_compiled():
     assert counters["stats"]["unique_graphs"] >= 1, "generate() did not compile the decode step"
     assert compiled.shape == eager.shape and torch.equal(compiled[:, :6], eager[:, :6])
     assert (compiled == eager).float().mean() >= 0.75
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Edge cases found by mutation testing
+# ---------------------------------------------------------------------------------------------------------------
+def test_dense_positions_past_the_sequence_run_the_model():
+    """group_by='position' with dense_positions >= S (a decode step [B, 1, H] after the prompt's dense positions):
+    every position is dense, the model's own block."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, budget=1, policy="router_sq", group_by="position", dense_positions=3)
+    layout = moe_layouts(model)[0]
+    for seq in (1, 2, 3):
+        hidden = block_input(layout, batch=5, seq=seq)
+        with torch.no_grad():
+            expected = type(layout.block)._base_moe_original_class.forward(layout.block, hidden)
+        assert torch.equal(run_block(layout, hidden), expected)
+
+
+def test_position_groups_return_router_scores_in_token_order():
+    """GPT-OSS's block returns (hidden, router_scores [B*S, k]) in token order; group_by='position' computes position
+    after position and must hand the scores back in token order."""
+    model = fresh("gpt_oss")
+    base_moe.apply(model, budget=2, policy="router_sq")
+    layout = moe_layouts(model)[0]
+    B, S = 5, 4
+    hidden = block_input(layout, batch=B, seq=S)
+    with torch.no_grad():
+        per_position = [layout.block(hidden[:, s : s + 1]) for s in range(S)]
+        base_moe.configure(model, group_by="position")
+        out, scores = layout.block(hidden)
+    expected = torch.stack([sc for _, sc in per_position], dim=1).reshape(B * S, -1)
+    torch.testing.assert_close(out, torch.cat([y for y, _ in per_position], dim=1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_kept_budget_does_not_warn_when_the_policy_changes():
+    """The budget warning is for a budget given with a policy that takes none, not for one kept from before."""
+    model = base_moe.apply(fresh("qwen3_moe"), budget=3, policy="router_sum")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        base_moe.configure(model, policy="oea")
+        base_moe.configure(model, fill="drop")
+    assert all(layout.block._base_moe.settings.budget == 3 for layout in moe_layouts(model))
+
+
+def test_configure_clears_the_recorded_selections():
+    """A selection recorded under other settings is not reported as the new settings' one."""
+    model = base_moe.apply(fresh("qwen3_moe"), budget=2, policy="router_sum", record=True)
+    logits_of(model, decode_ids())
+    assert sorted(selections(model)) == [0, 1]
+    base_moe.configure(model, budget=3)
+    assert selections(model) == {}
+    logits_of(model, decode_ids())
+    assert all(int((sel.counts > 0).sum()) <= 3 for sel, _ in selections(model).values())
+
+
+def test_predictor_bias_of_another_shape_is_refused():
+    model = fresh("qwen3_moe")
+    predictors = StandInPredictors(model)
+    predictors.bias = {i: torch.cat([b, b]) for i, b in predictors.bias.items()}
+    with pytest.raises(ValueError, match=r"bias \(16,\).*calibrated for another model"):
+        base_moe.apply(model, predictors=predictors, budget=2, policy="base")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dense_positions=True), "dense_positions must be an int >= 0"),
+    (dict(dense_positions=1.0), "dense_positions must be an int >= 0"),
+    (dict(record=1), "record must be a bool"),
+    (dict(record="yes"), "record must be a bool"),
+])
+def test_option_types_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        base_moe.apply(fresh("qwen3_moe"), budget=2, policy="router_sum", **kwargs)
+
+
+def test_bfloat16_block_returns_router_scores_in_its_dtype():
+    """GPT-OSS's block returns its router scores in the hidden states' dtype; the budgeted block does the same."""
+    model = fresh("gpt_oss", dtype=torch.bfloat16)
+    layout = find_moe_layouts(model)[0]
+    hidden = block_input(layout, batch=4)
+    with torch.no_grad():
+        _, own = layout.block(hidden)
+    base_moe.apply(model, budget=NUM_EXPERTS, policy="router_sq")
+    with torch.no_grad():
+        _, scores = layout.block(hidden)
+    assert own.dtype == scores.dtype == torch.bfloat16
+    torch.testing.assert_close(scores, own, rtol=1e-2, atol=1e-2)
+
+
+def test_bfloat16_predictors_reach_the_ops_with_an_fp32_bias():
+    """Predictors cast to bf16 (Predictors.to) in a bf16 model: the weight follows the router, the bias reaches the
+    ops as fp32 (the selection is the reference's with those values)."""
+    model = fresh("qwen3_moe", dtype=torch.bfloat16)
+    stand_in = StandInPredictors(model)
+    predictors = base_moe.Predictors(stand_in.weight, stand_in.bias, stand_in.mean_log_norm).to(dtype=torch.bfloat16)
+    base_moe.apply(model, predictors=predictors, budget=2, policy="base", record=True)
+    for layout in moe_layouts(model):
+        hidden = block_input(layout, batch=8)
+        run_block(layout, hidden)
+        sel, _ = selections(model)[layout.layer_index]
+        i = layout.layer_index
+        logits, g = reference.router_predict(hidden.view(8, -1), layout.router_weight, None, predictors.weight[i],
+                                             predictors.bias[i].float())
+        ids, _, kept, _, D = reference.route_select(logits, g, None, 1, layout.routing, Cost.BASE, 2,
+                                                    parse_fill("backfill"))
+        assert torch.equal(sel.ids, ids) and torch.equal(sel.kept, kept)
+        torch.testing.assert_close(sel.batch_cost, D, rtol=1e-5, atol=1e-6)
+
+
+def test_norm_with_fp32_weights_in_a_bfloat16_model_runs_as_the_model_module():
+    """A norm kept in fp32 (keep_in_fp32 modules) returns fp32 for bf16 states in HF's formula: base_moe's norm op,
+    which takes one dtype, leaves it to the module."""
+    model = fresh("qwen3_moe", dtype=torch.bfloat16)
+    base_moe.apply(model, budget=2, policy="router_sum")
+    norm = moe_layouts(model)[0].block._base_moe.norm
+    norm.float()
+    own = type(norm)._base_moe_original_class
+    x = (torch.randn(3, 2, 32) * 4.0).to(torch.bfloat16)
+    with torch.no_grad():
+        out, expected = norm(x), own.forward(norm, x)
+    assert out.dtype == expected.dtype and torch.equal(out, expected)

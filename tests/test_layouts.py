@@ -343,3 +343,39 @@ def test_each_block_is_probed_once():
     assert len(calls) == 2 * layers  # the block's own forward and the recomputation it is checked against
     base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
     assert len(calls) == 2 * layers
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Edge cases found by mutation testing
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_meta_device_model_takes_the_routing_its_attributes_describe(family):
+    """A model on the meta device (no probe can run) gets the routing its attributes describe: the probed one."""
+    import transformers
+    from hf_models import tiny_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(family), experts_implementation="eager")
+    assert [lay.routing for lay in find_moe_layouts(model)] == [EXPECTED[family]["routing"]] * 2
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_all_zero_router_keeps_the_attributes_rule(norm_topk_prob):
+    """An all-zero router (every score ties) cannot tell the rules apart: the attributes' rule is accepted."""
+    model = tiny_model("qwen3_moe", norm_topk_prob=norm_topk_prob)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+    assert [lay.routing for lay in find_moe_layouts(model)] == [Routing(2, Scoring.SOFTMAX, norm_topk_prob)] * 2
+
+
+class _ScaledOutputBlock(_Block):
+    """Scales its routed output once more (a scaling factor applied after the experts): 1% off the weighted sum."""
+
+    def forward(self, hidden):
+        return super().forward(hidden) * 1.01
+
+
+def test_block_whose_output_is_slightly_off_is_refused():
+    with pytest.raises(MoELayoutError, match="not the weighted sum of its routed experts"):
+        find_moe_layouts(_Model(_ScaledOutputBlock()))

@@ -430,3 +430,45 @@ def test_every_design_policy_through_apply_and_configure(policy):
     base_moe.configure(model, policy=policy, budget=3 if takes_budget else None, fill="drop")
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases found by mutation testing
+# ---------------------------------------------------------------------------------------------
+def test_topk_reduce_default_keeps_the_top_expert_of_top1_routing():
+    """Half of top-1 rounds down to 0: the default keeps at least one expert (the routed one, its whole weight)."""
+    logits = random_logits(8, 12, seed=13)
+    for renormalize in (False, True):
+        routing = Routing(1, Scoring.SOFTMAX, renormalize)
+        sel = TopKReducePolicy().select(make_step(logits, routing, 2))
+        ids, w = reference.route(logits, routing)
+        assert torch.equal(sel.ids, ids)
+        torch.testing.assert_close(sel.weights, w)
+        assert torch.equal(sel.counts, reference.expert_counts(ids, 2, 12))
+
+
+def test_register_policy_refuses_a_taken_name():
+    before = get_policy("router_sq")
+    with pytest.raises(ValueError, match="'router_sq' is already registered"):
+        register_policy(CostPolicy("router_sq", before.cost, description="another"))
+    assert get_policy("router_sq") is before
+
+
+def test_lynx_scores_a_token_without_weight_in_the_last_bin():
+    """Sigmoid scores of logits below about -88.72 are exactly 0: a token whose routed weights are all 0 (0 / 0 for
+    its ratios) scores each of its slots in the last bin, never NaN."""
+    T, E, k = 6, 16, 3
+    logits = random_logits(T, E, seed=17)
+    logits[1] = -100.0 - torch.arange(E, dtype=torch.float32)  # every sigmoid 0
+    routing = Routing(k, Scoring.SIGMOID, renormalize=False)
+    ids, w = reference.route(logits, routing, None)
+    assert (w[1] == 0).all() and (w[0] > 0).all()
+    for bins, decay in ((4, 0.5), (2, 0.25)):
+        D = LynxPolicy(bins=bins, decay=decay).batch_scores(make_step(logits, routing, 2))
+        expected = torch.zeros(2, E, dtype=torch.float64)
+        for t in range(T):
+            top = float(w[t].max())
+            for u, x in zip(ids[t].tolist(), w[t].double().tolist()):
+                b = bins - 1 if x == 0 else min(bins - 1, math.floor(math.log(top / x) / math.log(2.0)))
+                expected[t // 3, u] += decay ** b
+        torch.testing.assert_close(D.double(), expected)

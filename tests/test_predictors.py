@@ -165,3 +165,34 @@ def test_other_model_type_is_refused(calibrated):
     )
     with pytest.raises(ValueError, match=r"model type: predictors are for 'olmoe', the model is 'qwen3_moe'"):
         other.check_compatible(tiny_qwen3_moe(layers=2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases found by mutation testing
+# ---------------------------------------------------------------------------------------------
+def test_to_converts_every_tensor():
+    p = make_predictors()
+    q = p.to(dtype=torch.float64)
+    for field in ("weight", "bias", "mean_log_norm", "expert_r2"):
+        for i in p.layers:
+            a, b = getattr(p, field)[i], getattr(q, field)[i]
+            assert b.dtype == torch.float64 and torch.equal(b, a.double()), (field, i)
+    assert q.r2 == p.r2 and q.metadata == p.metadata
+
+
+def test_layers_without_r2_have_nan(tmp_path):
+    """No held-out R^2 given for a layer: NaN (unknown), not a measured 0."""
+    p = make_predictors(layers=(0, 2))
+    q = Predictors(p.weight, p.bias, p.mean_log_norm, {2: 0.5})
+    assert math.isnan(q.r2[0]) and q.r2[2] == 0.5 and math.isnan(q.metadata["r2"]["0"])
+    q.save(tmp_path / "p.safetensors")
+    assert math.isnan(Predictors.load(tmp_path / "p.safetensors").r2[0])
+
+
+def test_a_tensor_of_an_unknown_field_is_refused(tmp_path):
+    tensors = {"layers.0.weight": torch.zeros(4, 8), "layers.0.bias": torch.zeros(4),
+               "layers.0.mean_log_norm": torch.zeros(4), "layers.0.scale": torch.zeros(4)}
+    meta = {"format": json.dumps("base_moe.predictors"), "format_version": "1"}
+    save_file(tensors, tmp_path / "extra", metadata=meta)
+    with pytest.raises(ValueError, match="extra: unexpected tensor 'layers.0.scale'"):
+        Predictors.load(tmp_path / "extra")
