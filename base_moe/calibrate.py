@@ -341,9 +341,10 @@ def calibrate_layouts(
         fit = sums[i].fit(ridge)
         for r in ridge_sweep:
             try:
-                r2_by_ridge.setdefault(r, {})[i] = sums[i].fit(r).r2
+                swept_r2 = sums[i].fit(r).r2
             except ValueError:  # a swept value too small for these tokens: no fit there, not a failed calibration
-                r2_by_ridge.setdefault(r, {})[i] = math.nan
+                swept_r2 = math.nan
+            r2_by_ridge.setdefault(r, {})[i] = swept_r2
         fits[i] = fit
         weight[i], bias[i], mean[i] = fit.weight.float().cpu(), fit.bias.float().cpu(), fit.mean_target.float().cpu()
         expert_r2[i], r2[i] = fit.expert_r2.float().cpu(), fit.r2
