@@ -259,7 +259,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       int32_t id;
       route_token<EPL, GENERIC>(p, s, lane, id, w, log_norm);
       if constexpr (kBroadcast) {  // the slot's record (expert, cost) into every CTA's inbox, at the token's cell
-        const float cost = id < E ? slot_cost(p.cost, w, base_cost ? log_norm : 0.0f) : 0.0f;
+        const float cost =
+            id < E ? slot_cost(static_cast<Cost>(p.cost), w, base_cost ? log_norm : 0.0f) : 0.0f;
         if (lane < k) {
           uint2* cell = records + column * k + lane;
 #pragma unroll 1
@@ -272,7 +273,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
         const unsigned owner = static_cast<unsigned>(id >> owner_shift);
         const int e = id & (EPC - 1);
         if (p.compute_cost) {
-          cuda::cluster_map(own, owner)[e * stride + column] = slot_cost(p.cost, w, base_cost ? log_norm : 0.0f);
+          cuda::cluster_map(own, owner)[e * stride + column] =
+              slot_cost(static_cast<Cost>(p.cost), w, base_cost ? log_norm : 0.0f);
         }
         atomicOr(cuda::cluster_map(own_flags, owner) + e, lane == 0 ? 3 : 1);
       }

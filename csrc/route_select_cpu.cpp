@@ -62,17 +62,8 @@ void allowed_experts(const float* choice, const RoutingParams& r, std::vector<ui
   const int64_t group_size = r.num_experts / r.n_group;
   std::vector<Candidate> groups(r.n_group);
   for (int64_t grp = 0; grp < r.n_group; ++grp) {
-    float best = -INFINITY, second = -INFINITY;
-    for (int64_t i = 0; i < group_size; ++i) {
-      const float s = choice[grp * group_size + i];
-      if (s > best) {
-        second = best;
-        best = s;
-      } else if (s > second) {
-        second = s;
-      }
-    }
-    groups[grp] = Candidate{true, true, best + second, static_cast<int32_t>(grp)};
+    const float score = top2_sum(choice, static_cast<int>(grp * group_size), static_cast<int>(group_size));
+    groups[grp] = Candidate{true, true, score, static_cast<int32_t>(grp)};
   }
   std::partial_sort(groups.begin(), groups.begin() + r.topk_group, groups.end(), ranks_before);
   std::fill(allowed.begin(), allowed.end(), 0);
@@ -160,21 +151,6 @@ void route_all(const Tensor& logits, const OptTensor& correction_bias, const Rou
     TokenScratch scratch(E);
     for (int64_t t = begin; t < end; ++t) route_token(l + t * E, bias, r, scratch, id + t * k, w + t * k);
   });
-}
-
-float slot_cost(Cost cost, float w, float log_norm) {
-  switch (cost) {
-    case Cost::kBase: {  // a slot of squared weight 0 costs 0, never 0 x inf (log-norms above ~44)
-      const float w2 = w * w;
-      return w2 == 0.0f ? 0.0f : w2 * std::exp(2.0f * log_norm);
-    }
-    case Cost::kRouterSq:
-      return w * w;
-    case Cost::kFrequency:
-      return 1.0f;
-    default:  // kRouterSum, kTop1Union
-      return w;
-  }
 }
 
 // D[g, u]: the group's slot costs summed in token order, plus the TOP1_UNION seed offset.
@@ -271,9 +247,8 @@ void fill_tokens(const Tensor& logits, const OptTensor& correction_bias, const R
         w[j] = 0.0f;
       }
       if (fill == Fill::kDropRenorm) {
-        const float scale = kept_total > 0.0f ? total / kept_total : 0.0f;
-        // a tiny kept total overflows the scale to inf: divide first there (as reference.renormalised)
-        for (int64_t j = 0; j < k; ++j) w[j] = std::isinf(scale) ? w[j] / kept_total * total : w[j] * scale;
+        const float scale = drop_renorm_scale(total, kept_total);
+        for (int64_t j = 0; j < k; ++j) w[j] = drop_renormalised(w[j], scale, total, kept_total);
       }
     }
   });

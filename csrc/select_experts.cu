@@ -482,7 +482,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_experts_kernel(const Fused
     if (id < E) {
       const unsigned owner = static_cast<unsigned>(id >> f.owned_shift);  // EO is a power of two (plan)
       const int u = id & (EO - 1);
-      cuda::cluster_map(own, owner)[u * B + t_local] = slot_cost(p.cost, w, base_cost ? log_norm : 0.0f);
+      cuda::cluster_map(own, owner)[u * B + t_local] =
+          slot_cost(static_cast<Cost>(p.cost), w, base_cost ? log_norm : 0.0f);
       atomicOr(cuda::cluster_map(flags, owner) + u, lane == 0 ? 3 : 1);
     }
   }

@@ -46,4 +46,47 @@ BASE_MOE_HOST_DEVICE inline float sigmoid(float x) {
   return x <= -88.72283935546875f ? 0.0f : static_cast<float>(1.0 / (1.0 + ::exp(-static_cast<double>(x))));
 }
 
+// DeepSeek-V3's group score (reference.allowed_groups): the sum of the two largest of scores [first, first + n), n >= 2.
+BASE_MOE_HOST_DEVICE inline float top2_sum(const float* score, int first, int n) {
+  float best = -INFINITY, second = -INFINITY;
+  for (int i = 0; i < n; ++i) {
+    const float v = score[first + i];
+    if (v > best) {
+      second = best;
+      best = v;
+    } else if (v > second) {
+      second = v;
+    }
+  }
+  return best + second;
+}
+
+// One routed slot's contribution to its expert's batch cost (reference.slot_costs): BASE's w^2 exp(2 log-norm), where a
+// slot of squared weight 0 costs 0, never 0 x inf (log-norms above ~44); the router-only costs of the other policies.
+BASE_MOE_HOST_DEVICE inline float slot_cost(Cost cost, float w, float log_norm) {
+  switch (cost) {
+    case Cost::kBase: {
+      const float w2 = w * w;
+      return w2 == 0.0f ? 0.0f : w2 * ::expf(2.0f * log_norm);
+    }
+    case Cost::kRouterSq:
+      return w * w;
+    case Cost::kFrequency:
+      return 1.0f;
+    default:  // kRouterSum, kTop1Union
+      return w;
+  }
+}
+
+// drop_renorm's scale of a token's surviving weights: total / kept_total over its routed and surviving weights (0 where
+// nothing survives; reference.renormalised).
+BASE_MOE_HOST_DEVICE inline float drop_renorm_scale(float total, float kept_total) {
+  return kept_total > 0.0f ? total / kept_total : 0.0f;
+}
+
+// A surviving weight w times that scale; where a tiny kept total overflowed the scale to inf, w is divided first.
+BASE_MOE_HOST_DEVICE inline float drop_renormalised(float w, float scale, float total, float kept_total) {
+  return std::isinf(scale) ? w / kept_total * total : w * scale;
+}
+
 }  // namespace base_moe

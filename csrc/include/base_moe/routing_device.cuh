@@ -82,17 +82,7 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
     __syncwarp();
     const int gs = p.group_size, ng = p.n_group;
     for (int grp = lane; grp < ng; grp += 32) {
-      float best = -INFINITY, second = -INFINITY;
-      for (int i = 0; i < gs; ++i) {
-        const float v = scratch_row[grp * gs + i];
-        if (v > best) {
-          second = best;
-          best = v;
-        } else if (v > second) {
-          second = v;
-        }
-      }
-      group_scratch[grp] = best + second;
+      group_scratch[grp] = top2_sum(scratch_row, grp * gs, gs);
     }
     __syncwarp();
     for (int grp = lane; grp < ng; grp += 32) {
@@ -304,21 +294,6 @@ __device__ __forceinline__ float thread_add_nonzero_in_order(float d, const floa
   return d;
 }
 
-__device__ __forceinline__ float slot_cost(int cost, float w, float log_norm) {
-  switch (static_cast<Cost>(cost)) {
-    case Cost::kBase: {  // a slot of squared weight 0 costs 0, never 0 x inf (log-norms above ~44)
-      const float w2 = w * w;
-      return w2 == 0.0f ? 0.0f : w2 * expf(2.0f * log_norm);
-    }
-    case Cost::kRouterSq:
-      return w * w;
-    case Cost::kFrequency:
-      return 1.0f;
-    default:  // kRouterSum, kTop1Union
-      return w;
-  }
-}
-
 // The model's routing of a scored token: lane r < k gets slot r's expert id, weight and log-norm (other lanes
 // (E, 0, 0)); the token remembers its routed slot. GENERIC as in score_token.
 template <int EPL, bool GENERIC = true>
@@ -435,13 +410,11 @@ __device__ __forceinline__ void fill_token(const SelectParams& p, const Token<EP
   const unsigned mask = __ballot_sync(kFullMask, survives);
   const float total = cuda::warp_sum(in_slot ? s.slot_weight : 0.0f);
   const float kept_total = cuda::warp_sum(survives ? s.slot_weight : 0.0f);
-  float scale = 1.0f;
-  if (p.fill == static_cast<int>(Fill::kDropRenorm)) scale = kept_total > 0.0f ? total / kept_total : 0.0f;
+  const float scale = p.fill == static_cast<int>(Fill::kDropRenorm) ? drop_renorm_scale(total, kept_total) : 1.0f;
   const unsigned below = (1u << lane) - 1u;
   slot = survives ? __popc(mask & below) : __popc(mask) + __popc(~mask & below);
   id = survives ? s.slot_id : E;
-  // a tiny kept total overflows the scale to inf: divide first there (as reference.renormalised)
-  weight = survives ? (isinf(scale) ? s.slot_weight / kept_total * total : s.slot_weight * scale) : 0.0f;
+  weight = survives ? drop_renormalised(s.slot_weight, scale, total, kept_total) : 0.0f;
 }
 
 }  // namespace routing_device
