@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from base_moe import Cost, Fill, Routing, Scoring, ops
+from base_moe import reference as ref
+from test_ops import assert_kept_matches
 
 
 @st.composite
@@ -70,6 +72,23 @@ def test_kept_sets_and_final_ids(p):
         assert len(real) == len(set(real))
         assert torch.all(w[torch.tensor(row) == E] == 0)
     assert counts.sum() == (ids < E).sum()
+
+
+@settings(max_examples=150, deadline=None)
+@given(selection_problems())
+def test_route_select_matches_the_reference(p):
+    """The CPU op against reference.route_select on drawn problems (every scoring, cost and fill, tied logits): the
+    batch costs agree, the kept lists agree up to near-ties of the costs, and where the kept lists are equal the
+    final ids, weights and counts are the reference's."""
+    ids, weights, kept, counts, D = run(p)
+    exp_ids, exp_weights, exp_kept, exp_counts, exp_D = ref.route_select(
+        p["logits"], p["log_norms"], p["bias"], p["G"], p["routing"], p["cost"], p["budget"], p["fill"])
+    torch.testing.assert_close(D, exp_D, atol=1e-6, rtol=1e-5)
+    assert_kept_matches(kept, exp_kept, exp_D)
+    if torch.equal(kept, exp_kept):
+        assert torch.equal(ids, exp_ids)
+        torch.testing.assert_close(weights, exp_weights, atol=1e-6, rtol=1e-5)
+        assert torch.equal(counts, exp_counts)
 
 
 @settings(max_examples=100, deadline=None)
