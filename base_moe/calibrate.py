@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .layouts import LOG_NORM_FLOOR, expert_log_norms
+from .layouts import LOG_NORM_FLOOR, cosine_similarity_from_gram, expert_log_norms, expert_output_gram
 from .predictors import FORMAT, FORMAT_VERSION, Predictors, model_type
 
 
@@ -207,6 +207,7 @@ def calibrate(
     progress: bool = True,
     device: torch.device | str | None = None,
     ridge_sweep: Iterable[float] = (),
+    similarity: bool = False,
 ) -> Predictors:
     """Fit BASE's removal-cost predictors for every MoE layer of ``model`` (DESIGN section 4).
 
@@ -226,6 +227,9 @@ def calibrate(
         ridge_sweep: other ridge values to fit from the same sums, for choosing ``ridge``: their held-out R^2
             per layer go to ``.stats["r2_by_ridge"]`` (not saved; NaN where that ridge's system is singular);
             the predictors use ``ridge``.
+        similarity: also measure every two experts' output similarity (cosine over all calibration tokens, per
+            layer: ``Predictors.similarity``), which the ``substitute`` fill rule needs. It runs every expert a
+            second time, on chunks of at most 256 MB of outputs.
 
     Returns a :class:`Predictors`; ``.r2`` holds each layer's held-out R^2 and ``.stats`` the time and peak
     memory of the run. The result depends only on the model, the tokens and these options (fixed split, fp64
@@ -238,7 +242,7 @@ def calibrate(
         raise ValueError(f"no MoE blocks found in {type(model).__name__}: nothing to calibrate")
     return calibrate_layouts(
         model, layouts, input_ids, batch_size=batch_size, ridge=ridge, holdout=holdout, progress=progress,
-        device=device, ridge_sweep=ridge_sweep,
+        device=device, ridge_sweep=ridge_sweep, similarity=similarity,
     )
 
 
@@ -253,6 +257,7 @@ def calibrate_layouts(
     progress: bool = True,
     device: torch.device | str | None = None,
     ridge_sweep: Iterable[float] = (),
+    similarity: bool = False,
 ) -> Predictors:
     """:func:`calibrate` on explicitly given MoE layouts (objects with ``layer_index``, ``block``,
     ``num_experts``, ``hidden_size`` and ``expert_output(x, u)``)."""
@@ -276,6 +281,7 @@ def calibrate_layouts(
             )
     device = torch.device(device) if device is not None else _input_device(model)
     sums: dict[int, RidgeAccumulator] = {}
+    grams: dict[int, torch.Tensor] = {}
     rows_seen = {layout.layer_index: 0 for layout in layouts}
     current: dict[str, Any] = {}  # the batch in flight: its held-out row mask
 
@@ -291,6 +297,9 @@ def calibrate_layouts(
             if layout.layer_index not in sums:
                 sums[layout.layer_index] = RidgeAccumulator(layout.hidden_size, layout.num_experts, x.device)
             sums[layout.layer_index].add(x, expert_log_norms(layout, x), held)
+            if similarity:
+                gram = expert_output_gram(layout, x)
+                grams[layout.layer_index] = grams[layout.layer_index] + gram if layout.layer_index in grams else gram
             rows_seen[layout.layer_index] += x.shape[0]
             if last:
                 raise _StopForward
@@ -382,7 +391,10 @@ def calibrate_layouts(
         "target": f"log(max(||E_u(z)||_2, {LOG_NORM_FLOOR})): unweighted routed-expert output at the MoE block input z",
         "base_moe_version": _version(),
     }
-    predictors = Predictors(weight, bias, mean, r2, metadata, expert_r2)
+    if similarity:
+        metadata["similarity"] = "cosine of the experts' outputs (unweighted, at the MoE block input z) over all tokens"
+    similarities = {i: cosine_similarity_from_gram(gram).cpu() for i, gram in grams.items()}
+    predictors = Predictors(weight, bias, mean, r2, metadata, expert_r2, similarities)
     predictors.stats = {"seconds": elapsed, "tokens": first.tokens_train + first.tokens_holdout, "device": str(device)}
     if r2_by_ridge:
         predictors.stats["r2_by_ridge"] = r2_by_ridge

@@ -252,6 +252,8 @@ def add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--holdout", type=bounded(float, 0.0, 1.0, high_open=True), default=0.1, metavar="H",
                    help="held-out fraction of sequences, in [0, 1) (default: 0.1)")
+    p.add_argument("--similarity", action="store_true", help="also measure the experts' output similarity, which "
+                   "eval's --fill substitute needs (runs every expert a second time)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_calibrate)
 
@@ -270,7 +272,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     try:
         predictors = calibrate(
             model, ids, batch_size=args.batch_size, ridge=args.ridge, holdout=args.holdout,
-            progress=not args.no_progress, device=device, ridge_sweep=args.ridge_sweep,
+            progress=not args.no_progress, device=device, ridge_sweep=args.ridge_sweep, similarity=args.similarity,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
@@ -356,10 +358,11 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default="base,router_sum,router_sq,frequency,top1_union,static_energy,oracle",
                    metavar="P,P,...", help="policies; options as name:key=value, e.g. oea:k0=2, topk_reduce:k=2, "
                    "lynx:threshold=4 (default: %(default)s)")
-    p.add_argument("--fill", default="backfill", choices=["backfill", "drop", "drop_renorm"],
+    p.add_argument("--fill", default="backfill", choices=["backfill", "drop", "drop_renorm", "substitute"],
                    help="a token whose routed experts were not all kept: re-routed to its top-k among the kept "
                    "(backfill), keeps only its kept ones (drop), or those rescaled to its original total weight "
-                   "(drop_renorm) (default: %(default)s)")
+                   "(drop_renorm), or each dropped slot's weight moved to the kept expert most similar to the "
+                   "dropped one (substitute: predictors calibrated with --similarity) (default: %(default)s)")
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's; "
                    "float32 on CPU)")

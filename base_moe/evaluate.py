@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import hf, reference
-from .policies import Policy, get_policy, parse_fill
+from .policies import SUBSTITUTE, Policy, fill_name, get_policy, parse_fill
 
 __all__ = [
     "evaluate", "format_table", "plot", "make_batches", "budgets_between", "dense_union", "machine_info", "git_commit",
@@ -311,7 +311,8 @@ def evaluate(
         budgets: experts kept per layer and decode batch, for the budgeted policies.
         batch, seq, prefill, batches: ``B`` sequences of ``S`` tokens per batch, ``P`` dense prefill positions,
             number of batches.
-        fill: ``backfill`` (default), ``drop`` or ``drop_renorm``.
+        fill: ``backfill`` (default), ``drop``, ``drop_renorm`` or ``substitute`` (predictors calibrated with
+            ``similarity=True``).
         device: where to run (default: the model's device; the model is moved there).
         energy: compute the retained energy (runs each expert on its routed tokens once more per run).
         timing: time one MoE block per decode batch (default: on CUDA only; CUDA needed).
@@ -371,6 +372,9 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
+        if fill_rule == SUBSTITUTE and not hf._has_similarity(used_predictors, layouts):
+            raise ValueError("fill='substitute' needs predictors calibrated with similarity=True (the experts' output "
+                             "similarity of every MoE layer): `python -m base_moe calibrate --similarity`")
         for lay in layouts:
             for pol in pols:  # an option out of range fails here, not after the dense pass (the finally restores)
                 pol.check_layout(lay)
@@ -421,7 +425,7 @@ def evaluate(
                              predictors=old_predictors)
 
     return _report(model, layouts, dense, results, runs, used_predictors, locals_=dict(
-        batch=batch, seq=seq, prefill=prefill, batches=batches, fill=fill_rule.name.lower(), device=str(device),
+        batch=batch, seq=seq, prefill=prefill, batches=batches, fill=fill_name(fill_rule), device=str(device),
         timing=timing, energy=energy, repeats=repeats, byte_level=byte_level, seconds=time.perf_counter() - start))
 
 

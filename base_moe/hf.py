@@ -41,7 +41,8 @@ from torch import nn
 
 from . import ops, reference
 from .layouts import MoELayout, find_moe_layouts
-from .policies import DecodeStep, Policy, Selection, get_policy, has_kernel, parse_fill
+from .policies import (SUBSTITUTE, DecodeStep, FillRule, Policy, Selection, get_policy, has_kernel, parse_fill,
+                       substitute_dropped)
 from .routing import MAX_EXPERTS, MAX_TOP_K, Fill
 
 __all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections", "post_attention"]
@@ -66,7 +67,7 @@ class Settings:
 
     budget: int | None = None
     policy: Policy = get_policy("dense")
-    fill: Fill = Fill.BACKFILL
+    fill: FillRule = Fill.BACKFILL
     group_by: str = "batch"
     dense_positions: int = 0
     experts: str = "auto"
@@ -76,6 +77,16 @@ class Settings:
     @property
     def active(self) -> bool:
         return self.policy.budgeted and (self.budget is not None or not self.policy.needs_budget)
+
+    @property
+    def substitutes(self) -> bool:
+        """The ``substitute`` fill applies: the policy runs with ``drop``, then ``substitute_dropped``."""
+        return self.fill == SUBSTITUTE and self.policy.takes_fill
+
+    @property
+    def op_fill(self) -> Fill:
+        """The fill rule the ops and the policy run with."""
+        return Fill.DROP if self.fill == SUBSTITUTE else self.fill
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -88,8 +99,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     ``predictors``: a ``base_moe.Predictors`` or the path of a saved one (needed by ``base`` and
     ``static_energy``). ``budget``: experts kept per layer and decode batch (None: the model's own routing, for every
     policy that needs a budget; ``oea``, ``topk_reduce`` and ``lynx:threshold=...`` prune without one).
-    ``policy``: a name from ``base_moe.policies.available_policies()``. ``fill``: ``backfill``, ``drop`` or
-    ``drop_renorm``. Options: ``group_by``, ``dense_positions``, ``experts``, ``norm``, ``record`` (see
+    ``policy``: a name from ``base_moe.policies.available_policies()``. ``fill``: ``backfill``, ``drop``,
+    ``drop_renorm`` or ``substitute`` (needs predictors calibrated with ``similarity=True``). Options: ``group_by``, ``dense_positions``, ``experts``, ``norm``, ``record`` (see
     ``_OPTIONS``).
     """
     if is_applied(model):
@@ -239,6 +250,11 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
             f"policy '{s.policy.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path "
             "(policies without predictors: router_sum, router_sq, frequency, top1_union, oracle)"
         )
+    if s.active and s.substitutes and not _has_similarity(predictors, found):
+        raise ValueError(
+            "fill='substitute' needs the experts' output similarity of every MoE layer: pass predictors calibrated "
+            "with base_moe.calibrate(..., similarity=True) (`python -m base_moe calibrate --similarity`)"
+        )
     if s.active and s.policy.needs_statistics:
         if predictors is None or not getattr(predictors, "mean_log_norm", None):
             raise ValueError(
@@ -246,6 +262,11 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
                 "(from base_moe.calibrate(...), which stores them)"
             )
     return s
+
+
+def _has_similarity(predictors, layouts: list[MoELayout]) -> bool:
+    similarity = getattr(predictors, "similarity", None) or {}
+    return all(layout.layer_index in similarity for layout in layouts)
 
 
 def _budget(budget) -> int:
@@ -494,6 +515,7 @@ class _BlockState:
         self.predictor_weight: torch.Tensor | None = None
         self.predictor_bias: torch.Tensor | None = None
         self.mean_log_norm: torch.Tensor | None = None
+        self.similarity: torch.Tensor | None = None
         self.last: tuple[Selection, int] | None = None
         self.norm: nn.Module | None = None  # the decoder layer's norm before the block, when base_moe runs it
         self.decoder_layer: nn.Module | None = None  # the decoder layer, when base_moe runs its residual add + norm
@@ -503,7 +525,7 @@ class _BlockState:
     def set_predictors(self, predictors) -> None:
         """Take this layer's predictor, converted once to the router's dtype and device (bias fp32)."""
         self.predictors = predictors
-        self.predictor_weight = self.predictor_bias = self.mean_log_norm = None
+        self.predictor_weight = self.predictor_bias = self.mean_log_norm = self.similarity = None
         if predictors is None:
             return
         i, weight = self.layout.layer_index, self.layout.router_weight
@@ -512,6 +534,9 @@ class _BlockState:
         mean = (getattr(predictors, "mean_log_norm", None) or {}).get(i)
         if mean is not None:
             self.mean_log_norm = mean.to(device=weight.device, dtype=torch.float32).contiguous()
+        similarity = (getattr(predictors, "similarity", None) or {}).get(i)
+        if similarity is not None:
+            self.similarity = similarity.to(device=weight.device, dtype=torch.float32).contiguous()
 
     def _follow(self) -> None:
         """Convert the predictor tensors again if the router moved or changed dtype after apply (python-level check,
@@ -548,7 +573,7 @@ class _BlockState:
         cost = s.policy.fused_cost
         if cost is not None and s.budget is not None and has_kernel("select_experts", x.device):
             logits, log_norms, *selection = ops.select_experts(
-                x, weight, self.layout.routing, budget=s.budget, num_groups=num_groups, cost=cost, fill=s.fill,
+                x, weight, self.layout.routing, budget=s.budget, num_groups=num_groups, cost=cost, fill=s.op_fill,
                 router_bias=bias, predictor_weight=pw, predictor_bias=pb,
                 correction_bias=self.layout.correction_bias(),
             )
@@ -565,8 +590,11 @@ class _BlockState:
         layout, s = self.layout, self.settings
         x = x.contiguous()
         logits, log_norms, sel = layout.router(x, base_moe=self, num_groups=num_groups)
+        step = self._step(x, logits, log_norms, num_groups)
         if sel is None:
-            sel = s.policy.select(self._step(x, logits, log_norms, num_groups))
+            sel = s.policy.select(step)
+        if s.substitutes:
+            sel = substitute_dropped(step, sel, self.similarity)
         if s.record:
             self.last = (sel, num_groups)
         y = self.experts(x, sel, num_groups)
@@ -589,7 +617,7 @@ class _BlockState:
             correction_bias=layout.correction_bias(),
             num_groups=num_groups,
             budget=s.budget,
-            fill=s.fill,
+            fill=s.op_fill,
             layout=layout,
             mean_log_norm=self.mean_log_norm,
         )

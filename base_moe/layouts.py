@@ -42,6 +42,31 @@ def expert_log_norms(layout, x: torch.Tensor) -> torch.Tensor:
     return norms.clamp_min_(LOG_NORM_FLOOR).log_()
 
 
+def expert_output_gram(layout, x: torch.Tensor, max_chunk_bytes: int = 1 << 28) -> torch.Tensor:
+    """``sum_t O_t O_t^T`` ``[E, E]`` fp64, ``O_t [E, H]`` every expert's output for token ``t``: the inner products of
+    the experts' outputs over the tokens of ``x``, from which calibration's expert similarity is made. Runs every
+    expert on chunks of tokens whose ``E`` fp32 outputs take at most ``max_chunk_bytes``; ``layout`` as for
+    :func:`expert_log_norms`."""
+    E, H = layout.num_experts, layout.hidden_size
+    x = x.reshape(-1, H).float()
+    chunk = max(1, max_chunk_bytes // (4 * E * H))
+    gram = torch.zeros(E, E, dtype=torch.float64, device=x.device)
+    for rows in x.split(chunk):
+        outputs = torch.stack([layout.expert_output(rows, u).float().reshape(-1) for u in range(E)])  # [E, rows x H]
+        gram += (outputs @ outputs.T).double()
+    return gram
+
+
+def cosine_similarity_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """``G_uv / sqrt(G_uu G_vv)`` fp32: the cosine similarity of every two experts' outputs over the tokens summed
+    in ``gram`` (an expert whose outputs were all zero is similar to none: 0, and 1 to itself)."""
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    similarity = gram / (norms[:, None] * norms[None, :]).clamp_min(torch.finfo(torch.float64).tiny)
+    similarity = torch.where((norms[:, None] > 0) & (norms[None, :] > 0), similarity, 0.0).clamp(-1.0, 1.0)
+    similarity.fill_diagonal_(1.0)
+    return similarity.float()
+
+
 class MoELayoutError(ValueError):
     """A module looks like an MoE block but base_moe does not understand its layout."""
 

@@ -29,6 +29,11 @@ Policies that choose A another way (plain PyTorch over :mod:`base_moe.reference`
   (at most ``bins - 1``); A = top-M by the batch sum, or every expert whose sum reaches ``threshold`` (no budget) |
 | ``topk_reduce`` (``topk_reduce:k=K``) | every token keeps its top-k' of k (default k // 2), rescaled to its routed total (not batch-aware) |
 
+Fill rules (:func:`parse_fill`): ``backfill``, ``drop`` and ``drop_renorm`` are the ops' (:class:`Fill`);
+``substitute`` (SERE-like, DESIGN section 5) runs the policy with ``drop`` and then moves each dropped slot, with its
+weight, to the kept expert most similar to the dropped one (:func:`substitute_dropped`; predictors calibrated with
+``similarity=True``).
+
 A name with options (``"oea:k0=2"``, ``"lynx:threshold=4:bins=3"``) builds an instance through the policy's factory
 (:func:`register_policy_factory`); ``apply``, ``configure`` and the ``eval`` command accept such names.
 """
@@ -51,18 +56,25 @@ __all__ = [
     "CostPolicy",
     "DecodeStep",
     "Policy",
+    "SUBSTITUTE",
     "Selection",
     "available_policies",
     "get_policy",
     "parse_fill",
     "register_policy",
     "register_policy_factory",
+    "substitute_dropped",
     "OEAPolicy",
     "LynxPolicy",
     "TopKReducePolicy",
 ]
 
-FILLS = {"backfill": Fill.BACKFILL, "drop": Fill.DROP, "drop_renorm": Fill.DROP_RENORM}
+SUBSTITUTE = "substitute"
+"""The SERE-like fill rule: not an op's :class:`Fill` (see :func:`substitute_dropped`)."""
+FillRule = Fill | Literal["substitute"]
+FILLS: dict[str, FillRule] = {
+    "backfill": Fill.BACKFILL, "drop": Fill.DROP, "drop_renorm": Fill.DROP_RENORM, SUBSTITUTE: SUBSTITUTE
+}
 
 
 @dataclass
@@ -113,6 +125,8 @@ class Policy:
     """the router GEMV also computes the predictor's g (``DecodeStep.predicted_log_norms``)."""
     needs_statistics: bool = False
     """needs the calibrated per-expert mean log-norm (``DecodeStep.mean_log_norm``)."""
+    takes_fill: bool = True
+    """False for a policy whose tokens keep no batch-level set (per-token top-k reduction): the fill does not apply."""
     fused_cost: Cost | None = None
     """Set when the policy is ``route_select`` with this cost on the router's own outputs (the predicted or no
     log-norms): the decode path then runs stages 1-3 as one ``select_experts`` call."""
@@ -255,8 +269,14 @@ def policy_from_spec(spec: str) -> Policy:
         raise ValueError(f"policy {spec!r}: {err} ({factory.__name__}: {factory.__init__.__doc__ or ''})") from None
 
 
-def parse_fill(fill: str | Fill) -> Fill:
-    """``'backfill'``, ``'drop'`` or ``'drop_renorm'`` (or a :class:`Fill`) as a :class:`Fill`."""
+def fill_name(fill: FillRule) -> str:
+    """The name :func:`parse_fill` takes for a fill rule: ``Fill.DROP_RENORM`` -> ``'drop_renorm'``."""
+    return fill if isinstance(fill, str) else fill.name.lower()
+
+
+def parse_fill(fill: str | Fill) -> FillRule:
+    """``'backfill'``, ``'drop'`` or ``'drop_renorm'`` (or a :class:`Fill`) as a :class:`Fill`; ``'substitute'``
+    as :data:`SUBSTITUTE`."""
     if isinstance(fill, Fill):
         return fill
     try:
@@ -341,6 +361,31 @@ def select_fill(step: DecodeStep, batch_cost: torch.Tensor, budget: int):
 # ---------------------------------------------------------------------------------------------------------------
 # Policies with their own keep rule (issue 6): plain PyTorch over the reference's routing helpers
 # ---------------------------------------------------------------------------------------------------------------
+def substitute_dropped(step: DecodeStep, dropped: Selection, similarity: torch.Tensor) -> Selection:
+    """The ``substitute`` fill (SERE-like, DESIGN section 5) from ``dropped``, the policy's selection under ``drop``:
+    each token's routed slot whose expert was not kept moves, with its routing weight, to the kept expert of its
+    group most similar to the dropped one by ``similarity [E, E]`` (calibrated; ties to the lower index); slots that
+    land on the same expert add their weights in the first of them; the token's experts come first, in slot order,
+    then sentinels ``E``. The kept set is the experts of ``dropped.ids`` in the group (every kept expert is some
+    token's routed one), so no expert outside it runs. Plain PyTorch, no host synchronisation."""
+    E, T, G = step.logits.shape[1], step.logits.shape[0], step.num_groups
+    routed, weights = reference.route(step.logits, step.routing, step.correction_bias)
+    routed = routed.long()
+    kept = torch.zeros(G, E + 1, dtype=torch.bool, device=routed.device)
+    kept.scatter_(1, dropped.ids.long().reshape(G, -1), True)
+    kept = kept[:, :E].repeat_interleave(T // G, dim=0)  # [T, E]: the token's group's kept set
+    closeness = similarity.to(routed.device)[routed].masked_fill(~kept[:, None, :], -math.inf)  # [T, k, E]
+    target = torch.where(kept.gather(1, routed), routed, closeness.argmax(dim=-1))  # argmax: the first maximum
+    target = torch.where(kept.any(dim=-1, keepdim=True), target, E)
+    same = target[:, :, None] == target[:, None, :]  # [T, k, k]
+    first = ~torch.tril(same, diagonal=-1).any(dim=-1)
+    ids = torch.where(first & (target < E), target, E)
+    merged = torch.where(ids < E, (same * weights[:, None, :]).sum(dim=-1), 0.0)
+    order = torch.sort((ids == E).to(torch.int8), dim=1, stable=True).indices  # experts first, in slot order
+    ids, merged = ids.gather(1, order).to(torch.int32), merged.gather(1, order)
+    return Selection(ids, merged, dropped.kept, reference.expert_counts(ids, G, E), dropped.batch_cost)
+
+
 def kept_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Boolean ``[G, E]`` -> ``kept [G, E]`` int32: the experts of the mask in ascending order, then sentinels ``E``."""
     E = mask.shape[1]
@@ -451,6 +496,7 @@ class TopKReducePolicy(Policy):
     setting does not apply, as no kept set is imposed on the tokens)."""
 
     needs_budget = False
+    takes_fill = False
 
     def __init__(self, k: int | None = None):
         """k: experts each token keeps (None: half the model's top-k, at least 1)."""

@@ -6,6 +6,8 @@ A :class:`Predictors` holds, for every MoE layer (keyed by the model's decoder-l
 * ``mean_log_norm [E]`` (fp32): each expert's mean log-norm over the calibration tokens (the
   ``static_energy`` baseline),
 * ``r2``: the predictor's held-out R^2 for the layer,
+* ``similarity [E, E]`` (fp32, optional: ``calibrate(..., similarity=True)``): the cosine similarity of every two
+  experts' outputs over the calibration tokens, which the ``substitute`` fill rule moves dropped slots by,
 
 and ``metadata`` describing the model it was calibrated on. :func:`base_moe.calibrate` produces one;
 ``save``/``load`` write and read it as a safetensors file::
@@ -14,6 +16,7 @@ and ``metadata`` describing the model it was calibrated on. :func:`base_moe.cali
     layers.{i}.bias           [E]    fp32
     layers.{i}.mean_log_norm  [E]    fp32
     layers.{i}.expert_r2      [E]    fp32   (optional: held-out R^2 of each expert)
+    layers.{i}.similarity     [E, E] fp32   (optional: expert-output cosine similarity)
     __metadata__              every entry of ``metadata``, its value JSON-encoded
 
 The file is written byte-for-byte deterministically (sorted tensor names, sorted metadata keys), so the
@@ -53,9 +56,11 @@ class Predictors:
         r2: dict[int, float] | None = None,
         metadata: dict[str, Any] | None = None,
         expert_r2: dict[int, torch.Tensor] | None = None,
+        similarity: dict[int, torch.Tensor] | None = None,
     ) -> None:
         layers = sorted(weight)
         expert_r2 = expert_r2 or {}
+        similarity = similarity or {}
         if not layers:
             raise ValueError("predictors need at least one layer (got no weight)")
         if sorted(bias) != layers or sorted(mean_log_norm) != layers:
@@ -80,12 +85,17 @@ class Predictors:
                 raise ValueError(f"layer {i}: the predictor holds NaN or infinite values")
             if i in expert_r2 and expert_r2[i].shape != (E,):
                 raise ValueError(f"layer {i}: expert_r2 must be [{E}], got {tuple(expert_r2[i].shape)}")
-        if not set(expert_r2) <= set(layers):
-            raise ValueError(f"expert_r2 names layers {sorted(set(expert_r2) - set(layers))} that have no predictor")
+            if i in similarity and (similarity[i].shape != (E, E) or not bool(torch.isfinite(similarity[i]).all())):
+                raise ValueError(f"layer {i}: similarity must be a finite [{E}, {E}] matrix, got "
+                                 f"{tuple(similarity[i].shape)}")
+        for name, extra in (("expert_r2", expert_r2), ("similarity", similarity)):
+            if not set(extra) <= set(layers):
+                raise ValueError(f"{name} names layers {sorted(set(extra) - set(layers))} that have no predictor")
         self.weight = {i: weight[i].float().contiguous() for i in layers}
         self.bias = {i: bias[i].float().contiguous() for i in layers}
         self.mean_log_norm = {i: mean_log_norm[i].float().contiguous() for i in layers}
         self.expert_r2 = {i: t.float().contiguous() for i, t in sorted(expert_r2.items())}
+        self.similarity = {i: t.float().contiguous() for i, t in sorted(similarity.items())}
         self.r2 = {i: float((r2 or {}).get(i, math.nan)) for i in layers}
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.metadata.setdefault("format", FORMAT)
@@ -118,6 +128,7 @@ class Predictors:
         out = Predictors.__new__(Predictors)
         out.weight, out.bias = move(self.weight), move(self.bias)
         out.mean_log_norm, out.expert_r2 = move(self.mean_log_norm), move(self.expert_r2)
+        out.similarity = move(self.similarity)
         out.r2, out.metadata, out.stats = dict(self.r2), dict(self.metadata), dict(self.stats)
         return out
 
@@ -138,6 +149,8 @@ class Predictors:
             out[f"layers.{i}.mean_log_norm"] = self.mean_log_norm[i]
             if i in self.expert_r2:
                 out[f"layers.{i}.expert_r2"] = self.expert_r2[i]
+            if i in self.similarity:
+                out[f"layers.{i}.similarity"] = self.similarity[i]
         return out
 
     def save(self, path: str | os.PathLike) -> None:
@@ -171,7 +184,9 @@ class Predictors:
                 f"{path}: predictors format version {metadata['format_version']} is newer than this base_moe "
                 f"understands ({FORMAT_VERSION}); upgrade base_moe"
             )
-        fields: dict[str, dict[int, torch.Tensor]] = {"weight": {}, "bias": {}, "mean_log_norm": {}, "expert_r2": {}}
+        fields: dict[str, dict[int, torch.Tensor]] = {
+            "weight": {}, "bias": {}, "mean_log_norm": {}, "expert_r2": {}, "similarity": {}
+        }
         for name, tensor in tensors.items():
             parts = name.split(".")
             if len(parts) != 3 or parts[0] != "layers" or not parts[1].isascii() or not parts[1].isdigit() \
@@ -183,7 +198,8 @@ class Predictors:
         except (AttributeError, TypeError, ValueError):
             raise ValueError(f"{path}: metadata r2 must map layer numbers to numbers, got {metadata['r2']!r}") from None
         try:
-            return cls(fields["weight"], fields["bias"], fields["mean_log_norm"], r2, metadata, fields["expert_r2"])
+            return cls(fields["weight"], fields["bias"], fields["mean_log_norm"], r2, metadata, fields["expert_r2"],
+                       fields["similarity"])
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
 

@@ -84,17 +84,20 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrain
 class StandInPredictors:
     """The attributes ``base_moe.apply`` reads from a ``base_moe.Predictors`` (without its file format)."""
 
-    def __init__(self, model, seed: int = 0, scale: float = 0.1, with_mean: bool = True):
+    def __init__(self, model, seed: int = 0, scale: float = 0.1, with_mean: bool = True, with_similarity: bool = False):
         from base_moe.layouts import find_moe_layouts
 
         g = torch.Generator().manual_seed(seed)
-        self.weight, self.bias, self.mean_log_norm, self.r2 = {}, {}, {}, {}
+        self.weight, self.bias, self.mean_log_norm, self.r2, self.similarity = {}, {}, {}, {}, {}
         for layout in find_moe_layouts(model):
             E, H = layout.num_experts, layout.hidden_size
             self.weight[layout.layer_index] = torch.randn(E, H, generator=g) * scale
             self.bias[layout.layer_index] = torch.randn(E, generator=g)
             self.mean_log_norm[layout.layer_index] = torch.randn(E, generator=g)
             self.r2[layout.layer_index] = 0.5
+            if with_similarity:
+                s = torch.rand(E, E, generator=g)
+                self.similarity[layout.layer_index] = ((s + s.T) / 2).fill_diagonal_(1.0)
         if not with_mean:
             self.mean_log_norm = {}
         self.metadata = {"model_type": model.config.model_type}

@@ -219,6 +219,24 @@ def test_calibrate_recovers_planted_log_norms_through_the_hooks():
         assert predictors.weight[i].dtype == torch.float32 and predictors.mean_log_norm[i].shape == (4,)
 
 
+def test_calibrate_measures_expert_output_similarity():
+    """similarity=True: per layer, the cosine of every two experts' outputs over all calibration tokens (held-out
+    ones too), from the layer inputs the hooks saw, whatever the batching; the fit itself does not change."""
+    model, layouts = planted_setup()
+    ids = torch.randint(0, 256, (10, 8), generator=torch.Generator().manual_seed(3))
+    with_sim = calibrate_layouts(model, layouts, ids, batch_size=3, holdout=0.2, progress=False, similarity=True)
+    plain = calibrate_layouts(model, layouts, ids, batch_size=3, holdout=0.2, progress=False)
+    assert plain.similarity == {} and "similarity" not in plain.metadata and "similarity" in with_sim.metadata
+    with torch.no_grad():
+        h = model.embed(ids)
+        for i, block in enumerate(model.blocks):
+            outputs = torch.stack([block.expert_output(h, u).reshape(-1) for u in range(4)]).double()
+            expected = F.normalize(outputs, dim=1) @ F.normalize(outputs, dim=1).T
+            torch.testing.assert_close(with_sim.similarity[i], expected.float(), atol=1e-5, rtol=0)
+            assert torch.equal(with_sim.weight[i], plain.weight[i]) and torch.equal(with_sim.bias[i], plain.bias[i])
+            h = torch.tanh(block(h))
+
+
 def test_calibrate_accepts_an_iterable_of_batches_and_is_deterministic():
     model, layouts = planted_setup()
     ids = torch.randint(0, 256, (12, 8))

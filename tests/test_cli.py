@@ -68,6 +68,25 @@ def test_cli_calibrate_end_to_end(checkpoint, tmp_path, capsys):
     assert out.read_bytes() == again.read_bytes()
 
 
+def test_similarity_and_the_substitute_fill(checkpoint, tmp_path):
+    """calibrate --similarity stores every layer's expert similarity; eval --fill substitute runs with it and is a
+    clear error without it."""
+    import json
+
+    with_sim, plain = tmp_path / "s.safetensors", tmp_path / "p.safetensors"
+    assert main(calibrate_args(checkpoint, with_sim, "--similarity")) == 0
+    assert main(calibrate_args(checkpoint, plain)) == 0
+    assert sorted(Predictors.load(with_sim).similarity) == [0, 1] and Predictors.load(plain).similarity == {}
+    argv = ["eval", "--model", str(checkpoint / "model"), "--text", str(checkpoint / "text.txt"), "--bytes",
+            "--device", "cpu", "--policies", "base", "--budgets", "2", "--batch", "4", "--seq", "16", "--prefill", "4",
+            "--batches", "1", "--fill", "substitute", "--no-progress", "--json", str(tmp_path / "o.json")]
+    assert main([*argv, "--predictors", str(with_sim)]) == 0
+    with open(tmp_path / "o.json") as f:
+        assert json.load(f)["protocol"]["fill"] == "substitute"
+    with pytest.raises(SystemExit, match="fill='substitute' needs predictors calibrated with similarity=True"):
+        main([*argv, "--predictors", str(plain)])
+
+
 def test_python_dash_m(checkpoint, tmp_path):
     out = tmp_path / "pred.safetensors"
     cmd = [sys.executable, "-m", "base_moe", *calibrate_args(checkpoint, out, "--tokens", "256", "--seq", "32", "--ridge-sweep", "0.01,1")]

@@ -379,3 +379,28 @@ class _ScaledOutputBlock(_Block):
 def test_block_whose_output_is_slightly_off_is_refused():
     with pytest.raises(MoELayoutError, match="not the weighted sum of its routed experts"):
         find_moe_layouts(_Model(_ScaledOutputBlock()))
+
+
+def test_expert_output_gram_is_independent_of_its_chunks():
+    """The Gram matrix of the experts' outputs, computed over token chunks of any size, is the one of all outputs
+    at once; the cosine similarity made from it is 1 on the diagonal and 0 for an expert that never outputs."""
+    from base_moe.layouts import cosine_similarity_from_gram, expert_output_gram
+
+    class Linear:
+        num_experts, hidden_size = 3, 8
+
+        def __init__(self):
+            self.w = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(0))
+            self.w[2] = 0
+
+        def expert_output(self, x, u):
+            return x @ self.w[u].T
+
+    layout, x = Linear(), torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    outputs = torch.stack([layout.expert_output(x.reshape(-1, 8), u).reshape(-1) for u in range(3)]).double()
+    for chunk_bytes in (1, 3 * 8 * 4 * 4, 1 << 28):  # one token, four tokens, all
+        torch.testing.assert_close(expert_output_gram(layout, x, chunk_bytes), outputs @ outputs.T, rtol=1e-6, atol=1e-6)
+    similarity = cosine_similarity_from_gram(outputs @ outputs.T)
+    assert torch.equal(similarity.diagonal(), torch.ones(3)) and torch.all(similarity[2, :2] == 0)
+    expected = torch.nn.functional.cosine_similarity(outputs[0], outputs[1], dim=0)
+    torch.testing.assert_close(similarity[0, 1].double(), expected, rtol=1e-6, atol=1e-6)

@@ -14,6 +14,7 @@ import base_moe
 from base_moe import Fill, Routing, Scoring, reference
 from base_moe.hf import moe_layouts, selections
 from base_moe.policies import (
+    SUBSTITUTE,
     CostPolicy,
     DecodeStep,
     LynxPolicy,
@@ -21,7 +22,9 @@ from base_moe.policies import (
     TopKReducePolicy,
     available_policies,
     get_policy,
+    parse_fill,
     register_policy,
+    substitute_dropped,
 )
 
 DESIGN_POLICIES = ["dense", "base", "oracle", "static_energy", "router_sum", "router_sq", "frequency", "top1_union",
@@ -430,6 +433,109 @@ def test_every_design_policy_through_apply_and_configure(policy):
     base_moe.configure(model, policy=policy, budget=3 if takes_budget else None, fill="drop")
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The substitute fill (SERE-like)
+# ---------------------------------------------------------------------------------------------
+def substitute_loop(routed, groups, keep, similarity, E):
+    """Each routed slot whose expert is not in its group's keep set moves, with its weight, to the kept expert most
+    similar to it (ties to the lower index); slots landing on one expert add up in the first of them; the token's
+    experts in slot order, then sentinels. A group that keeps nothing gives its tokens no expert."""
+    B, k = len(routed) // groups, len(routed[0])
+    ids = torch.full((len(routed), k), E, dtype=torch.int32)
+    w = torch.zeros(len(routed), k, dtype=torch.float64)
+    for t, slots in enumerate(routed):
+        keep_t = sorted(keep[t // B])
+        merged: dict[int, float] = {}
+        for u, x in slots:
+            if keep_t:
+                v = u if u in keep_t else max(keep_t, key=lambda c: (float(similarity[u, c]), -c))
+                merged[v] = merged.get(v, 0.0) + x
+        for j, (v, x) in enumerate(merged.items()):
+            ids[t, j], w[t, j] = v, x
+    return ids, w
+
+
+def random_similarity(E, seed, ties):
+    s = torch.rand(E, E, generator=torch.Generator().manual_seed(seed))
+    s = (s + s.T) / 2
+    if ties:  # few distinct values: the nearest kept expert is often a tie, which goes to the lower index
+        s = torch.round(s * 3) / 3
+    return s.fill_diagonal_(1.0)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("policy", ["router_sum", "frequency", "oea", "lynx"])
+def test_substitute_matches_loop_reference(policy, scoring, ties):
+    E = 16
+    step, routed = scoring_step(scoring, Fill.DROP, budget=3)
+    dropped = get_policy(policy).select(step)
+    keep = [set(dropped.ids[g * 6:(g + 1) * 6].flatten().tolist()) - {E} for g in range(2)]
+    if dropped.kept is not None:  # the union of the dropped selection's ids is the kept set
+        assert keep == [set(row.tolist()) - {E} for row in dropped.kept]
+    similarity = random_similarity(E, seed=5, ties=ties)
+    sel = substitute_dropped(step, dropped, similarity)
+    ids, w = substitute_loop(routed, 2, keep, similarity, E)
+    assert torch.equal(sel.ids, ids)
+    torch.testing.assert_close(sel.weights.double(), w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(sel.counts, reference.expert_counts(sel.ids, 2, E))
+    # the weight moves, none is lost: every token keeps its routed total
+    torch.testing.assert_close(sel.weights.double().sum(-1), torch.tensor([sum(x for _, x in r) for r in routed], dtype=torch.float64),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_substitute_of_a_group_that_keeps_nothing():
+    """A group whose dropped selection holds no expert (every slot a sentinel) gets no expert at all, never a
+    default one that nobody loads."""
+    E = 8
+    step = make_step(random_logits(4, E, seed=3), Routing(2, Scoring.SOFTMAX), 2, budget=2, fill=Fill.DROP)
+    dropped = get_policy("router_sum").select(step)
+    dropped.ids[2:] = E
+    sel = substitute_dropped(step, dropped, random_similarity(E, seed=1, ties=False))
+    assert torch.all(sel.ids[2:] == E) and torch.all(sel.weights[2:] == 0)
+    assert set(sel.ids[:2].flatten().tolist()) - {E} <= set(dropped.ids[:2].flatten().tolist())
+
+
+def test_parse_fill_takes_substitute():
+    assert parse_fill("substitute") == SUBSTITUTE
+    with pytest.raises(ValueError, match="available: backfill, drop, drop_renorm, substitute"):
+        parse_fill("swap")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_substitute_through_apply(family):
+    """fill='substitute' runs the policy with drop, then moves the dropped slots (the recorded selection is that of
+    substitute_dropped on the same step); it needs the predictors' similarity; per-token top-k reduction, which
+    imposes no kept set, ignores it."""
+    model = tiny_model(family)
+    ids = torch.randint(3, 64, (6, 1), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="needs the experts' output similarity"):
+        base_moe.apply(model, predictors=StandInPredictors(model), policy="router_sum", budget=2, fill="substitute")
+    predictors = StandInPredictors(model, with_similarity=True)
+    base_moe.apply(model, predictors=predictors, policy="router_sum", budget=2, fill="drop", record=True)
+    with torch.no_grad():
+        model(ids)
+    dropped = {i: sel for i, (sel, _) in selections(model).items()}
+    base_moe.configure(model, fill="substitute")
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+    for layout in moe_layouts(model):
+        sel, groups = selections(model)[layout.layer_index]
+        E = layout.num_experts
+        kept = set(dropped[layout.layer_index].ids.flatten().tolist()) - {E}
+        assert set(sel.ids.flatten().tolist()) - {E} <= kept and len(kept) <= 2
+        # every token keeps its routed total (the dropped selection of the first layer saw the same hidden states)
+        if layout is moe_layouts(model)[0]:
+            routed_total = dropped[layout.layer_index].weights.sum(-1)
+            assert torch.all(sel.weights.sum(-1) >= routed_total - 1e-6)
+    base_moe.configure(model, policy="topk_reduce", budget=None, fill="drop")
+    with torch.no_grad():
+        reduced = model(ids).logits
+    base_moe.configure(model, fill="substitute")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reduced)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,12 +19,13 @@ def make_predictors(layers=(0, 1, 3), experts: int = 8, hidden: int = 32, seed: 
     bias = {i: torch.randn(experts, generator=g) for i in layers}
     mean = {i: torch.randn(experts, generator=g) for i in layers}
     expert_r2 = {i: torch.rand(experts, generator=g) for i in layers}
+    similarity = {i: torch.rand(experts, experts, generator=g) for i in layers}
     r2 = {i: 0.1 + 0.2 * k + 1e-17 * k for k, i in enumerate(layers)}
     metadata = {
         "model_type": "qwen3_moe", "hidden_size": hidden, "num_experts": experts, "tokens": 1234, "ridge": 1e-3,
         "routing": {"top_k": 2, "scoring": "SOFTMAX"}, "model_name_or_path": "/models/tiné",
     }
-    return Predictors(weight, bias, mean, r2, metadata, expert_r2)
+    return Predictors(weight, bias, mean, r2, metadata, expert_r2, similarity)
 
 
 def test_save_load_round_trip_is_bit_exact(tmp_path):
@@ -33,7 +34,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     p.save(path)
     q = Predictors.load(path)
     assert q.layers == p.layers == [0, 1, 3]
-    for field in ("weight", "bias", "mean_log_norm", "expert_r2"):
+    for field in ("weight", "bias", "mean_log_norm", "expert_r2", "similarity"):
         for i in p.layers:
             a, b = getattr(p, field)[i], getattr(q, field)[i]
             assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (field, i)
@@ -51,7 +52,7 @@ def test_file_is_deterministic_and_readable_by_safetensors(tmp_path):
 
     tensors = load_file(tmp_path / "a.safetensors")  # any safetensors reader opens it
     assert sorted(tensors) == sorted(
-        f"layers.{i}.{f}" for i in (0, 1, 3) for f in ("weight", "bias", "mean_log_norm", "expert_r2")
+        f"layers.{i}.{f}" for i in (0, 1, 3) for f in ("weight", "bias", "mean_log_norm", "expert_r2", "similarity")
     )
     assert tensors["layers.3.weight"].shape == (8, 32) and torch.equal(tensors["layers.1.bias"], p.bias[1])
     from safetensors import safe_open
@@ -118,6 +119,13 @@ def test_inconsistent_shapes_are_refused():
         Predictors({0: torch.zeros(4, 8)}, {1: torch.zeros(4)}, {0: torch.zeros(4)})
     with pytest.raises(ValueError, match=r"must be \[4\]"):
         Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(5)}, {0: torch.zeros(4)})
+    with pytest.raises(ValueError, match="similarity names layers \\[1\\]"):
+        Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(4)}, {0: torch.zeros(4)}, similarity={1: torch.eye(4)})
+    with pytest.raises(ValueError, match=r"similarity must be a finite \[4, 4\] matrix, got \(4, 5\)"):
+        Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(4)}, {0: torch.zeros(4)}, similarity={0: torch.zeros(4, 5)})
+    with pytest.raises(ValueError, match=r"similarity must be a finite"):
+        Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(4)}, {0: torch.zeros(4)},
+                   similarity={0: torch.full((4, 4), math.nan)})
     with pytest.raises(ValueError, match="one hidden size"):
         Predictors({0: torch.zeros(4, 8), 1: torch.zeros(4, 6)}, {i: torch.zeros(4) for i in (0, 1)},
                    {i: torch.zeros(4) for i in (0, 1)})
@@ -173,7 +181,7 @@ def test_other_model_type_is_refused(calibrated):
 def test_to_converts_every_tensor():
     p = make_predictors()
     q = p.to(dtype=torch.float64)
-    for field in ("weight", "bias", "mean_log_norm", "expert_r2"):
+    for field in ("weight", "bias", "mean_log_norm", "expert_r2", "similarity"):
         for i in p.layers:
             a, b = getattr(p, field)[i], getattr(q, field)[i]
             assert b.dtype == torch.float64 and torch.equal(b, a.double()), (field, i)
