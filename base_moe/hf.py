@@ -100,7 +100,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     ``static_energy``). ``budget``: experts kept per layer and decode batch (None: the model's own routing, for every
     policy that needs a budget; ``oea``, ``topk_reduce`` and ``lynx:threshold=...`` prune without one).
     ``policy``: a name from ``base_moe.policies.available_policies()``. ``fill``: ``backfill``, ``drop``,
-    ``drop_renorm`` or ``substitute`` (needs predictors calibrated with ``similarity=True``). Options: ``group_by``, ``dense_positions``, ``experts``, ``norm``, ``record`` (see
+    ``drop_renorm`` or ``substitute`` (needs predictors calibrated with ``similarity=True``). Options: ``group_by``,
+    ``dense_positions``, ``experts``, ``norm``, ``record`` (see
     ``_OPTIONS``).
     """
     if is_applied(model):

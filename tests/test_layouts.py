@@ -399,7 +399,8 @@ def test_expert_output_gram_is_independent_of_its_chunks():
     layout, x = Linear(), torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
     outputs = torch.stack([layout.expert_output(x.reshape(-1, 8), u).reshape(-1) for u in range(3)]).double()
     for chunk_bytes in (1, 3 * 8 * 4 * 4, 1 << 28):  # one token, four tokens, all
-        torch.testing.assert_close(expert_output_gram(layout, x, chunk_bytes), outputs @ outputs.T, rtol=1e-6, atol=1e-6)
+        gram = expert_output_gram(layout, x, chunk_bytes)
+        torch.testing.assert_close(gram, outputs @ outputs.T, rtol=1e-6, atol=1e-6)
     similarity = cosine_similarity_from_gram(outputs @ outputs.T)
     assert torch.equal(similarity.diagonal(), torch.ones(3)) and torch.all(similarity[2, :2] == 0)
     expected = torch.nn.functional.cosine_similarity(outputs[0], outputs[1], dim=0)
