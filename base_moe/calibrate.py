@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .layouts import LOG_NORM_FLOOR, cosine_similarity_from_gram, expert_log_norms, expert_output_gram
-from .predictors import FORMAT, FORMAT_VERSION, Predictors, model_type
+from .predictors import FORMAT, Predictors, model_type
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def calibrate(
             the predictors use ``ridge``.
         similarity: also measure every two experts' output similarity (cosine over all calibration tokens, per
             layer: ``Predictors.similarity``), which the ``substitute`` fill rule needs. It runs every expert a
-            second time, on chunks of at most 256 MB of outputs.
+            second time, on token chunks whose outputs of all experts take at most 256 MB (fp32).
 
     Returns a :class:`Predictors`; ``.r2`` holds each layer's held-out R^2 and ``.stats`` the time and peak
     memory of the run. The result depends only on the model, the tokens and these options (fixed split, fp64
@@ -371,7 +371,7 @@ def calibrate_layouts(
     config = getattr(model, "config", None)
     metadata = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": 2 if similarity else 1,
         "model_type": model_type(model),
         "model_name_or_path": str(getattr(config, "_name_or_path", "") or ""),
         "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),

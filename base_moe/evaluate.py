@@ -372,7 +372,8 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        if fill_rule == SUBSTITUTE and not hf._has_similarity(used_predictors, layouts):
+        substituting = fill_rule == SUBSTITUTE and any(p.takes_fill for p in pols)
+        if substituting and not hf._has_similarity(used_predictors, layouts):
             raise ValueError("fill='substitute' needs predictors calibrated with similarity=True (the experts' output "
                              "similarity of every MoE layer): `python -m base_moe calibrate --similarity`")
         for lay in layouts:

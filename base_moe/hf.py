@@ -606,10 +606,12 @@ class _BlockState:
 
     def _step(self, x: torch.Tensor, logits: torch.Tensor, log_norms: torch.Tensor, num_groups: int) -> DecodeStep:
         layout, s = self.layout, self.settings
-        mean = self.mean_log_norm
+        mean, similarity = self.mean_log_norm, self.similarity
+        # (not _follow: an offloaded router's weight is back on "meta" once its forward has returned)
         if s.policy.needs_statistics and mean is not None and mean.device != x.device:
-            # (not _follow: an offloaded router's weight is back on "meta" once its forward has returned)
             self.mean_log_norm = mean.to(x.device)
+        if s.substitutes and similarity is not None and similarity.device != x.device:
+            self.similarity = similarity.to(x.device)  # once, not a copy per step (which a CUDA graph cannot hold)
         return DecodeStep(
             hidden=x,
             logits=logits,

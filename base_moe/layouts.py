@@ -43,17 +43,21 @@ def expert_log_norms(layout, x: torch.Tensor) -> torch.Tensor:
 
 
 def expert_output_gram(layout, x: torch.Tensor, max_chunk_bytes: int = 1 << 28) -> torch.Tensor:
-    """``sum_t O_t O_t^T`` ``[E, E]`` fp64, ``O_t [E, H]`` every expert's output for token ``t``: the inner products of
-    the experts' outputs over the tokens of ``x``, from which calibration's expert similarity is made. Runs every
-    expert on chunks of tokens whose ``E`` fp32 outputs take at most ``max_chunk_bytes``; ``layout`` as for
-    :func:`expert_log_norms`."""
+    """``sum_t O_t O_t^T`` ``[E, E]``, ``O_t [E, H]`` every expert's output for token ``t``: the inner products of the
+    experts' outputs over the tokens of ``x``, from which calibration's expert similarity is made. Runs every expert
+    on chunks of tokens whose ``E`` fp32 outputs fill one buffer of at most ``max_chunk_bytes``; each chunk's products
+    are fp32 matrix products, summed over the chunks in fp64. ``layout`` as for :func:`expert_log_norms`."""
     E, H = layout.num_experts, layout.hidden_size
-    x = x.reshape(-1, H).float()
+    x = x.reshape(-1, H)
     chunk = max(1, max_chunk_bytes // (4 * E * H))
+    outputs = torch.empty(E, min(chunk, x.shape[0]), H, dtype=torch.float32, device=x.device)
     gram = torch.zeros(E, E, dtype=torch.float64, device=x.device)
     for rows in x.split(chunk):
-        outputs = torch.stack([layout.expert_output(rows, u).float().reshape(-1) for u in range(E)])  # [E, rows x H]
-        gram += (outputs @ outputs.T).double()
+        n = rows.shape[0]
+        for u in range(E):
+            outputs[u, :n] = layout.expert_output(rows, u)
+        flat = outputs[:, :n].reshape(E, -1)
+        gram += (flat @ flat.T).double()
     return gram
 
 

@@ -366,13 +366,13 @@ def substitute_dropped(step: DecodeStep, dropped: Selection, similarity: torch.T
     each token's routed slot whose expert was not kept moves, with its routing weight, to the kept expert of its
     group most similar to the dropped one by ``similarity [E, E]`` (calibrated; ties to the lower index); slots that
     land on the same expert add their weights in the first of them; the token's experts come first, in slot order,
-    then sentinels ``E``. The kept set is the experts of ``dropped.ids`` in the group (every kept expert is some
-    token's routed one), so no expert outside it runs. Plain PyTorch, no host synchronisation."""
+    then sentinels ``E``. The kept set is ``dropped.kept``, or where a policy gives none the experts of
+    ``dropped.ids`` in the group, so no expert outside it runs. Plain PyTorch, no host synchronisation."""
     E, T, G = step.logits.shape[1], step.logits.shape[0], step.num_groups
     routed, weights = reference.route(step.logits, step.routing, step.correction_bias)
     routed = routed.long()
     kept = torch.zeros(G, E + 1, dtype=torch.bool, device=routed.device)
-    kept.scatter_(1, dropped.ids.long().reshape(G, -1), True)
+    kept.scatter_(1, (dropped.kept if dropped.kept is not None else dropped.ids.reshape(G, -1)).long(), True)
     kept = kept[:, :E].repeat_interleave(T // G, dim=0)  # [T, E]: the token's group's kept set
     closeness = similarity.to(routed.device)[routed].masked_fill(~kept[:, None, :], -math.inf)  # [T, k, E]
     target = torch.where(kept.gather(1, routed), routed, closeness.argmax(dim=-1))  # argmax: the first maximum

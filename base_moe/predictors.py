@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 FORMAT = "base_moe.predictors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest file version this base_moe reads. A file is version 2 when it holds ``similarity`` (which version 1
+readers do not know), else version 1."""
 
 _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -99,7 +101,7 @@ class Predictors:
         self.r2 = {i: float((r2 or {}).get(i, math.nan)) for i in layers}
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.metadata.setdefault("format", FORMAT)
-        self.metadata.setdefault("format_version", FORMAT_VERSION)
+        self.metadata["format_version"] = 2 if self.similarity else 1
         self.metadata.setdefault("layers", layers)
         self.metadata["r2"] = {str(i): self.r2[i] for i in layers}
         self.stats: dict[str, Any] = {}

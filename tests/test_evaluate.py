@@ -357,3 +357,18 @@ def test_a_policy_named_twice_runs_once():
     result = evaluate(model, ids, policies=["router_sum", "oea", get_policy("router_sum"), "oea"], budgets=[2, 2],
                       batch=2, seq=6, prefill=2, batches=1, progress=False, energy=False)
     assert sorted((r["policy"], r["budget"] or 0) for r in result["results"]) == [("oea", 0), ("router_sum", 2)]
+
+
+def test_substitute_needs_similarity_only_where_a_policy_takes_the_fill():
+    """fill='substitute' with predictors without similarity: a clear error when a policy of the run takes the fill,
+    none when only per-token top-k reduction runs (it ignores every fill); the model is handed back unpatched."""
+    model, ids = model_and_ids()
+    kwargs = dict(batch=B, seq=S, prefill=P, batches=1, fill="substitute", progress=False, energy=False)
+    with pytest.raises(ValueError, match="fill='substitute' needs predictors calibrated with similarity=True"):
+        evaluate(model, ids, predictors=StandInPredictors(model), policies=["router_sum"], budgets=[2], **kwargs)
+    assert not hf.is_applied(model)
+    out = evaluate(model, ids, predictors=StandInPredictors(model), policies=["topk_reduce"], **kwargs)
+    assert out["protocol"]["fill"] == "substitute" and [r["policy"] for r in out["results"]] == ["topk_reduce"]
+    with_similarity = StandInPredictors(model, with_similarity=True)
+    out = evaluate(model, ids, predictors=with_similarity, policies=["router_sum"], budgets=[2], **kwargs)
+    assert math.isfinite(out["results"][0]["delta_bits"])

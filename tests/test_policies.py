@@ -492,7 +492,7 @@ def test_substitute_of_a_group_that_keeps_nothing():
     E = 8
     step = make_step(random_logits(4, E, seed=3), Routing(2, Scoring.SOFTMAX), 2, budget=2, fill=Fill.DROP)
     dropped = get_policy("router_sum").select(step)
-    dropped.ids[2:] = E
+    dropped.ids[2:], dropped.kept[1] = E, E
     sel = substitute_dropped(step, dropped, random_similarity(E, seed=1, ties=False))
     assert torch.all(sel.ids[2:] == E) and torch.all(sel.weights[2:] == 0)
     assert set(sel.ids[:2].flatten().tolist()) - {E} <= set(dropped.ids[:2].flatten().tolist())
@@ -506,9 +506,10 @@ def test_parse_fill_takes_substitute():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_substitute_through_apply(family):
-    """fill='substitute' runs the policy with drop, then moves the dropped slots (the recorded selection is that of
-    substitute_dropped on the same step); it needs the predictors' similarity; per-token top-k reduction, which
-    imposes no kept set, ignores it."""
+    """fill='substitute' runs the policy with drop, then moves the dropped slots: the first layer's recorded selection
+    is substitute_dropped of the drop selection of its own inputs, every layer's final experts lie in its kept set,
+    and the output differs from drop's; it needs the predictors' similarity; per-token top-k reduction, which imposes
+    no kept set, ignores it."""
     model = tiny_model(family)
     ids = torch.randint(3, 64, (6, 1), generator=torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match="needs the experts' output similarity"):
@@ -516,20 +517,29 @@ def test_substitute_through_apply(family):
     predictors = StandInPredictors(model, with_similarity=True)
     base_moe.apply(model, predictors=predictors, policy="router_sum", budget=2, fill="drop", record=True)
     with torch.no_grad():
-        model(ids)
-    dropped = {i: sel for i, (sel, _) in selections(model).items()}
+        dropped_logits = model(ids).logits
+    first = moe_layouts(model)[0]
+    inputs = []
+    hook = first.block.register_forward_pre_hook(lambda module, args: inputs.append(args[0].reshape(6, -1)))
     base_moe.configure(model, fill="substitute")
     with torch.no_grad():
-        assert torch.isfinite(model(ids).logits).all()
+        logits = model(ids).logits
+    hook.remove()
+    assert torch.isfinite(logits).all() and not torch.equal(logits, dropped_logits)
+    x = inputs[0]
+    step = DecodeStep(hidden=x, logits=first.router_logits(x), predicted_log_norms=None, routing=first.routing,
+                      correction_bias=first.correction_bias(), num_groups=1, budget=2, fill=Fill.DROP, layout=first)
+    expected = substitute_dropped(step, get_policy("router_sum").select(step), predictors.similarity[first.layer_index])
+    sel, _ = selections(model)[first.layer_index]
+    assert torch.equal(sel.ids, expected.ids)
+    torch.testing.assert_close(sel.weights, expected.weights)
+    routed_total = reference.route(step.logits, first.routing, step.correction_bias)[1].sum(-1)
+    torch.testing.assert_close(sel.weights.sum(-1), routed_total)  # no weight is lost
     for layout in moe_layouts(model):
-        sel, groups = selections(model)[layout.layer_index]
+        sel, _ = selections(model)[layout.layer_index]
         E = layout.num_experts
-        kept = set(dropped[layout.layer_index].ids.flatten().tolist()) - {E}
+        kept = set(sel.kept.flatten().tolist()) - {E}
         assert set(sel.ids.flatten().tolist()) - {E} <= kept and len(kept) <= 2
-        # every token keeps its routed total (the dropped selection of the first layer saw the same hidden states)
-        if layout is moe_layouts(model)[0]:
-            routed_total = dropped[layout.layer_index].weights.sum(-1)
-            assert torch.all(sel.weights.sum(-1) >= routed_total - 1e-6)
     base_moe.configure(model, policy="topk_reduce", budget=None, fill="drop")
     with torch.no_grad():
         reduced = model(ids).logits

@@ -40,7 +40,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
             assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (field, i)
     assert q.r2 == p.r2  # floats survive JSON exactly
     assert q.metadata == p.metadata
-    assert q.metadata["format"] == "base_moe.predictors" and q.metadata["format_version"] == 1
+    assert q.metadata["format"] == "base_moe.predictors" and q.metadata["format_version"] == 2  # with similarity
     assert q.hidden_size == 32 and q.num_experts == {0: 8, 1: 8, 3: 8}
 
 
@@ -61,6 +61,16 @@ def test_file_is_deterministic_and_readable_by_safetensors(tmp_path):
         meta = f.metadata()
     assert json.loads(meta["model_type"]) == "qwen3_moe" and json.loads(meta["layers"]) == [0, 1, 3]
     assert json.loads(meta["r2"])["3"] == p.r2[3]
+
+
+def test_a_file_without_similarity_is_version_1(tmp_path):
+    """Version 2 only where the file holds what version-1 readers do not know (the similarity), so that they read
+    every other file and tell a user to upgrade for those."""
+    p = make_predictors()
+    plain = Predictors(p.weight, p.bias, p.mean_log_norm, p.r2, p.metadata, p.expert_r2)
+    plain.save(tmp_path / "p.safetensors")
+    assert Predictors.load(tmp_path / "p.safetensors").metadata["format_version"] == 1
+    assert p.metadata["format_version"] == 2
 
 
 def test_nan_r2_survives(tmp_path):
