@@ -110,11 +110,12 @@ def test_budget_changes_decode_calls_only(family):
 # ---------------------------------------------------------------------------------------------------------------
 # The decode path computes what the selection says, with only kept experts
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fill", ["backfill", "drop", "drop_renorm"])
+@pytest.mark.parametrize("fill", ["backfill", "drop", "drop_renorm", "substitute"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_output_is_the_selected_experts(family, fill):
     model = fresh(family)
-    base_moe.apply(model, budget=2, policy="frequency", fill=fill, record=True)
+    predictors = StandInPredictors(model, with_similarity=True)
+    base_moe.apply(model, predictors=predictors, budget=2, policy="frequency", fill=fill, record=True)
     for layout in moe_layouts(model):
         hidden = block_input(layout)
         y = run_block(layout, hidden)
@@ -710,12 +711,13 @@ def test_cuda_bf16_budgeted_block(family, fill):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fill", ["backfill", "substitute"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cuda_graph_captures_a_decode_step(family):
+def test_cuda_graph_captures_a_decode_step(family, fill):
     model = fresh(family, dtype=torch.bfloat16, device="cuda")
     _set_experts_implementation(model, "grouped_mm")  # the eager HF experts path synchronises
-    predictors = StandInPredictors(model)
-    base_moe.apply(model, predictors=predictors, budget=3, policy="base")
+    predictors = StandInPredictors(model, with_similarity=True)
+    base_moe.apply(model, predictors=predictors, budget=3, policy="base", fill=fill)
     layout = moe_layouts(model)[0]
     static_in = block_input(layout, batch=16).cuda()
     stream = torch.cuda.Stream()
