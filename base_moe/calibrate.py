@@ -371,7 +371,6 @@ def calibrate_layouts(
     config = getattr(model, "config", None)
     metadata = {
         "format": FORMAT,
-        "format_version": 2 if similarity else 1,
         "model_type": model_type(model),
         "model_name_or_path": str(getattr(config, "_name_or_path", "") or ""),
         "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),

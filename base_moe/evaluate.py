@@ -372,10 +372,8 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        substituting = fill_rule == SUBSTITUTE and any(p.takes_fill for p in pols)
-        if substituting and not hf._has_similarity(used_predictors, layouts):
-            raise ValueError("fill='substitute' needs predictors calibrated with similarity=True (the experts' output "
-                             "similarity of every MoE layer): `python -m base_moe calibrate --similarity`")
+        if fill_rule == SUBSTITUTE and any(p.takes_fill for p in pols):  # before the dense pass, not after it
+            hf._require_similarity(used_predictors, layouts)
         for lay in layouts:
             for pol in pols:  # an option out of range fails here, not after the dense pass (the finally restores)
                 pol.check_layout(lay)

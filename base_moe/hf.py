@@ -251,11 +251,8 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
             f"policy '{s.policy.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path "
             "(policies without predictors: router_sum, router_sq, frequency, top1_union, oracle)"
         )
-    if s.active and s.substitutes and not _has_similarity(predictors, found):
-        raise ValueError(
-            "fill='substitute' needs the experts' output similarity of every MoE layer: pass predictors calibrated "
-            "with base_moe.calibrate(..., similarity=True) (`python -m base_moe calibrate --similarity`)"
-        )
+    if s.active and s.substitutes:
+        _require_similarity(predictors, found)
     if s.active and s.policy.needs_statistics:
         if predictors is None or not getattr(predictors, "mean_log_norm", None):
             raise ValueError(
@@ -265,9 +262,15 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
     return s
 
 
-def _has_similarity(predictors, layouts: list[MoELayout]) -> bool:
+def _require_similarity(predictors, layouts: list[MoELayout]) -> None:
+    """Raises ``ValueError`` unless ``predictors`` hold the expert similarity of every layer (the substitute fill)."""
     similarity = getattr(predictors, "similarity", None) or {}
-    return all(layout.layer_index in similarity for layout in layouts)
+    if not all(layout.layer_index in similarity for layout in layouts):
+        raise ValueError(
+            "fill='substitute' needs predictors calibrated with similarity=True: it needs the experts' output "
+            "similarity of every MoE layer (base_moe.calibrate(..., similarity=True) or "
+            "`python -m base_moe calibrate --similarity`)"
+        )
 
 
 def _budget(budget) -> int:
@@ -591,7 +594,8 @@ class _BlockState:
         layout, s = self.layout, self.settings
         x = x.contiguous()
         logits, log_norms, sel = layout.router(x, base_moe=self, num_groups=num_groups)
-        step = self._step(x, logits, log_norms, num_groups)
+        # the step only where a policy or the substitute fill reads it (not on the fused path's every call)
+        step = self._step(x, logits, log_norms, num_groups) if sel is None or s.substitutes else None
         if sel is None:
             sel = s.policy.select(step)
         if s.substitutes:

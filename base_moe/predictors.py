@@ -101,7 +101,7 @@ class Predictors:
         self.r2 = {i: float((r2 or {}).get(i, math.nan)) for i in layers}
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.metadata.setdefault("format", FORMAT)
-        self.metadata["format_version"] = 2 if self.similarity else 1
+        self.metadata["format_version"] = FORMAT_VERSION if self.similarity else 1
         self.metadata.setdefault("layers", layers)
         self.metadata["r2"] = {str(i): self.r2[i] for i in layers}
         self.stats: dict[str, Any] = {}

@@ -81,6 +81,16 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrain
     return model.eval()
 
 
+def random_similarity(E: int, generator: torch.Generator, ties: bool = False) -> torch.Tensor:
+    """A symmetric ``[E, E]`` expert similarity with 1 on the diagonal, for the substitute fill; ``ties``: few distinct
+    values, so that the nearest kept expert is often a tie (which goes to the lower index)."""
+    s = torch.rand(E, E, generator=generator)
+    s = (s + s.T) / 2
+    if ties:
+        s = torch.round(s * 3) / 3
+    return s.fill_diagonal_(1.0)
+
+
 class StandInPredictors:
     """The attributes ``base_moe.apply`` reads from a ``base_moe.Predictors`` (without its file format)."""
 
@@ -96,8 +106,7 @@ class StandInPredictors:
             self.mean_log_norm[layout.layer_index] = torch.randn(E, generator=g)
             self.r2[layout.layer_index] = 0.5
             if with_similarity:
-                s = torch.rand(E, E, generator=g)
-                self.similarity[layout.layer_index] = ((s + s.T) / 2).fill_diagonal_(1.0)
+                self.similarity[layout.layer_index] = random_similarity(E, g)
         if not with_mean:
             self.mean_log_norm = {}
         self.metadata = {"model_type": model.config.model_type}

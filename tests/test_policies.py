@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hf_models import FAMILIES, StandInPredictors, tiny_model
+from hf_models import FAMILIES, StandInPredictors, random_similarity, tiny_model
 
 import base_moe
 from base_moe import Fill, Routing, Scoring, reference
@@ -457,14 +457,6 @@ def substitute_loop(routed, groups, keep, similarity, E):
     return ids, w
 
 
-def random_similarity(E, seed, ties):
-    s = torch.rand(E, E, generator=torch.Generator().manual_seed(seed))
-    s = (s + s.T) / 2
-    if ties:  # few distinct values: the nearest kept expert is often a tie, which goes to the lower index
-        s = torch.round(s * 3) / 3
-    return s.fill_diagonal_(1.0)
-
-
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("scoring", SCORINGS)
 @pytest.mark.parametrize("policy", ["router_sum", "frequency", "oea", "lynx"])
@@ -475,7 +467,7 @@ def test_substitute_matches_loop_reference(policy, scoring, ties):
     keep = [set(dropped.ids[g * 6:(g + 1) * 6].flatten().tolist()) - {E} for g in range(2)]
     if dropped.kept is not None:  # the union of the dropped selection's ids is the kept set
         assert keep == [set(row.tolist()) - {E} for row in dropped.kept]
-    similarity = random_similarity(E, seed=5, ties=ties)
+    similarity = random_similarity(E, torch.Generator().manual_seed(5), ties=ties)
     sel = substitute_dropped(step, dropped, similarity)
     ids, w = substitute_loop(routed, 2, keep, similarity, E)
     assert torch.equal(sel.ids, ids)
@@ -493,7 +485,7 @@ def test_substitute_of_a_group_that_keeps_nothing():
     step = make_step(random_logits(4, E, seed=3), Routing(2, Scoring.SOFTMAX), 2, budget=2, fill=Fill.DROP)
     dropped = get_policy("router_sum").select(step)
     dropped.ids[2:], dropped.kept[1] = E, E
-    sel = substitute_dropped(step, dropped, random_similarity(E, seed=1, ties=False))
+    sel = substitute_dropped(step, dropped, random_similarity(E, torch.Generator().manual_seed(1)))
     assert torch.all(sel.ids[2:] == E) and torch.all(sel.weights[2:] == 0)
     assert set(sel.ids[:2].flatten().tolist()) - {E} <= set(dropped.ids[:2].flatten().tolist())
 
