@@ -22,6 +22,8 @@ TIMES = (
     ("select_experts_us", "select_experts, one call"),
     ("select_experts_after_norm_us", "after torch's norm"),
     ("select_experts_after_our_norm_us", "after base_moe's norm"),
+    # the decode boundary: the two kernels behind base_moe's norm, as a decode step could run them at every T
+    ("two_kernels_after_our_norm_us", "router_predict + route_select, after base_moe's norm"),
     ("router_predict_us", "router_predict alone"),
     ("route_select_us", "route_select alone"),
 )
@@ -86,10 +88,11 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.set_xticks(tokens, [str(t) for t in tokens])
             ax.set_xlabel("tokens per call (T)")
             ax.set_ylabel(ylabel)
-            ax.set_ylim(bottom=0)
+            # headroom above the lines for the legend, so that it hides none of them
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.5)
             ax.set_title(f"{model}: {title}")
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="upper left")
     save(fig, path, result, f"budget {result.get('budget', '?')}, cost {result.get('cost', '?')}, fill "
                             f"{result.get('fill', '?')}")
 
