@@ -7,7 +7,8 @@ bash notes/device_trial.sh | grep -v "^GPU"
 for i in 1 2; do
   for knob in "" 1; do
     tag=${knob:+two}; tag=${tag:-fused}_$i
-    BASE_MOE_NO_FUSED=$knob timeout 150 python3 benchmarks/bench_e2e.py --variants "" --budgets 10,16 \
+    # (an empty BASE_MOE_NO_FUSED would count as set: the patch tests getenv against null)
+    env ${knob:+BASE_MOE_NO_FUSED=1} timeout 150 python3 benchmarks/bench_e2e.py --variants "" --budgets 10,16 \
       --batches 1,4,16 --repeats 3 --json $OUT/e2e_$tag.json > $OUT/e2e_$tag.log 2>&1
     echo "== $tag"; grep "^batch" $OUT/e2e_$tag.log
   done
