@@ -10,4 +10,3 @@ t() {  # TAG SECONDS PYTEST-ARGS...
 t sel 70 tests/test_select_cuda.py -k "select_experts or graph_replay or opcheck"
 t ops 40 tests/test_ops.py -k "select_experts"
 t hfgraph 60 tests/test_hf.py -k "graph"
-t selall 100 tests/test_select_cuda.py
