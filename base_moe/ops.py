@@ -91,12 +91,10 @@ def select_experts(
     correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Stages 1-3 in one call: ``router_predict`` then ``route_select`` on its outputs:
-    ``(logits, log_norms, ids, weights, kept, counts, batch_cost)``. On CUDA, batches of up to 16 tokens per group
-    whose router and predictor rows fit one thread-block cluster's shared memory run as one kernel launch, others as
-    the two kernels.
+    ``(logits, log_norms, ids, weights, kept, counts, batch_cost)``; on CUDA the two ops' kernels.
     ``Cost.BASE`` needs the predictor; the other costs ignore it.
 
-    On CUDA the kernel starts reading ``router_weight`` and ``predictor_weight`` while the previous kernel on the
+    On CUDA ``router_predict`` starts reading ``router_weight`` and ``predictor_weight`` while the previous kernel on the
     stream finishes (programmatic dependent launch): they must not be written by the kernel just before this call
     (convert them once, as the HF integration does; ``BASE_MOE_PDL=0`` turns the overlap off). Hidden states and
     biases are read after the wait."""
@@ -112,7 +110,7 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     ``hidden [T, H]``, ``weight [H]`` of ``hidden``'s dtype.
 
     On CUDA the kernel lets the next kernel on the stream start at once (programmatic dependent launch): a selection
-    op right after it (``select_experts``, ``router_predict``) then copies its weights while the norm runs. Its
+    op right after it (``router_predict``, alone or in ``select_experts``) then copies its weights while the norm runs. Its
     fp32 sum of squares is added in another order than torch's, so an output may differ from torch's in the last
     places; on the CPU it is torch's computation, bit for bit."""
     return _ops.rms_norm(hidden, weight, eps)

@@ -4,10 +4,9 @@ Qwen3-30B-A3B (H=2048, E=128, k=8, I=768) and OLMoE-1B-7B (H=2048, E=64, k=8, I=
 {1, 4, 16, 64, 256}, dense random softmax routing and budgets M in {8, 16, 32, 64}. Budgets are applied to the
 expert op and to HF by restricting the random routing to M random experts (every token's top-k among them),
 and M is passed to our op as its bound on active experts (``max_active_experts``), as the BASE layer does; the
-BASE layer runs its own selection (``select_experts`` with budget M, or M = E when dense; ``--select two``:
-``router_predict`` + ``route_select``) on random router and predictor weights. Times: median of CUDA-graph
-replays, each graph holding several calls that rotate among copies of the layer's expert weights so the 60 MB L2
-never holds them; a device-to-device copy measured in the same run gives the bandwidth ceiling (2 x bytes / time).
+BASE layer runs its own selection (``select_experts`` with budget M, or M = E when dense) on random router and
+predictor weights. Times: median of CUDA-graph replays, each graph holding several calls that rotate among copies of
+the layer's expert weights so the 60 MB L2 never holds them; a device-to-device copy measured in the same run gives the bandwidth ceiling (2 x bytes / time).
 The BASE layer is timed as consecutive layers (each selection follows the previous layer's slot sum, whose
 end its programmatic dependent launch may overlap), and behind the decoder layer's RMSNorm as in decode
 ((norm + layer) - norm: a plain PyTorch kernel that lets nothing overlap it); "after our norm" puts
@@ -85,13 +84,8 @@ def router_weights(cfg, gen):
     return router, predictor, torch.zeros(E, device="cuda")
 
 
-def select_experts(x, cfg, router, predictor, predictor_bias, budget, path="fused"):
-    """The BASE selection (softmax routing, BASE cost, backfill) with budget M -> ids, weights: select_experts (one
-    launch), or router_predict + route_select (path "two")."""
-    if path == "two":
-        logits, log_norms = torch.ops.base_moe.router_predict(x, router, None, predictor, predictor_bias)
-        return torch.ops.base_moe.route_select(logits, log_norms, None, 1, cfg["k"], 0, cfg["renormalize"], 1, 1, 1.0,
-                                               0, budget, 0)[:2]
+def select_experts(x, cfg, router, predictor, predictor_bias, budget):
+    """The BASE selection (softmax routing, BASE cost, backfill) with budget M -> ids, weights."""
     return torch.ops.base_moe.select_experts(x, router, None, predictor, predictor_bias, None, 1, cfg["k"], 0,
                                              cfg["renormalize"], 1, 1, 1.0, 0, budget, 0)[2:4]
 
@@ -183,8 +177,6 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--select", choices=["fused", "two"], default="fused",
-                    help="the BASE layer's selection: select_experts, or router_predict + route_select")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--variants-only", action="store_true", help="only the Qwen3 configuration variants")
     ap.add_argument("--variants", default="default,T16,T32,W64,W128,nopdl")
@@ -201,9 +193,7 @@ def main():
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
-    selection = ("base_moe CUDA router_predict + route_select (two launches)" if args.select == "two" else
-                 "base_moe CUDA select_experts (one launch for up to 16 tokens where the router fits a cluster, "
-                 "else router_predict + route_select)")
+    selection = "base_moe CUDA select_experts (router_predict, then route_select)"
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_bw / 1e12:.2f} TB/s (the % below; the final "
           "table divides by the faster of this and a copy at the end)")
     print("budget rows: expert op and HF use random routing restricted to M random experts; "
@@ -229,7 +219,7 @@ def main():
                 budget = E if M is None else M
 
                 def select(h=x):
-                    return select_experts(h, cfg, wr, wp, bp, budget, args.select)
+                    return select_experts(h, cfg, wr, wp, bp, budget)
 
                 def layer(gu, dp, h=x):
                     return torch.ops.base_moe.experts(h, *select(h), gu, dp, M)

@@ -1,14 +1,13 @@
 """Selection path of one MoE layer: base_moe's CUDA kernels next to plain PyTorch, under CUDA-graph replay.
 
 Paths, all timed in the same run on the same inputs:
-  select_experts  base_moe.ops.select_experts: stages 1-3 in one launch (one thread-block cluster per decode batch)
-  two_kernels     base_moe.ops.router_predict + base_moe.ops.route_select (two launches; also each alone)
+  select_experts  base_moe.ops.select_experts: stages 1-3 (router_predict, then route_select; also each alone)
   pytorch  the same BASE selection in plain PyTorch (one GEMV over the concatenated router and predictor weights,
            routing, costs, batch sums, top-M, backfill, counts), graph-capturable, no Python loop over tokens
   hf       the model's own router alone (linear + scoring + top-k + renormalisation), as Hugging Face writes it
-  after a norm  select_experts (and the two kernels) behind the decoder layer's RMSNorm, as in decode:
+  after a norm  select_experts behind the decoder layer's RMSNorm, as in decode:
                 (norm + selection) - norm, with torch's norm (F.rms_norm)
-  after our norm  select_experts (and the two kernels) behind base_moe.ops.rms_norm instead, whose kernel lets the
+  after our norm  select_experts behind base_moe.ops.rms_norm instead, whose kernel lets the
                 selection start while it runs: (our norm + selection) - torch's norm, so that a slower norm counts
                 against it
 
@@ -54,8 +53,7 @@ TOKENS = (1, 4, 16, 64, 256)
 BUDGET = 16
 L2_BYTES = 60 * 2**20
 # the paths timed behind a norm, and the norms alone subtracted from them: one hidden-state buffer for all calls
-NORM_PATHS = ("norm", "norm_select", "norm_two_kernels", "norm_pytorch", "our_norm", "our_norm_select",
-              "our_norm_two_kernels")
+NORM_PATHS = ("norm", "norm_select", "norm_pytorch", "our_norm", "our_norm_select")
 
 
 def path_inputs(path: str, xs: list) -> list:
@@ -184,11 +182,6 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
             return ops.select_experts(x, s["Wr"], routing, budget=BUDGET, cost=Cost.BASE, fill=Fill.BACKFILL,
                                       predictor_weight=s["Wp"], predictor_bias=s["bp"], correction_bias=s["bias"])
 
-        def two_kernels(x, s):
-            logits, log_norms = ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"])
-            return ops.route_select(logits, routing, budget=BUDGET, cost=Cost.BASE, fill=Fill.BACKFILL,
-                                    log_norms=log_norms, correction_bias=s["bias"])
-
         def pytorch(x, s):
             return torch_select(x, s["W_cat"], s["b_cat"], routing, s["bias"], E, BUDGET)
 
@@ -203,9 +196,6 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
         def norm_select(x, s):
             return select_experts(norm(x, s), s)
 
-        def norm_two_kernels(x, s):
-            return two_kernels(norm(x, s), s)
-
         def norm_pytorch(x, s):  # the baseline behind the same norm, so that the speed-up compares like with like
             return pytorch(norm(x, s), s)
 
@@ -215,10 +205,7 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
         def our_norm_select(x, s):
             return select_experts(our_norm(x, s), s)
 
-        def our_norm_two_kernels(x, s):
-            return two_kernels(our_norm(x, s), s)
-
-        # the two launches of the two-kernel path alone (route_select on precomputed logits)
+        # select_experts' two launches alone (route_select on precomputed logits)
         stage1 = [ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"]) for x, s in zip(xs, sets)]
 
         def gemv_only(x, s):
@@ -237,11 +224,9 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
             else:
                 calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(xs, sets)]
             row[f"{path}_us"] = median(graph_time_us(calls, replays))
-        for path, fn in (("select_experts", select_experts), ("two_kernels", two_kernels), ("pytorch", pytorch),
-                         ("hf_router", hf), ("norm", norm), ("norm_select", norm_select),
-                         ("norm_two_kernels", norm_two_kernels), ("norm_pytorch", norm_pytorch),
-                         ("our_norm", our_norm),
-                         ("our_norm_select", our_norm_select), ("our_norm_two_kernels", our_norm_two_kernels)):
+        for path, fn in (("select_experts", select_experts), ("pytorch", pytorch), ("hf_router", hf), ("norm", norm),
+                         ("norm_select", norm_select), ("norm_pytorch", norm_pytorch), ("our_norm", our_norm),
+                         ("our_norm_select", our_norm_select)):
             calls = [lambda x=x, s=s, fn=fn: fn(x, s) for x, s in zip(path_inputs(path, xs), sets)]
             times = graph_time_us(calls, replays)
             row[f"{path}_us"] = median(times)
@@ -250,9 +235,7 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
         # dependent launch: the selection cannot stage its weights while it runs, as it can behind the previous
         # selection. base_moe's does; its step is compared against torch's norm alone, so its own time counts.
         row["select_experts_after_norm_us"] = row["norm_select_us"] - row["norm_us"]
-        row["two_kernels_after_norm_us"] = row["norm_two_kernels_us"] - row["norm_us"]
         row["select_experts_after_our_norm_us"] = row["our_norm_select_us"] - row["norm_us"]
-        row["two_kernels_after_our_norm_us"] = row["our_norm_two_kernels_us"] - row["norm_us"]
         row["pytorch_after_norm_us"] = row["norm_pytorch_us"] - row["norm_us"]
         row["speedup_vs_pytorch"] = row["pytorch_us"] / row["select_experts_us"]
         # both behind torch's norm: select_experts_us overlaps the previous selection (PDL), which decode never offers
@@ -263,9 +246,7 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
             f"{name:17s} T={T:4d}  select_experts {row['select_experts_us']:7.2f} us (after a norm "
             f"{row['select_experts_after_norm_us']:6.2f}, after our norm "
             f"{row['select_experts_after_our_norm_us']:6.2f}; "
-            f"norms {row['norm_us']:5.2f} / {row['our_norm_us']:5.2f})  two kernels {row['two_kernels_us']:7.2f} us "
-            f"(after a norm {row['two_kernels_after_norm_us']:6.2f}, after our norm "
-            f"{row['two_kernels_after_our_norm_us']:6.2f}; router_predict {row['router_predict_us']:6.2f}, "
+            f"norms {row['norm_us']:5.2f} / {row['our_norm_us']:5.2f}; router_predict {row['router_predict_us']:6.2f}, "
             f"route_select {row['route_select_us']:6.2f})  pytorch {row['pytorch_us']:7.2f} us  "
             f"hf router {row['hf_router_us']:7.2f} us  speed-up {row['speedup_vs_pytorch']:5.1f}x",
             flush=True,
@@ -302,16 +283,12 @@ def main():
         row["weight_bandwidth_TBps"] = row["weight_bytes"] / (row["select_experts_us"] * 1e-6) / 1e12 if hbm else None
 
     print()
-    print("| model | T | select_experts (us) | after a norm (us) | after our norm (us) | two kernels (us) | "
-          "after a norm (us) | after our norm (us) | "
-          "router_predict alone | route_select alone | PyTorch BASE path (us) | HF router only (us) | "
+    print("| model | T | select_experts (us) | after a norm (us) | after our norm (us) | router_predict alone | route_select alone | PyTorch BASE path (us) | HF router only (us) | "
           "speed-up vs PyTorch | weights read | norm alone, torch / ours (us) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['model']} | {r['T']} | {r['select_experts_us']:.2f} | {r['select_experts_after_norm_us']:.2f} | "
               f"{r['select_experts_after_our_norm_us']:.2f} | "
-              f"{r['two_kernels_us']:.2f} | {r['two_kernels_after_norm_us']:.2f} | "
-              f"{r['two_kernels_after_our_norm_us']:.2f} | "
               f"{r['router_predict_us']:.2f} | {r['route_select_us']:.2f} | {r['pytorch_us']:.2f} | "
               f"{r['hf_router_us']:.2f} | {r['speedup_vs_pytorch']:.1f}x | {r['weight_bytes'] / 1e6:.2f} MB | "
               f"{r['norm_us']:.2f} / {r['our_norm_us']:.2f} |")

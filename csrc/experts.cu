@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(const int32_t* __restrict
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   cuda::pdl_wait();
   // The next kernel may be scheduled while the sum runs (it reads y only after its own griddepcontrol.wait, which
-  // waits for this whole grid): the next layer's select_experts copies its weights meanwhile. Not before the wait:
+  // waits for this whole grid): the next layer's router_predict copies its weights meanwhile. Not before the wait:
   // the down GEMM triggers at its start, so a dependent launched then would hold SM slots for the whole GEMM.
   cuda::pdl_launch_dependents();
   // Every slot's row is loaded at once (rows of empty slots exist, unwritten): no load waits for the previous id.

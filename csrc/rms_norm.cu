@@ -1,10 +1,10 @@
 // The decoder layer's RMSNorm before the MoE block (ops rms_norm and add_rms_norm), on CUDA: one CTA per token row,
 // fp32 inside, as Hugging Face writes it for the Llama-style families: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype).
 // Its point is the launch that follows: the kernel lets its dependents start at once (programmatic dependent launch),
-// so a selection kernel launched with PDL right after it (select_experts, router_predict) stages its weights while
-// the norm runs instead of after it; they read the norm's output only after their griddepcontrol.wait, which waits
-// for this whole grid and its writes. torch's own norm kernel gives no such signal, and behind it select_experts took
-// ~4.8 us more than behind another selection (device_runs/session24.txt).
+// so a selection kernel launched with PDL right after it (router_predict) stages its weights while the norm runs
+// instead of after it; they read the norm's output only after their griddepcontrol.wait, which waits for this whole
+// grid and its writes. torch's own norm kernel gives no such signal, and behind it the one-launch selection kernel of
+// that time took ~4.8 us more than behind another selection (device_runs/session24.txt).
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

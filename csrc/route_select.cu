@@ -158,7 +158,7 @@ __device__ __forceinline__ void sum_every_expert(const SelectParams& p, const fl
 }
 
 // GENERIC = false: softmax routing without a group limit at budgets up to 32 (score_token), whose instance leaves the
-// other modes' code out, as select_experts' does (Qwen3's instance 4728 -> 3032 SASS instructions; route_select alone
+// other modes' code out (Qwen3's instance 4728 -> 3032 SASS instructions; route_select alone
 // at Qwen3's T = 1 / 16 / 64 / 256 4.84 / 6.80 / 7.74 / 9.51 -> 4.64 / 6.18 / 6.97 / 8.60 us, the two-kernel selection
 // at T = 256 15.63 -> 14.73; the generic instances' SASS is unchanged; device_runs/session47.txt, call 3).
 // Plan::kOneChunk: the launcher guarantees one chunk of more than 32 tokens (B <= C * NW, C * NW > 32: a T = 256 decode
@@ -215,9 +215,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   // Arithmetic that needs no input, done while the previous kernel finishes: each division here would be a
   // ~20-instruction chain after the wait (the chunk count, the first key push's cell, the ranking's geometry).
   const int chunks = kPlan != Plan::kChunks ? 1 : (B + per_chunk - 1) / per_chunk;
-  // EPC is a power of two (owned_experts_per_cta). select_experts reads its shift from plan instead: one params field
-  // for both kernels measured slower in both, and __ffs in select_experts slower there (device_runs/session45.txt and
-  // session44.txt, call 1 each).
+  // EPC is a power of two (owned_experts_per_cta): its shift by __ffs here, not from a params field, which measured
+  // slower (device_runs/session45.txt and session44.txt, call 1 each).
   const int owner_shift = __ffs(EPC) - 1;
   const int receivers = p.select ? C : 1;
   const int push_expert = tid / receivers, push_receiver = tid - push_expert * receivers;

@@ -1,7 +1,7 @@
-// CUDA registration of the selection ops (router_predict, route_cost, select_fill, route_select): argument checks,
-// outputs and the calls into the kernels of csrc/router_predict.cu and csrc/route_select.cu. Host-compiled, so
-// argument errors surface as Python exceptions (a throw through nvcc-compiled host frames crashed the process).
-// Empty in CPU-only builds.
+// CUDA registration of the selection ops (router_predict, route_cost, select_fill, route_select, select_experts):
+// argument checks, outputs and the calls into the kernels of csrc/router_predict.cu and csrc/route_select.cu.
+// Host-compiled, so argument errors surface as Python exceptions (a throw through nvcc-compiled host frames crashed the
+// process). Empty in CPU-only builds.
 #ifdef BASE_MOE_WITH_CUDA
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -37,25 +37,38 @@ GemvParams make_gemv_params(const Tensor& hidden, const Tensor& router_weight, c
   return p;
 }
 
-std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tensor& router_weight,
-                                               const OptTensor& router_bias, const OptTensor& predictor_weight,
-                                               const OptTensor& predictor_bias) {
+// router_predict's checks, and its outputs: logits [T, E] and log-norms [T, E] ([T, 0] without a predictor), fp32.
+std::tuple<Tensor, Tensor> checked_gemv_outputs(const Tensor& hidden, const Tensor& router_weight,
+                                                const OptTensor& router_bias, const OptTensor& predictor_weight,
+                                                const OptTensor& predictor_bias) {
   check_router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
   const int64_t T = hidden.size(0), H = hidden.size(1), E = router_weight.size(0);
-  const bool predict = predictor_weight.has_value();
   // T: the simple kernel's grid holds 16 tokens per block row, at most 65535 rows (gridDim.y)
   BASE_MOE_CHECK(T <= int64_t{65535} * 16 && H < (int64_t{1} << 24), "router_predict on CUDA: hidden shape ",
               hidden.sizes(), " is too large");
-  const c10::cuda::CUDAGuard guard(hidden.device());
   Tensor logits = at::empty({T, E}, hidden.options().dtype(at::kFloat));
-  Tensor log_norms = at::empty({T, predict ? E : 0}, hidden.options().dtype(at::kFloat));
-  if (T == 0) return {logits, log_norms};
+  Tensor log_norms = at::empty({T, predictor_weight.has_value() ? E : 0}, hidden.options().dtype(at::kFloat));
+  return {logits, log_norms};
+}
 
+// The GEMV into checked_gemv_outputs' tensors (the caller holds a device guard).
+void launch_gemv(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
+                 const OptTensor& predictor_weight, const OptTensor& predictor_bias, const Tensor& logits,
+                 const Tensor& log_norms) {
+  if (hidden.size(0) == 0) return;
   const GemvParams p = make_gemv_params(hidden, router_weight, router_bias, predictor_weight, predictor_bias,
                                       logits, log_norms);
-  const bool vectorised = H % 8 == 0 && aligned16(p.hidden) && aligned16(p.router_weight) &&
+  const bool vectorised = hidden.size(1) % 8 == 0 && aligned16(p.hidden) && aligned16(p.router_weight) &&
                           aligned16(p.predictor_weight);
   router_predict_launch(p, float_dtype(hidden), vectorised, hidden.get_device());
+}
+
+std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tensor& router_weight,
+                                               const OptTensor& router_bias, const OptTensor& predictor_weight,
+                                               const OptTensor& predictor_bias) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  auto [logits, log_norms] = checked_gemv_outputs(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
+  launch_gemv(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms);
   return {logits, log_norms};
 }
 
@@ -191,42 +204,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
   return outputs;
 }
 
-// One launch (csrc/select_experts.cu) for the shapes that kernel takes, else router_predict + route_select.
+// router_predict, then route_select, every argument checked before the first launch. (Until session 59 a one-launch
+// kernel, csrc/select_experts.cu, ran batches of up to 16 tokens: faster as one call in a row of selections, slower
+// behind the norm that precedes the selection in a decode step, by 1.5-1.8 us per layer on the H200 at T <= 16, 1-2%
+// of a Qwen3-30B-A3B decode step end to end: device_runs/session59.txt, call 5.)
 SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
                                         const OptTensor& predictor_weight, const OptTensor& predictor_bias,
                                         const OptTensor& correction_bias, int64_t num_groups, int64_t top_k,
                                         int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
                                         double scaling, int64_t cost, int64_t budget, int64_t fill) {
   check_select_experts(predictor_weight, cost);
-  check_router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
-  const int64_t T = hidden.size(0), H = hidden.size(1), E = router_weight.size(0);
-  const bool predict = predictor_weight.has_value();
   const c10::cuda::CUDAGuard guard(hidden.device());
-  Tensor logits = at::empty({T, E}, hidden.options().dtype(at::kFloat));
-  Tensor log_norms = at::empty({T, predict ? E : 0}, hidden.options().dtype(at::kFloat));
-  const RoutingParams r =
-      check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
-  check_route_cost(logits, predict ? OptTensor(log_norms) : std::nullopt, num_groups, cost);
+  auto [logits, log_norms] = checked_gemv_outputs(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
+  const OptTensor cost_log_norms = cost == static_cast<int64_t>(Cost::kBase) ? OptTensor(log_norms) : std::nullopt;
+  check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
+  check_route_cost(logits, cost_log_norms, num_groups, cost);
   check_budget_fill(budget, fill);
   check_token_count(logits);
-  const bool fusable = hidden.scalar_type() != at::kFloat && H % 8 == 0 && H < (int64_t{1} << 24) && T > 0 &&
-                       T <= kMaxFusedTokens * num_groups && aligned16(hidden.data_ptr()) &&
-                       aligned16(router_weight.data_ptr()) &&
-                       aligned16(predict ? predictor_weight->data_ptr() : nullptr);
-  if (fusable) {
-    FusedSelectParams f{};
-    f.gemv = make_gemv_params(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms);
-    f.predict = predict;
-    f.sel = make_params(logits, correction_bias, r, num_groups);
-    set_cost(f.sel, predict ? OptTensor(log_norms) : std::nullopt, cost);  // the kernel keeps log-norms on chip
-    auto [ids, weights, kept, counts, D] = selection_outputs(f.sel, logits, top_k, num_groups, budget, fill);
-    if (select_experts_launch(f, float_dtype(hidden), static_cast<int>(num_groups), hidden.get_device())) {
-      return {logits, log_norms, ids, weights, kept, counts, D};
-    }
-  }
-  std::tie(logits, log_norms) =
-      router_predict_cuda(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
-  const OptTensor cost_log_norms = cost == static_cast<int64_t>(Cost::kBase) ? OptTensor(log_norms) : std::nullopt;
+  launch_gemv(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms);
   auto [ids, weights, kept, counts, D] = route_select_cuda(logits, cost_log_norms, correction_bias, num_groups, top_k,
                                                            scoring, renormalize, n_group, topk_group, scaling, cost,
                                                            budget, fill);

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh lstamps wssmoke texp tall mem race var varnostore layer layerq layero layerqnp layerpf ncuicache layertwo bsel bselall bselt bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ncu phases phasesg ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var varnostore layer layerq layero layerqnp bsel bselall bselt bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 # Steps whose comment says "needs notes/X.patch" for a patch no longer in notes/: notes/PATCHES.md says where it is.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
@@ -22,7 +22,7 @@ MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > $OU
 mkdir -p build && cp /tmp/csrc_sums_now build/.csrc_file_sums
 # a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13, call 11): name what it compiled
 echo "build $((SECONDS-s)) s; compiled: $(grep -o 'csrc/[a-z_]*\.cu' $OUT/build.log | sort -u | tr '\n' ' ')"
-# ncu --metrics output FILE: the kernel name lines (KERNEL, a regex), duration, issue activity and the stall ratios of
+# --metrics output FILE: the kernel name lines (KERNEL, a regex), duration, issue activity and the stall ratios of
 # 0.2 or more cycles per issued instruction (the two steps' copies of this filter let every stall through: each stall
 # metric's name ends in _per_issue_active, which their "issue_active" pattern matched)
 stall_lines() {
@@ -36,11 +36,11 @@ layer_rows() {
     > "$OUT/bench_layer_$1.log" 2>&1
   grep -E "$3" "$OUT/bench_layer_$1.log"
 }
-# TAG METRICS PATTERN: ncu on the WS GEMMs alone (ncu serializes kernels: no PDL overlap) at b256 and budgets
+# TAG METRICS PATTERN: on the WS GEMMs alone (ncu serializes kernels: no PDL overlap) at b256 and budgets
 # ${WSM:-16}: their duration and METRICS (ncu_TAG_mM.txt under $OUT); prints the lines matching PATTERN
 ws_ncu() {
   for m in ${WSM:-16}; do
-    timeout 120 ncu --metrics "gpu__time_duration.sum,$2" -k regex:ws_gemm --launch-skip 2 --launch-count 2 \
+    timeout 120 --metrics "gpu__time_duration.sum,$2" -k regex:ws_gemm --launch-skip 2 --launch-count 2 \
       python3 benchmarks/profile_layer.py --op experts --batch 256 --budget $m --calls 3 > "$OUT/ncu_$1_m$m.txt" 2>&1
     echo "M$m"; grep -E "ws_gemm_kernel|duration|$3" "$OUT/ncu_$1_m$m.txt" | sed 's/  */ /g' | cut -c1-150
   done
@@ -49,13 +49,6 @@ for step in "$@"; do
   s=$SECONDS
   case $step in
     wssmoke) for shape in qwen3 h320 i64 fp16; do { timeout 60 python3 notes/ws_smoke.py $shape 2>&1; echo "$shape: rc $?"; } | tail -4; done;;
-    # per-CTA stamps of the BASE layer's kernels (needs notes/diag_layer_stamps.patch: select_experts' phases and the
-    # GEMV's / routing warp's sub-phases, the expert GEMMs' prologue / first stage / k loop, the slot sum);
-    # LSTAMPS: OP:BATCH:BUDGET ...
-    lstamps) timeout 200 python3 notes/diag_layer_stamps.py ${LSTAMPS:-layer:16:16 experts:16:16} > $OUT/lstamps.log 2>&1; tail -30 $OUT/lstamps.log;;
-    phases) timeout 60 python3 benchmarks/micro/select_phases.py > $OUT/phases.log 2>&1; tail -40 $OUT/phases.log;;
-    # select_experts' stamps in graph replay of consecutive calls (needs notes/select_phases_graph.patch)
-    phasesg) timeout 120 python3 benchmarks/micro/select_phases_graph.py > $OUT/phases.log 2>&1; tail -20 $OUT/phases.log;;
     # route_select's phase stamps in graph replay of the two-kernel path (needs notes/route_phases_graph.patch applied)
     rphasesg) timeout 120 python3 benchmarks/micro/route_phases_graph.py > $OUT/rphases.log 2>&1; tail -8 $OUT/rphases.log;;
     texp) timeout 150 python3 -m pytest -m cuda tests/test_experts_cuda.py -q -x > $OUT/pytest_experts.log 2>&1; tail -15 $OUT/pytest_experts.log;;
@@ -67,26 +60,11 @@ for step in "$@"; do
     varnostore) BASE_MOE_DIAG=128 timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default} --out $OUT/variants_nostore.json > $OUT/variants_nostore.log 2>&1; tail -30 $OUT/variants_nostore.log;;
     mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_experts.py > $OUT/memcheck.log 2>&1; tail -6 $OUT/memcheck.log;;
     race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 240 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_experts.py > $OUT/racecheck.log 2>&1; tail -6 $OUT/racecheck.log;;
-    ncu) for b in 1 16 64; do
-           timeout 120 ncu --section SourceCounters --section WarpStateStats --section LaunchStats --import-source yes -k regex:select_experts --launch-skip 2 --launch-count 1 -f -o $OUT/sel$b python3 benchmarks/profile_layer.py --op select --batch $b --budget 16 --calls 3 > $OUT/ncu$b.log 2>&1
-           ncu -i $OUT/sel$b.ncu-rep --page source --csv --print-source sass > $OUT/sel${b}_sass.csv 2> $OUT/sel${b}_err.txt || ncu -i $OUT/sel$b.ncu-rep --page source --csv > $OUT/sel${b}_src.csv 2>> $OUT/sel${b}_err.txt
-           ncu -i $OUT/sel$b.ncu-rep --page source --csv --print-source cuda > $OUT/sel${b}_cuda.csv 2>> $OUT/sel${b}_err.txt
-           ncu -i $OUT/sel$b.ncu-rep --page details > $OUT/sel${b}_details.txt 2>&1
-         done; tail -3 $OUT/ncu1.log; cat $OUT/sel1_err.txt | head; (cd $OUT && tar czf ncu.tgz sel*_sass.csv sel*_cuda.csv sel*_details.txt && rm -f sel*); ls -la $OUT | head -30;;
     ncuexp) # the expert kernels' stall reasons (cycles per issued instruction, by reason) at b64/M16 and b256/M16
       for pt in "64 16" "256 16"; do read -r b m <<< "$pt"
         # (b256 runs WS: its ws_gemm_kernel instances; their producer thread and consumer warps stall apart)
-        timeout 150 ncu --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:"expert_gemm|ws_gemm" --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch $b --budget $m --calls 3 > $OUT/ncuexp_b${b}_m${m}.txt 2>&1
+        timeout 150 --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:"expert_gemm|ws_gemm" --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch $b --budget $m --calls 3 > $OUT/ncuexp_b${b}_m${m}.txt 2>&1
         echo "b$b/M$m"; stall_lines $OUT/ncuexp_b${b}_m${m}.txt "expert_gemm|ws_gemm"
-      done;;
-    ncuicache) # select_experts' stall reasons after another selection (--op select) and after the expert kernels
-      # (--op layer), caches not flushed: is it bound by instruction fetches in a decode step? (session 15's hypothesis)
-      # Application replay: each of ncu's passes re-runs the program, so every pass sees the kernel before it (kernel
-      # replay would run each pass right after the previous pass of select_experts itself: a warm cache every time).
-      # A few metrics only: every pass re-runs the whole program.
-      for op in select layer; do
-        timeout 200 ncu --cache-control none --replay-mode application --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio -k regex:select_experts --launch-skip 3 --launch-count 2 python3 benchmarks/profile_layer.py --op $op --batch ${B:-16} --budget 16 --calls 6 > $OUT/ncuicache_$op.txt 2>&1
-        echo "select_experts after: $op"; stall_lines $OUT/ncuicache_$op.txt select_experts
       done;;
     layer) timeout 400 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
     layerq) layer_rows q qwen3-30b-a3b "^qwen3.* (1|4|16|64|256) +(16|None) ";;
@@ -94,12 +72,6 @@ for step in "$@"; do
     layero) layer_rows o olmoe-1b-7b "^olmoe.* (1|16|64|256) +(16|32|None) ";;
     # Qwen3 with WS's GEMMs one CTA per item (notes/ws_pair.patch's BASE_MOE_WS_PAIR=0), budgets 16 and 32
     layerqnp) BASE_MOE_WS_PAIR=0 layer_rows q_nopair qwen3-30b-a3b "^qwen3.* (64|256) +(16|32) ";;
-    # Qwen3's BASE layer at each select_experts L2 prefetch size of $PF (MB; needs notes/select_prefetch.patch)
-    layerpf) for mb in ${PF:-0 8 32}; do echo "prefetch $mb MB"
-               timeout 120 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --prefetch-mb $mb \
-                 --out $OUT/bench_layer_pf$mb.json > $OUT/bench_layer_pf$mb.log 2>&1
-               grep -E "^qwen3.* (1|4|16|64|256) +(None|8|16|32) " $OUT/bench_layer_pf$mb.log; done;;
-    layertwo) timeout 200 python3 benchmarks/bench_layer.py --models qwen3-30b-a3b --no-hf --no-variants --select two --out $OUT/bench_layer_two.json > $OUT/bench_layer_two.log 2>&1; tail -22 $OUT/bench_layer_two.log;;
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --hidden hot --out $OUT/bench_select_hot.json > $OUT/bench_select_hot.log 2>&1; tail -8 $OUT/bench_select_hot.log;;
     bselwhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --weights hot --out $OUT/bench_select_whot.json > $OUT/bench_select_whot.log 2>&1; tail -8 $OUT/bench_select_whot.log;;
@@ -149,13 +121,13 @@ for step in "$@"; do
     quick) timeout 400 python3 examples/quickstart.py --device cuda --json $OUT/quickstart_cuda.json > $OUT/quickstart_cuda.log 2>&1; echo "rc $?"; grep -v -i warn $OUT/quickstart_cuda.log | tail -24;;
     # WS's GEMMs as CTA pairs (notes/ws_pair.patch): ncu's launch statistics of the WS kernels at b256/M16 (cluster
     # size 2 where paired: both Qwen3 GEMMs), then the same with BASE_MOE_WS_PAIR=0
-    wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 ncu --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
+    wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
     # the WS GEMMs at b256/M16: is down's stream (3.3 TB/s in the op against gate_up's 4.0, session 37) slow on its
     # own, and is it HBM- or pipeline-bound (DRAM share, L2 hits, bytes)?
     ncuws) ws_ncu ws dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active "dram__|lts__|issue";;
     # their tensor pipe and stall shares (is either GEMM's wgmma pipe busy at b256/M16? session 39)
     ncuwst) ws_ncu wst sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct "tensor|stalled";;
-    # the two selection kernels' phases at T > 64 (needs notes/diag_select_stamps.patch; eager calls, the last of 4):
+    # the two selection kernels' at T > 64 (needs notes/diag_select_stamps.patch; eager calls, the last of 4):
     # router_predict's CTAs (entry, PDL wait, k loop, first cluster barrier, exit) and route_select's (entry, wait,
     # routed, barrier, D copied, D summed, exchanged, cost gathered, ranked, filled, exit; thread 0's first token
     # scored and picked), min/median/max us
@@ -164,8 +136,8 @@ for step in "$@"; do
         # the kernels' start / end in graph replay (no stamps read: BASE_MOE_DIAG unset, as a sync cannot be captured)
         timeout 60 python3 benchmarks/profile_layer.py --op select --timeline --calls 8 --batch $b --budget 16 2>&1 | tail -4
       done;;
-    # the WS plan kernel alone under ncu at b256/M16 and M32 (duration, L2 bytes, issue activity; and its SASS hot spots)
-    ncuplan) for m in 16 32; do timeout 60 ncu --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
+    # the WS plan kernel alone under at b256/M16 and M32 (duration, L2 bytes, issue activity; and its SASS hot spots)
+    ncuplan) for m in 16 32; do timeout 60 --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
     # WS per-CTA stamps (needs notes/diag_ws_stamps.patch): plan entry / exit and, per GEMM, items per CTA, the CTAs'
     # stream time (first stage landed -> last k loop done) and entry / init / pdl / first stage landed / first and last
     # k loop done / last epilogue / exit, min/p10/median/p90/max us from the plan's first entry (eager calls, the last

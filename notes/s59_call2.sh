@@ -1,6 +1,7 @@
 # session 59 call 2: the decode boundary end to end. bench_e2e's BASE rows at batch 1 / 4 / 16 with select_experts'
 # one launch (main) and with the two kernels at every T (notes/fused_off_trial.patch: BASE_MOE_NO_FUSED=1), in
 # alternating order, two runs each, same machine and build
+# Ran at c0adf6f. notes/fused_off_trial.patch and the one-launch kernel were removed after it: git show c0adf6f:notes/fused_off_trial.patch.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 git apply notes/fused_off_trial.patch || exit 1
 bash notes/device_trial.sh | grep -v "^GPU"

@@ -234,7 +234,7 @@ def test_route_select_equals_its_stages(device):
 @pytest.mark.parametrize("cost,fill,predict", [(Cost.BASE, Fill.BACKFILL, True), (Cost.ROUTER_SUM, Fill.DROP, False),
                                                (Cost.TOP1_UNION, Fill.DROP_RENORM, True)])
 def test_select_experts_equals_router_predict_then_route_select(device, E, k, routing, cost, fill, predict):
-    """select_experts returns stage 1's outputs and stages 2-3 run on them (CUDA: the fused kernel's own logits)."""
+    """select_experts returns stage 1's outputs and stages 2-3 run on them."""
     G, B, H = 2, 9, 64
     x = torch.randn(G * B, H, device=device).to(torch.bfloat16)
     wr = (torch.randn(E, H, device=device) / H**0.5).to(torch.bfloat16)

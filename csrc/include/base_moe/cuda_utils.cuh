@@ -49,11 +49,6 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-// 16-byte read-only global load (the pointer must be 16-byte aligned).
-__device__ __forceinline__ uint4 load16(const void* ptr) {
-  return __ldg(reinterpret_cast<const uint4*>(ptr));
-}
-
 // Monotone map of finite floats to unsigned integers: a < b  <=>  ordered(a) < ordered(b).
 // Finite floats map to [0x00800000, 0xff7fffff], so 0 is free to mean "no candidate"; -0 and +0 map alike.
 __device__ __forceinline__ uint32_t ordered_bits(float v) {
@@ -177,18 +172,18 @@ __device__ __forceinline__ bool inbox_counts_bytes() {
 // A CTA's inbox: 32- or 64-bit values the other CTAs of its cluster push into its shared memory, complete on its own
 // mbarrier once it has received the number of bytes it expects (st.async, sm_90). Where a CTA knows how many bytes it
 // will receive, waiting on its inbox replaces a cluster barrier, whose release (a MEMBAR.ALL.GPU per warp on sm_90)
-// cost select_experts ~0.5 us per call at its third barrier (device_runs/session22.txt, call 4). In a one-CTA
-// cluster (st.async needs two or more) and without clusters the pushes are plain stores and the wait a
-// __syncthreads. The inbox is one 8-byte aligned shared word; every thread of the CTA calls inbox_wait.
-// inbox_init, before the cluster barrier that orders it before every push and only where inbox_wait follows, and
-// inbox_expect, after that barrier, declaring the bytes: every thread of the CTA calls both, outside divergent code;
-// the leader (one thread) acts. A push's complete_tx may come before the expect (the tx-count goes negative until
-// then, and the phase cannot complete before this arrival). Why not `if (leader)` around them (session 41): ptxas
-// runs the mbarrier instructions on the uniform datapath, from the address register of the one lane that holds it,
-// and racecheck counts them as accesses by every lane of the warp, each at its own copy of that register. Where the
-// other lanes' copies were stale, racecheck reported races against the weight copies (select_experts); where the
-// expect_tx followed the init at once, a race between the two (route_select, session 40). Here every lane holds the
-// address and the operations are predicated, and the barrier separates the init from the expect.
+// cost the one-launch select_experts kernel (removed in session 59) ~0.5 us per call at its third barrier
+// (device_runs/session22.txt, call 4). In a one-CTA cluster (st.async needs two or more) and without clusters the
+// pushes are plain stores and the wait a __syncthreads. The inbox is one 8-byte aligned shared word; every thread of
+// the CTA calls inbox_wait. inbox_init, before the cluster barrier that orders it before every push and only where
+// inbox_wait follows, and inbox_expect, after that barrier, declaring the bytes: every thread of the CTA calls both,
+// outside divergent code; the leader (one thread) acts. A push's complete_tx may come before the expect (the tx-count
+// goes negative until then, and the phase cannot complete before this arrival). Why not `if (leader)` around them
+// (session 41): ptxas runs the mbarrier instructions on the uniform datapath, from the address register of the one lane
+// that holds it, and racecheck counts them as accesses by every lane of the warp, each at its own copy of that
+// register. Where the other lanes' copies were stale, racecheck reported races against the weight copies (that kernel);
+// where the expect_tx followed the init at once, a race between the two (route_select, session 40). Here every lane
+// holds the address and the operations are predicated, and the barrier separates the init from the expect.
 __device__ __forceinline__ void inbox_init(uint64_t* inbox, bool leader) {
 #ifdef BASE_MOE_HAS_CLUSTERS
   if (!inbox_counts_bytes()) return;
@@ -289,20 +284,10 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// 16-byte asynchronous copy global -> shared (cp.async, bypassing L1).
-__device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src) : "memory");
-}
 // 16 bytes to shared-memory address `dst`, or 16 zero bytes when !valid (src is then not read).
 __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-// 4 bytes (cp.async.ca: the .cg form takes 16 bytes only).
-__device__ __forceinline__ void cp_async4(void* shared_dst, const void* global_src) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(global_src) : "memory");
 }
 // Groups: commit closes the thread's copies issued since the last commit into a group; wait<N> returns once at most
 // N of the thread's groups are still in flight.

@@ -43,9 +43,9 @@ inline bool env_flag(const char* name, bool fallback) {
   return v == nullptr ? fallback : std::strcmp(v, "0") != 0;
 }
 
-// Programmatic dependent launch for the selection kernels (router_predict, route_select, select_experts): on
-// unless BASE_MOE_PDL=0. Before its griddepcontrol.wait a kernel touches only weight matrices (select_experts and
-// router_predict copy them to shared memory and compute on that copy), which must not be written by the kernel just
+// Programmatic dependent launch for the selection kernels (router_predict, route_select): on unless BASE_MOE_PDL=0.
+// Before its griddepcontrol.wait a kernel touches only weight matrices (router_predict copies them to shared memory
+// and computes on that copy), which must not be written by the kernel just
 // before (the op docs say so); everything else is read after the wait.
 inline bool selection_pdl() {
   static const bool enabled = env_flag("BASE_MOE_PDL", true);

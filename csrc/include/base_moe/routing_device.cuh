@@ -1,4 +1,4 @@
-// Per-token routing on one warp, shared by the selection kernels (csrc/route_select.cu, csrc/select_experts.cu):
+// Per-token routing on one warp, for route_select (csrc/route_select.cu):
 // a token's E scores live in registers (lane l owns experts [l * EPL, (l + 1) * EPL)); the top k come from k
 // rounds of a hardware warp max (redux.sync) over order-preserving 32-bit keys, so equal scores go to the lowest
 // lane and within a lane to the lowest register: to the lower expert index, as in the reference.
@@ -221,10 +221,11 @@ __device__ __forceinline__ float slot_weight(const SelectParams& p, const Token<
   const int scoring = scoring_mode<GENERIC>(p);
   float w;
   if (softmax_of_slots(p, scoring)) {
-    // GENERIC = false: one REDUX for the max and the sum over the slot lanes only (the lanes past k hold no slot:
-    // e = 0), on the routing warp's chain: select_experts (Qwen3) 0.04-0.19 us faster at T <= 64. Not in the generic
-    // instances: there the same code made route_select's DeepSeek (sigmoid) calls 0.2-0.5 us slower though it does not
-    // run for them (its micro, k 8 of E 128: route_token 2293 -> 1987 cycles; device_runs/session44.txt, calls 2-3).
+    // GENERIC = false: one REDUX for the max and the sum over the slot lanes only (the lanes past k hold no slot,
+    // e = 0), on the routing warp's chain: the one-launch select_experts kernel of sessions 22-58 (Qwen3) 0.04-0.19 us
+    // faster at T <= 64. Not in the generic instances: there the same code made route_select's DeepSeek (sigmoid) calls
+    // 0.2-0.5 us slower though it does not run for them (its micro, k 8 of E 128: route_token 2293 -> 1987 cycles;
+    // device_runs/session44.txt, calls 2-3).
     const float head = valid ? logit : -INFINITY;
     const float m =
         GENERIC ? cuda::warp_max(head) : cuda::from_ordered_bits(cuda::warp_max_u32(cuda::ordered_bits(head)));
@@ -248,11 +249,11 @@ __device__ __forceinline__ float slot_weight(const SelectParams& p, const Token<
 // its rank among them: a ballot per 32 values, all loaded first), then every lane adds them in turn from shared memory:
 // their loads are independent and only the adds form a chain. Adding each value from its lane by a shuffle put a
 // shuffle's latency on the chain per value: this form made route_select alone at 256 tokens 8.60 -> 7.45 us (Qwen3;
-// DeepSeek-like 19.53 -> 16.72) and select_experts at 64 tokens 12.24 -> 12.17, but select_experts at T <= 16, where an
-// expert has a value or two, 0.04-0.05 us slower (device_runs/session47.txt, call 4). The row is consumed: its front is
-// overwritten, and every lane reads all of it, so a caller that writes the row again needs a __syncwarp first. Skipping
-// a zero (+0 or -0) is exact unless d is -0, which a sum starting at +0 never is (an exact zero sum rounds to +0; no
-// flush-to-zero in these builds). Every lane returns the sum.
+// DeepSeek-like 19.53 -> 16.72) and the one-launch kernel then used at 64 tokens 12.24 -> 12.17, but at T <= 16, where
+// an expert has a value or two, 0.04-0.05 us slower (device_runs/session47.txt, call 4). The row is consumed: its front
+// is overwritten, and every lane reads all of it, so a caller that writes the row again needs a __syncwarp first.
+// Skipping a zero (+0 or -0) is exact unless d is -0, which a sum starting at +0 never is (an exact zero sum rounds to
+// +0; no flush-to-zero in these builds). Every lane returns the sum.
 template <int kWindows>
 __device__ __forceinline__ float warp_add_nonzero_in_order(float d, float* row, int n, int lane) {
   float v[kWindows];
