@@ -22,7 +22,7 @@ TIMES = (
     ("select_experts_us", "select_experts, one call"),
     ("select_experts_after_norm_us", "after torch's norm"),
     ("select_experts_after_our_norm_us", "after base_moe's norm"),
-    # the decode boundary: the two kernels behind base_moe's norm, as a decode step could run them at every T
+    # JSONs before session 59's removal of the one-launch kernel timed the two kernels apart from select_experts
     ("two_kernels_after_our_norm_us", "router_predict + route_select, after base_moe's norm"),
     ("router_predict_us", "router_predict alone"),
     ("route_select_us", "route_select alone"),
@@ -55,6 +55,12 @@ def series_by_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[floa
     return out
 
 
+def drawn(series: dict[str, list[float]], keys) -> list:
+    """The (key, label) pairs of ``keys`` with a value at some token count in ``series``: a column a JSON lacks
+    (bench_select.py's columns changed over time) gets no line and no legend entry."""
+    return [(key, label) for key, label in keys if any(not math.isnan(v) for v in series[key])]
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     """Writes the figure (PNG) for bench_select.py's ``result`` to ``path``."""
     import matplotlib
@@ -68,7 +74,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(len(by_model), 2, figsize=(13, 4.6 * len(by_model)), squeeze=False)
     for (time_ax, speed_ax), (model, series) in zip(axes, by_model.items()):
         tokens = series["T"]
-        for key, label in TIMES:
+        for key, label in drawn(series, TIMES):
             style = {"linewidth": 2.5} if key == "select_experts_us" else {"alpha": 0.8}
             time_ax.plot(tokens, series[key], marker="o", label=label, **style)
         if model == TARGET_MODEL:
@@ -78,7 +84,7 @@ def plot(result: dict[str, Any], path: str) -> None:
                 time_ax.hlines(bound, min(covered), max(covered), color="black", linewidth=1.5, zorder=5,
                                label="issue #3 target (one call)" if i == 0 else None)
                 time_ax.scatter(covered, [bound] * len(covered), marker="_", s=300, color="black", zorder=5)
-        for key, label in SPEEDUPS:
+        for key, label in drawn(series, SPEEDUPS):
             speed_ax.plot(tokens, series[key], marker="o", label=label)
         if model == TARGET_MODEL:
             speed_ax.axhline(5, linestyle="--", color="black", linewidth=1, label="issue #3 target over PyTorch (5x)")

@@ -47,6 +47,13 @@ def test_targets_are_issue_3s(T, bound):
     assert plot_select.target_us(T) == bound
 
 
+def test_draws_only_the_columns_a_json_has():
+    rows = [{"model": "m", "T": t, "select_experts_us": float(t)} for t in (1, 4)]
+    rows[1]["route_select_us"] = 2.0
+    series = plot_select.series_by_model(rows)["m"]
+    assert [key for key, _ in plot_select.drawn(series, plot_select.TIMES)] == ["select_experts_us", "route_select_us"]
+
+
 def test_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     result = {"machine": "test", "torch": "x", "git_commit": "abc + notes/a.patch", "date": "today", "budget": 16,
