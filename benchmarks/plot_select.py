@@ -22,7 +22,8 @@ TIMES = (
     ("select_experts_us", "select_experts, one call"),
     ("select_experts_after_norm_us", "after torch's norm"),
     ("select_experts_after_our_norm_us", "after base_moe's norm"),
-    # JSONs before session 59's removal of the one-launch kernel timed the two kernels apart from select_experts
+    # JSONs from before session 59's removal of the one-launch kernel timed the two kernels apart from select_experts
+    ("two_kernels_us", "router_predict + route_select, one call"),
     ("two_kernels_after_our_norm_us", "router_predict + route_select, after base_moe's norm"),
     ("router_predict_us", "router_predict alone"),
     ("route_select_us", "route_select alone"),

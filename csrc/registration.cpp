@@ -25,7 +25,7 @@ TORCH_LIBRARY(base_moe, m) {
       "route_select(Tensor logits, Tensor? log_norms, Tensor? correction_bias, int num_groups, int top_k, "
       "int scoring, bool renormalize, int n_group, int topk_group, float scaling, int cost, int budget, int fill) "
       "-> (Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, Tensor batch_cost)");
-  // Stages 1-3 in one call (one launch on CUDA for decode batches): the logits and log-norms of router_predict
+  // Stages 1-3 in one call (router_predict, then route_select): the logits and log-norms of router_predict
   // and the outputs of route_select (log-norms are used only by the BASE cost; [T, 0] without a predictor).
   m.def(
       "select_experts(Tensor hidden, Tensor router_weight, Tensor? router_bias, Tensor? predictor_weight, "

@@ -206,8 +206,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
 
 // router_predict, then route_select, every argument checked before the first launch. (Until session 59 a one-launch
 // kernel, csrc/select_experts.cu, ran batches of up to 16 tokens: faster as one call in a row of selections, slower
-// behind the norm that precedes the selection in a decode step, by 1.5-1.8 us per layer on the H200 at T <= 16, 1-2%
-// of a Qwen3-30B-A3B decode step end to end: device_runs/session59.txt, call 5.)
+// behind the norm that precedes the selection in a decode step, by 1.5-1.8 us per selection on the H200 at T <= 16 in
+// bench_select and 0.8-2.1 us per layer, 1-2% of a Qwen3-30B-A3B decode step, end to end: device_runs/session59.txt,
+// calls 2 and 5.)
 SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
                                         const OptTensor& predictor_weight, const OptTensor& predictor_bias,
                                         const OptTensor& correction_bias, int64_t num_groups, int64_t top_k,

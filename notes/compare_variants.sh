@@ -5,11 +5,10 @@
 #   bash notes/compare_variants.sh [-s "STEPS"] NAME=PATCH[,PATCH...] [-s "STEPS"] NAME=... ...
 # Every variant's patches are checked against main first. Then each variant: its patches applied (all or none), a
 # forced build, the steps of notes/device_trial.sh given by the last -s before it (default "texp var"; e.g. "texp var
-# mem race", "stamps" with notes/diag_stamps_main.patch among the patches, "phases" with
-# notes/select_phases_main.patch), the patches reverted. The JSON's git_commit names .trial_sha plus the patches.
+# mem race", "stamps" with notes/diag_stamps_main.patch among the patches), the patches reverted. The JSON's git_commit names .trial_sha plus the patches.
 # Then, if any variant ran "var", main's "var" and one table of the default configuration's microseconds at every batch
 # x budget point of those variants, main first. Under $OUT the variants / pytest_experts / memcheck / racecheck /
-# bench_layer_q / bench_select / ncuicache / timeline / phases files are renamed by variant; other steps' logs keep
+# bench_layer_q / bench_select / timeline files are renamed by variant; other steps' logs keep
 # device_trial.sh's names (the last variant's survive). An empty patch list (`main=`) runs the steps on main itself,
 # e.g. session 16's call 1 (the selection bisect; its patches are in git history at 9ef34e8): -s "bsel layerq" main=
 # bias=notes/select_bisect_bias.patch push=notes/select_bisect_push.patch all=notes/select_replicated_s15.patch
@@ -59,8 +58,8 @@ run() {  # NAME STEP...
   echo "### $name: experts.cu $(md5sum csrc/experts.cu | cut -c1-8)"
   local keep="build|passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|^stamps |^(gate_up|down) |^PHASES|^T= *[0-9]+ |== |^qwen3|^olmoe|^\\| qwen3|^select_experts after|stalled_|gpu__time_duration|issue_active|^batch +[0-9]+ |^recompile lines|^\\| |^rc |^BASE_MOE_WS_PAIR|[Cc]luster|^M(16|32)$|lts__t|dram__|pipe_tensor|ws_gemm_kernel|^ws |^wsstamps|^prefetch |^sel |^selstamps|^select batch|call to call| start +[0-9.]+ end "
   bash notes/device_trial.sh "$@" | grep -E "$keep"
-  for f in variants pytest_experts memcheck racecheck bench_layer bench_layer_q bench_layer_o bench_select bench_select_t rphases ncuicache_select ncuicache_layer timeline \
-      phases e2enorm bench_e2e_norm e2e bench_e2e quickstart_cuda e2eeager bench_e2e_norm_eager bench_layer_q_nopair \
+  for f in variants pytest_experts memcheck racecheck bench_layer bench_layer_q bench_layer_o bench_select bench_select_t rphases timeline \
+      e2enorm bench_e2e_norm e2e bench_e2e quickstart_cuda e2eeager bench_e2e_norm_eager bench_layer_q_nopair \
       wspair_1 wspair_0 ncu_plan_m16 ncu_plan_m32; do
     for x in json log txt; do [ -f "$OUT/$f.$x" ] && mv "$OUT/$f.$x" "$OUT/${f}_$name.$x"; done
   done

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var varnostore layer layerq layero layerqnp bsel bselall bselt bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro floor wsn stream ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var varnostore layer layerq layero layerqnp bsel bselall bselt bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro wsn stream ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 # Steps whose comment says "needs notes/X.patch" for a patch no longer in notes/: notes/PATCHES.md says where it is.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
@@ -22,7 +22,7 @@ MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > $OU
 mkdir -p build && cp /tmp/csrc_sums_now build/.csrc_file_sums
 # a warm machine keeps build outputs, and ninja has skipped a changed file before (session 13, call 11): name what it compiled
 echo "build $((SECONDS-s)) s; compiled: $(grep -o 'csrc/[a-z_]*\.cu' $OUT/build.log | sort -u | tr '\n' ' ')"
-# --metrics output FILE: the kernel name lines (KERNEL, a regex), duration, issue activity and the stall ratios of
+# ncu --metrics output FILE: the kernel name lines (KERNEL, a regex), duration, issue activity and the stall ratios of
 # 0.2 or more cycles per issued instruction (the two steps' copies of this filter let every stall through: each stall
 # metric's name ends in _per_issue_active, which their "issue_active" pattern matched)
 stall_lines() {
@@ -36,11 +36,11 @@ layer_rows() {
     > "$OUT/bench_layer_$1.log" 2>&1
   grep -E "$3" "$OUT/bench_layer_$1.log"
 }
-# TAG METRICS PATTERN: on the WS GEMMs alone (ncu serializes kernels: no PDL overlap) at b256 and budgets
+# TAG METRICS PATTERN: ncu on the WS GEMMs alone (ncu serializes kernels: no PDL overlap) at b256 and budgets
 # ${WSM:-16}: their duration and METRICS (ncu_TAG_mM.txt under $OUT); prints the lines matching PATTERN
 ws_ncu() {
   for m in ${WSM:-16}; do
-    timeout 120 --metrics "gpu__time_duration.sum,$2" -k regex:ws_gemm --launch-skip 2 --launch-count 2 \
+    timeout 120 ncu --metrics "gpu__time_duration.sum,$2" -k regex:ws_gemm --launch-skip 2 --launch-count 2 \
       python3 benchmarks/profile_layer.py --op experts --batch 256 --budget $m --calls 3 > "$OUT/ncu_$1_m$m.txt" 2>&1
     echo "M$m"; grep -E "ws_gemm_kernel|duration|$3" "$OUT/ncu_$1_m$m.txt" | sed 's/  */ /g' | cut -c1-150
   done
@@ -63,7 +63,7 @@ for step in "$@"; do
     ncuexp) # the expert kernels' stall reasons (cycles per issued instruction, by reason) at b64/M16 and b256/M16
       for pt in "64 16" "256 16"; do read -r b m <<< "$pt"
         # (b256 runs WS: its ws_gemm_kernel instances; their producer thread and consumer warps stall apart)
-        timeout 150 --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:"expert_gemm|ws_gemm" --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch $b --budget $m --calls 3 > $OUT/ncuexp_b${b}_m${m}.txt 2>&1
+        timeout 150 ncu --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio -k regex:"expert_gemm|ws_gemm" --launch-skip 2 --launch-count 2 python3 benchmarks/profile_layer.py --batch $b --budget $m --calls 3 > $OUT/ncuexp_b${b}_m${m}.txt 2>&1
         echo "b$b/M$m"; stall_lines $OUT/ncuexp_b${b}_m${m}.txt "expert_gemm|ws_gemm"
       done;;
     layer) timeout 400 python3 benchmarks/bench_layer.py --out $OUT/bench_layer.json > $OUT/bench_layer.log 2>&1; tail -40 $OUT/bench_layer.log;;
@@ -85,12 +85,12 @@ for step in "$@"; do
         BASE_MOE_DIAG=64 timeout 60 python3 benchmarks/profile_layer.py --op experts --calls 4 --batch $b ${m:+--budget $m} 2>&1 | grep -E "^(gate_up|down)" | tail -2
       done;;
     bselall) timeout 200 python3 benchmarks/bench_select.py --replays 30 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -14 $OUT/bench_select.log;;
-    # both models at the token counts in $TOKENS (default: around the fused / two-kernel boundary)
+    # both models at the token counts in $TOKENS (default: T = 16-64)
     bselt) timeout 200 python3 benchmarks/bench_select.py --replays 30 --tokens ${TOKENS:-16,24,32,40,48,64} --out $OUT/bench_select_t.json > $OUT/bench_select_t.log 2>&1; grep -E "^\| " $OUT/bench_select_t.log;;
     ptx80) # the fallbacks of a build without sm_90 code, run on the H200 through the driver's JIT (last step: it replaces the build)
       TORCH_CUDA_ARCH_LIST="8.0+PTX" MAX_JOBS=16 python3 setup.py build_ext --inplace > $OUT/build80.log 2>&1 || { tail -30 $OUT/build80.log; exit 1; }
       echo "build80 $((SECONDS-s)) s"
-      timeout 280 python3 -m pytest -m cuda tests/test_experts_cuda.py tests/test_select_cuda.py -q -x -k "not launch_path" > $OUT/pytest80.log 2>&1; tail -5 $OUT/pytest80.log;;
+      timeout 280 python3 -m pytest -m cuda tests/test_experts_cuda.py tests/test_select_cuda.py -q -x > $OUT/pytest80.log 2>&1; tail -5 $OUT/pytest80.log;;
     splits) for n in ${SPLITS:-1 auto}; do
            if [ $n = auto ]; then unset BASE_MOE_EXPERTS_SPLITS; else export BASE_MOE_EXPERTS_SPLITS=$n; fi
            timeout 200 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default,W64,W128} --out $OUT/splits_$n.json > $OUT/splits_$n.log 2>&1; echo "splits=$n"; grep -E "T= *(64|256)" $OUT/splits_$n.log | tail -12
@@ -100,7 +100,6 @@ for step in "$@"; do
       /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/stream_rate.cu \
         -o /tmp/stream_rate && timeout 120 /tmp/stream_rate > $OUT/stream.log 2>&1; cat $OUT/stream.log;;
     wsn) timeout 300 python3 notes/ws_window.py --columns > $OUT/ws_n.log 2>&1; cat $OUT/ws_n.log;;
-    floor) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/select_floor.cu -o /tmp/select_floor && /tmp/select_floor > $OUT/floor.log 2>&1; cat $OUT/floor.log;;
     micro) /usr/local/cuda/bin/nvcc -O3 -std=c++20 -arch=sm_90a -Icsrc/include benchmarks/micro/route_token.cu -o /tmp/route_token && /tmp/route_token > $OUT/micro.log 2>&1; cat $OUT/micro.log;;
     # the HF and bench_e2e tests, CPU ones included, against this machine's transformers (the patched decoder layers
     # re-implement its forwards; CI's CPU run has another version)
@@ -121,13 +120,13 @@ for step in "$@"; do
     quick) timeout 400 python3 examples/quickstart.py --device cuda --json $OUT/quickstart_cuda.json > $OUT/quickstart_cuda.log 2>&1; echo "rc $?"; grep -v -i warn $OUT/quickstart_cuda.log | tail -24;;
     # WS's GEMMs as CTA pairs (notes/ws_pair.patch): ncu's launch statistics of the WS kernels at b256/M16 (cluster
     # size 2 where paired: both Qwen3 GEMMs), then the same with BASE_MOE_WS_PAIR=0
-    wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
+    wspair) for pair in 1 0; do BASE_MOE_WS_PAIR=$pair timeout 90 ncu --section LaunchStats -k regex:ws_gemm_kernel --launch-count 2 python3 benchmarks/profile_layer.py --batch 256 --budget 16 --calls 1 > $OUT/wspair_$pair.txt 2>&1; echo "BASE_MOE_WS_PAIR=$pair"; grep -i -E "ws_gemm_kernel|cluster|grid size" $OUT/wspair_$pair.txt | sed 's/  */ /g' | cut -c1-120; done;;
     # the WS GEMMs at b256/M16: is down's stream (3.3 TB/s in the op against gate_up's 4.0, session 37) slow on its
     # own, and is it HBM- or pipeline-bound (DRAM share, L2 hits, bytes)?
     ncuws) ws_ncu ws dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active "dram__|lts__|issue";;
     # their tensor pipe and stall shares (is either GEMM's wgmma pipe busy at b256/M16? session 39)
     ncuwst) ws_ncu wst sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct "tensor|stalled";;
-    # the two selection kernels' at T > 64 (needs notes/diag_select_stamps.patch; eager calls, the last of 4):
+    # the two selection kernels' phases at T > 64 (needs notes/diag_select_stamps.patch; eager calls, the last of 4):
     # router_predict's CTAs (entry, PDL wait, k loop, first cluster barrier, exit) and route_select's (entry, wait,
     # routed, barrier, D copied, D summed, exchanged, cost gathered, ranked, filled, exit; thread 0's first token
     # scored and picked), min/median/max us
@@ -136,8 +135,8 @@ for step in "$@"; do
         # the kernels' start / end in graph replay (no stamps read: BASE_MOE_DIAG unset, as a sync cannot be captured)
         timeout 60 python3 benchmarks/profile_layer.py --op select --timeline --calls 8 --batch $b --budget 16 2>&1 | tail -4
       done;;
-    # the WS plan kernel alone under at b256/M16 and M32 (duration, L2 bytes, issue activity; and its SASS hot spots)
-    ncuplan) for m in 16 32; do timeout 60 --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
+    # the WS plan kernel alone under ncu at b256/M16 and M32 (duration, L2 bytes, issue activity; and its SASS hot spots)
+    ncuplan) for m in 16 32; do timeout 60 ncu --metrics gpu__time_duration.sum,lts__t_bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active -k regex:ws_plan --launch-skip 1 --launch-count 1 python3 benchmarks/profile_layer.py --batch 256 --budget $m --calls 3 > $OUT/ncu_plan_m$m.txt 2>&1; echo "M$m"; grep -E "duration|lts__t|issue" $OUT/ncu_plan_m$m.txt; done;;
     # WS per-CTA stamps (needs notes/diag_ws_stamps.patch): plan entry / exit and, per GEMM, items per CTA, the CTAs'
     # stream time (first stage landed -> last k loop done) and entry / init / pdl / first stage landed / first and last
     # k loop done / last epilogue / exit, min/p10/median/p90/max us from the plan's first entry (eager calls, the last

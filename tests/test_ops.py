@@ -245,18 +245,11 @@ def test_select_experts_equals_router_predict_then_route_select(device, E, k, ro
                              predictor_weight=wp, predictor_bias=bp, correction_bias=bias)
     logits, log_norms = out[0], out[1]
     exp_logits, exp_norms = ops.router_predict(x, wr, None, wp, bp)
-    torch.testing.assert_close(logits, exp_logits, atol=1e-4, rtol=1e-4)
-    assert log_norms.shape == exp_norms.shape
+    assert torch.equal(logits, exp_logits) and torch.equal(log_norms, exp_norms)  # the same kernels, deterministic
     staged = ops.route_select(logits, routing, budget=max(1, E // 3), num_groups=G, cost=cost, fill=fill,
                               log_norms=log_norms if cost == Cost.BASE else None, correction_bias=bias)
-    if device == "cpu":
-        for a, b in zip(out[2:], staged):
-            assert torch.equal(a, b)
-    else:  # near-ties of exp-derived costs may order differently; exact given the op's own D
-        ids, weights, kept, counts, D = out[2:]
-        torch.testing.assert_close(D, staged[4], rtol=1e-4, atol=1e-6)
-        union = ref.routed_union(ref.route(logits.cpu(), routing, None if bias is None else bias.cpu())[0], G, E)
-        assert torch.equal(kept.cpu(), ref.keep_experts(D.cpu(), union, max(1, E // 3)))
+    for a, b in zip(out[2:], staged):
+        assert torch.equal(a, b)
 
 
 def test_select_experts_base_cost_needs_predictor():

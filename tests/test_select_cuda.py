@@ -447,17 +447,32 @@ def test_select_experts_launch_path(case):
     assert len(names) == 2 and "router_predict" in names[0] and "route_select_kernel" in names[1], names
 
 
-def test_select_experts_checks_before_launching():
-    """An argument that route_select refuses is refused before router_predict runs: a failing call launches nothing."""
+@pytest.mark.parametrize("bad,message", [
+    (dict(budget=0), "budget"),
+    (dict(routing=Routing(17, Scoring.SOFTMAX)), "top_k must be in"),
+    (dict(num_groups=3), "multiple of num_groups"),
+    (dict(correction_bias=True), "only used with sigmoid"),
+])
+def test_select_experts_checks_before_launching(bad, message):
+    """An argument that route_select refuses is refused before router_predict runs: a failing call launches nothing,
+    where the same call with valid arguments launches both kernels (so the profiler does see them)."""
     if DEVICE != "cuda":
         pytest.skip("launches are the CUDA kernels'")
     hidden, Wr, _, Wp, bp, _ = fused_inputs(1, 4, 256, 16, torch.bfloat16, True, False, False, False, seed=3)
+    args = dict(routing=Routing(4, Scoring.SOFTMAX), budget=4, num_groups=1, correction_bias=None)
+
+    def select(**changes):
+        a = dict(args, **changes)
+        if a["correction_bias"] is True:
+            a["correction_bias"] = torch.zeros(16, device=DEVICE)
+        return ops.select_experts(hidden, Wr, a["routing"], budget=a["budget"], num_groups=a["num_groups"],
+                                  predictor_weight=Wp, predictor_bias=bp, correction_bias=a["correction_bias"])
 
     def refused():
-        with pytest.raises(RuntimeError, match="budget"):
-            ops.select_experts(hidden, Wr, Routing(4, Scoring.SOFTMAX), budget=0, predictor_weight=Wp,
-                               predictor_bias=bp)
+        with pytest.raises(RuntimeError, match=message):
+            select(**bad)
 
+    assert len(launched_kernels(select)) == 2
     assert launched_kernels(refused) == []
 
 
