@@ -470,6 +470,7 @@ def test_patched_model_pickles(family, tmp_path):
     torch.save({"model": model, "step": step, "logits": logits_of(model, step)}, tmp_path / "model.pt")
     code = (
         "import sys, torch, base_moe\n"
+        "torch.set_num_threads(int(sys.argv[2]))\n"  # the parent's: fp32 matrix products differ by thread count
         "saved = torch.load(sys.argv[1], weights_only=False)\n"
         "model = saved['model']\n"
         "assert base_moe.hf.is_applied(model)\n"
@@ -479,8 +480,9 @@ def test_patched_model_pickles(family, tmp_path):
         "print('loaded', type(base_moe.layouts.find_moe_layouts(model)[0].block).__name__)\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pt")], capture_output=True, text=True,
-                            cwd=repo, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pt"), str(torch.get_num_threads())],
+                            capture_output=True, text=True, cwd=repo, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     original = type(find_moe_layouts(fresh(family))[0].block).__name__
     assert f"loaded {original}" in result.stdout  # restore() gave the loaded model its original classes back
