@@ -354,7 +354,7 @@ def test_route_select_deterministic():
 # ---------------------------------------------------------------------------------------------
 # Stages 1-3 in one op: select_experts (router_predict, then route_select)
 # ---------------------------------------------------------------------------------------------
-FUSED_CASES = [
+SELECT_EXPERTS_CASES = [
     # (G, B, H, E, k, routing name, dtype, predictor, router bias, duplicated router rows)
     (1, 1, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, False),
     (1, 4, 2048, 128, 8, "softmax_renorm", torch.bfloat16, True, False, True),
@@ -382,13 +382,13 @@ FUSED_CASES = [
 ]
 
 
-def _fused_id(case):
+def _select_experts_id(case):
     G, B, H, E, k, name, dtype, predict, router_bias, dup = case
     return f"G{G}-B{B}-H{H}-E{E}-k{k}-{name}-{str(dtype)[6:]}-{'pred' if predict else 'nopred'}" + (
         "-rbias" if router_bias else "") + ("-dup" if dup else "")
 
 
-def fused_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias, seed):
+def select_experts_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias, seed):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(G * B, H, generator=gen).to(DEVICE, dtype)
     Wr = torch.randn(E, H, generator=gen) / H**0.5 * 3
@@ -403,12 +403,12 @@ def fused_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias, seed):
     return hidden, Wr.to(DEVICE, dtype), None if br is None else br.to(DEVICE), Wp, bp, bias
 
 
-@pytest.mark.parametrize("case", FUSED_CASES, ids=_fused_id)
+@pytest.mark.parametrize("case", SELECT_EXPERTS_CASES, ids=_select_experts_id)
 def test_select_experts(case):
     G, B, H, E, k, name, dtype, predict, router_bias, dup = case
     routing, uses_bias = routings(E, k)[name]
-    hidden, Wr, br, Wp, bp, bias = fused_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias,
-                                                seed=zlib.crc32(repr(case).encode()) % 10_000)
+    hidden, Wr, br, Wp, bp, bias = select_experts_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias,
+                                                         seed=zlib.crc32(repr(case).encode()) % 10_000)
     costs = [c for c in Cost if predict or c != Cost.BASE]
     checked_gemv = False
     for cost in costs:
@@ -431,7 +431,7 @@ def test_select_experts(case):
                 check_selection(outputs, logits, bias, routing, G, cost, budget, fill, union, D_ref)
 
 
-@pytest.mark.parametrize("case", FUSED_CASES, ids=_fused_id)
+@pytest.mark.parametrize("case", SELECT_EXPERTS_CASES, ids=_select_experts_id)
 def test_select_experts_launch_path(case):
     """select_experts launches router_predict, then route_select, and nothing else (no copies, no third kernel):
     test_select_experts passes whatever runs, so extra launches on the decode path would go unseen there."""
@@ -439,7 +439,8 @@ def test_select_experts_launch_path(case):
         pytest.skip("launch paths are the CUDA kernels'")
     G, B, H, E, k, name, dtype, predict, router_bias, dup = case
     routing, uses_bias = routings(E, k)[name]
-    hidden, Wr, br, Wp, bp, bias = fused_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias, seed=7)
+    hidden, Wr, br, Wp, bp, bias = select_experts_inputs(G, B, H, E, dtype, predict, router_bias, dup, uses_bias,
+                                                         seed=7)
     cost = Cost.BASE if predict else Cost.ROUTER_SUM
     names = launched_kernels(lambda: ops.select_experts(hidden, Wr, routing, budget=k, num_groups=G, cost=cost,
                                                         router_bias=br, predictor_weight=Wp, predictor_bias=bp,
@@ -458,7 +459,7 @@ def test_select_experts_checks_before_launching(bad, message):
     where the same call with valid arguments launches both kernels (so the profiler does see them)."""
     if DEVICE != "cuda":
         pytest.skip("launches are the CUDA kernels'")
-    hidden, Wr, _, Wp, bp, _ = fused_inputs(1, 4, 256, 16, torch.bfloat16, True, False, False, False, seed=3)
+    hidden, Wr, _, Wp, bp, _ = select_experts_inputs(1, 4, 256, 16, torch.bfloat16, True, False, False, False, seed=3)
     args = dict(routing=Routing(4, Scoring.SOFTMAX), budget=4, num_groups=1, correction_bias=None)
 
     def select(**changes):
@@ -480,7 +481,7 @@ def test_select_experts_checks_before_launching(bad, message):
 @pytest.mark.parametrize("B", [4, 64])
 def test_select_experts_on_a_non_current_gpu(B):
     routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
-    hidden, Wr, _, Wp, bp, _ = fused_inputs(2, B, 2048, 128, torch.bfloat16, True, False, False, False, seed=B)
+    hidden, Wr, _, Wp, bp, _ = select_experts_inputs(2, B, 2048, 128, torch.bfloat16, True, False, False, False, seed=B)
 
     def select(hidden, Wr, Wp, bp):
         return ops.select_experts(hidden, Wr, routing, budget=16, num_groups=2, predictor_weight=Wp, predictor_bias=bp)
@@ -491,7 +492,7 @@ def test_select_experts_on_a_non_current_gpu(B):
 def test_select_experts_deterministic():
     G, B, E, H = 2, 64, 128, 2048
     routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
-    hidden, Wr, _, Wp, bp, _ = fused_inputs(G, B, H, E, torch.bfloat16, True, False, False, False, seed=21)
+    hidden, Wr, _, Wp, bp, _ = select_experts_inputs(G, B, H, E, torch.bfloat16, True, False, False, False, seed=21)
     first = ops.select_experts(hidden, Wr, routing, budget=16, num_groups=G, predictor_weight=Wp, predictor_bias=bp)
     for _ in range(5):
         again = ops.select_experts(hidden, Wr, routing, budget=16, num_groups=G, predictor_weight=Wp,
@@ -501,11 +502,13 @@ def test_select_experts_deterministic():
 
 def test_select_experts_alternating_inputs():
     """Calls on two inputs in turn give each input's first outputs bit for bit. On the GPU route_select runs each group
-    on its own cluster, whose CTAs rank the keys pushed to their inboxes, so a CTA that ranked before all the keys pushed
-    to it had landed would see the other input's keys, left in the same SM's shared memory by the call before."""
+    on its own cluster, whose CTAs rank the keys pushed to their inboxes, so a CTA that ranked before all the keys
+    pushed to it had landed would see the other input's keys, left in the same SM's shared memory by the call
+    before."""
     G, B, E, H = 8, 16, 128, 2048
     routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
-    inputs = [fused_inputs(G, B, H, E, torch.bfloat16, True, False, False, False, seed=seed) for seed in (31, 32)]
+    inputs = [select_experts_inputs(G, B, H, E, torch.bfloat16, True, False, False, False, seed=seed)
+              for seed in (31, 32)]
 
     def select(x):
         hidden, Wr, _, Wp, bp, _ = x
