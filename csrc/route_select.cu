@@ -106,7 +106,7 @@ __device__ __forceinline__ void load_token(const SelectParams& p, int64_t t, int
     const int u = lane * EPL + j;
     s.logit[j] = u < E ? row[u] : 0.0f;
   }
-  const bool base_cost = p.compute_cost && p.cost == static_cast<int>(Cost::kBase);
+  const bool base_cost = p.compute_cost && p.cost == Cost::kBase;
   const float* g = base_cost ? p.log_norms + t * p.ln_stride : nullptr;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   if constexpr (kBroadcast) __syncthreads();
 
   const bool single_chunk = chunks <= 1;
-  const bool base_cost = p.cost == static_cast<int>(Cost::kBase);
+  const bool base_cost = p.cost == Cost::kBase;
   Token<EPL> s;
 
   // ---- routing; slot costs and flags to their owners, who add the costs up chunk by chunk ----
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       route_token<EPL, GENERIC>(p, s, lane, id, w, log_norm);
       if constexpr (kBroadcast) {  // the slot's record (expert, cost) into every CTA's inbox, at the token's cell
         const float cost =
-            id < E ? slot_cost(static_cast<Cost>(p.cost), w, base_cost ? log_norm : 0.0f) : 0.0f;
+            id < E ? slot_cost(p.cost, w, base_cost ? log_norm : 0.0f) : 0.0f;
         if (lane < k) {
           uint2* cell = records + column * k + lane;
 #pragma unroll 1
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
         const int e = id & (EPC - 1);
         if (p.compute_cost) {
           cuda::cluster_map(own, owner)[e * stride + column] =
-              slot_cost(static_cast<Cost>(p.cost), w, base_cost ? log_norm : 0.0f);
+              slot_cost(p.cost, w, base_cost ? log_norm : 0.0f);
         }
         atomicOr(cuda::cluster_map(own_flags, owner) + e, lane == 0 ? 3 : 1);
       }

@@ -66,8 +66,8 @@ void launch_gemv(const Tensor& hidden, const Tensor& router_weight, const OptTen
 std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tensor& router_weight,
                                                const OptTensor& router_bias, const OptTensor& predictor_weight,
                                                const OptTensor& predictor_bias) {
-  const c10::cuda::CUDAGuard guard(hidden.device());
   auto [logits, log_norms] = checked_gemv_outputs(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
+  const c10::cuda::CUDAGuard guard(hidden.device());  // after the checks: hidden may be on the CPU (refused there)
   launch_gemv(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms);
   return {logits, log_norms};
 }
@@ -86,7 +86,7 @@ SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias,
   p.topk_group = static_cast<int>(r.topk_group);
   p.group_size = static_cast<int>(r.num_experts / r.n_group);
   p.scaling = static_cast<float>(r.scaling);
-  p.cost = static_cast<int>(Cost::kRouterSum);
+  p.cost = Cost::kRouterSum;
   p.fill = static_cast<int>(Fill::kBackfill);
   p.top1_offset = top1_offset(p.B, r);
   return p;
@@ -94,7 +94,7 @@ SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias,
 
 void set_cost(SelectParams& p, const OptTensor& log_norms, int64_t cost) {
   p.compute_cost = true;
-  p.cost = static_cast<int>(cost);
+  p.cost = static_cast<Cost>(cost);
   if (static_cast<Cost>(cost) == Cost::kBase) {
     p.log_norms = log_norms->data_ptr<float>();
     p.ln_stride = log_norms->size(0) > 1 ? log_norms->stride(0) : 0;
@@ -187,21 +187,37 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cuda(const Tensor& logits
   return {ids, weights, kept, counts};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
-    const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
-    int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
-    int64_t cost, int64_t budget, int64_t fill) {
+// route_select's argument checks, kernel parameters and outputs (ids, weights, kept, counts, batch cost), ready to
+// launch: route_select and select_experts check their routing arguments once, through this.
+struct CheckedSelection {
+  SelectParams params;
+  std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> outputs;
+};
+
+CheckedSelection checked_route_select(const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias,
+                                      int64_t num_groups, int64_t top_k, int64_t scoring, bool renormalize,
+                                      int64_t n_group, int64_t topk_group, double scaling, int64_t cost, int64_t budget,
+                                      int64_t fill) {
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
   check_budget_fill(budget, fill);
   check_token_count(logits);
+  CheckedSelection s{make_params(logits, correction_bias, r, num_groups), {}};
+  set_cost(s.params, log_norms, cost);
+  s.outputs = selection_outputs(s.params, logits, top_k, num_groups, budget, fill);
+  return s;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
+    const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
+    int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
+    int64_t cost, int64_t budget, int64_t fill) {
+  CheckedSelection s = checked_route_select(logits, log_norms, correction_bias, num_groups, top_k, scoring,
+                                            renormalize, n_group, topk_group, scaling, cost, budget, fill);
   const c10::cuda::CUDAGuard guard(logits.device());
-  SelectParams p = make_params(logits, correction_bias, r, num_groups);
-  set_cost(p, log_norms, cost);
-  auto outputs = selection_outputs(p, logits, top_k, num_groups, budget, fill);
-  route_select_launch(p, static_cast<int>(num_groups), logits.get_device());
-  return outputs;
+  route_select_launch(s.params, static_cast<int>(num_groups), logits.get_device());
+  return s.outputs;
 }
 
 // router_predict, then route_select, every argument checked before the first launch. (Until session 59 a one-launch
@@ -215,17 +231,14 @@ SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& rout
                                         int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
                                         double scaling, int64_t cost, int64_t budget, int64_t fill) {
   check_select_experts(predictor_weight, cost);
-  const c10::cuda::CUDAGuard guard(hidden.device());
   auto [logits, log_norms] = checked_gemv_outputs(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
   const OptTensor cost_log_norms = cost == static_cast<int64_t>(Cost::kBase) ? OptTensor(log_norms) : std::nullopt;
-  check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
-  check_route_cost(logits, cost_log_norms, num_groups, cost);
-  check_budget_fill(budget, fill);
-  check_token_count(logits);
+  CheckedSelection s = checked_route_select(logits, cost_log_norms, correction_bias, num_groups, top_k, scoring,
+                                            renormalize, n_group, topk_group, scaling, cost, budget, fill);
+  const c10::cuda::CUDAGuard guard(hidden.device());  // after the checks: hidden may be on the CPU (refused there)
   launch_gemv(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms);
-  auto [ids, weights, kept, counts, D] = route_select_cuda(logits, cost_log_norms, correction_bias, num_groups, top_k,
-                                                           scoring, renormalize, n_group, topk_group, scaling, cost,
-                                                           budget, fill);
+  route_select_launch(s.params, static_cast<int>(num_groups), hidden.get_device());
+  auto [ids, weights, kept, counts, D] = s.outputs;
   return {logits, log_norms, ids, weights, kept, counts, D};
 }
 

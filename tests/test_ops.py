@@ -610,11 +610,16 @@ def test_drop_renorm_of_subnormal_kept_weights(device):
         torch.testing.assert_close(weights.cpu(), ref_weights, rtol=0.15, atol=0.0)
 
 
+@pytest.mark.cuda
 def test_mixed_devices_raise():
+    """Operands on two devices are refused by name, whichever device the dispatcher picks (here CUDA, by the weight)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU to mix devices")
+    hidden, weight = torch.randn(4, 32), torch.randn(16, 32, device="cuda")
     with pytest.raises(RuntimeError, match="same device"):
-        ops.router_predict(torch.randn(4, 32), torch.randn(16, 32, device="cuda"))
+        ops.router_predict(hidden, weight)
+    with pytest.raises(RuntimeError, match="same device"):
+        ops.select_experts(hidden, weight, Routing(2, Scoring.SOFTMAX), budget=4, cost=Cost.FREQUENCY)
 
 
 def test_every_enum_value_is_accepted():

@@ -39,7 +39,7 @@ struct SelectParams {
   bool renormalize;
   int n_group, topk_group, group_size;
   float scaling;
-  int cost;                      // Cost
+  Cost cost;
   int fill;                      // Fill
   bool compute_cost;             // route_cost / route_select
   bool select;                   // select_fill / route_select
