@@ -155,6 +155,13 @@ def holdout_fraction(holdout: float) -> Fraction:
     return Fraction(holdout).limit_denominator(10_000)
 
 
+def check_holdout(holdout: float) -> None:
+    """Raises ValueError unless ``holdout`` is 0 or a fraction the split can take (it takes holdout as a fraction
+    of denominator at most 10,000: above 0 it must not round to 0 or 1)."""
+    if not 0 <= holdout < 1 or (holdout > 0 and not 0 < holdout_fraction(holdout) < 1):
+        raise ValueError(f"holdout must be 0 or strictly between 1/20000 and 1 - 1/20000, got {holdout}")
+
+
 def held_out_sequences(first: int, count: int, holdout: float) -> torch.Tensor:
     """Boolean ``[count]``: which of the sequences ``first .. first+count-1`` are held out. Sequence ``i`` is
     held out when ``floor((i+1) h) > floor(i h)`` (``h = 0.1``: sequences 9, 19, 29, ...): the fraction ``h``
@@ -164,7 +171,8 @@ def held_out_sequences(first: int, count: int, holdout: float) -> torch.Tensor:
     return ((i + 1) * frac.numerator) // frac.denominator > (i * frac.numerator) // frac.denominator
 
 
-def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
+def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int,
+             vocab_size: int | None = None) -> Iterator[torch.Tensor]:
     items = [input_ids] if isinstance(input_ids, torch.Tensor) else input_ids
     for item in items:
         if not isinstance(item, torch.Tensor):
@@ -178,6 +186,10 @@ def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int) 
             raise TypeError(f"input_ids must hold integer token ids, got dtype {item.dtype}")
         if item.numel() == 0:
             raise ValueError(f"input_ids batches must hold tokens, got shape {tuple(item.shape)}")
+        low, high = int(item.min()), int(item.max())  # (the embedding's own error names no id)
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab_size or 'vocabulary size'}), got ids from "
+                             f"{low} to {high}")
         for batch in item.split(batch_size):
             yield batch.long()  # any integer dtype (bytes from torch.frombuffer are uint8)
 
@@ -263,9 +275,7 @@ def calibrate_layouts(
     ``num_experts``, ``hidden_size`` and ``expert_output(x, u)``)."""
     from tqdm.auto import tqdm
 
-    if not 0 <= holdout < 1 or (holdout > 0 and not 0 < holdout_fraction(holdout) < 1):
-        # (the split takes holdout as a fraction of denominator at most 10,000: above 0 it must not round to 0 or 1)
-        raise ValueError(f"holdout must be 0 or strictly between 1/20000 and 1 - 1/20000, got {holdout}")
+    check_holdout(holdout)
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     ridge_sweep = [float(r) for r in ridge_sweep]
@@ -317,11 +327,12 @@ def calibrate_layouts(
         for i, layout in enumerate(layouts)
     ]
     sequences, tokens_fed, seq_lens = 0, 0, set()
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     try:
         with torch.no_grad(), tqdm(
             total=_total_tokens(input_ids), unit="tok", unit_scale=True, desc="calibrate", disable=not progress
         ) as bar:
-            for batch in _batches(input_ids, batch_size):
+            for batch in _batches(input_ids, batch_size, vocab_size):
                 b, s = batch.shape
                 held_seq = held_out_sequences(sequences, b, holdout)
                 current["held_rows"] = held_seq.repeat_interleave(s).to(device)

@@ -93,6 +93,18 @@ positive_int = bounded(int, 1)
 nonnegative_float = bounded(float, 0.0)
 
 
+def holdout_value(text: str) -> float:
+    """``--holdout``: a fraction calibrate's split can take, checked as a usage error before the model loads."""
+    from .calibrate import check_holdout
+
+    value = bounded(float, 0.0, 1.0, high_open=True)(text)
+    try:
+        check_holdout(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
 def check_plot_format(path: str) -> None:
     """Before the evaluation: matplotlib must be able to write the file's format (named by its extension)."""
     try:
@@ -139,8 +151,19 @@ def check_model_dir(path: str) -> None:
         raise SystemExit(f"error: --model {path!r} has no config.json: not a Hugging Face checkpoint folder")
 
 
+def require_transformers() -> None:
+    """The commands load Hugging Face checkpoints, and transformers is an extra (``base_moe[hf]``), not a core
+    dependency: say so before any work instead of failing at the model load."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise SystemExit('error: this command loads Hugging Face models and needs transformers: '
+                         'pip install "transformers>=5.0" (or install base_moe with its extra: ".[hf]")') from None
+
+
 def load_model(path: str, device: str, dtype: str = "auto") -> torch.nn.Module:
     """A causal LM from a local directory (never the network), in eval mode, on ``device``."""
+    require_transformers()
     from transformers import AutoModelForCausalLM
 
     check_model_dir(path)
@@ -173,10 +196,13 @@ def load_token_ids(text_path: str, model_path: str, tokens: int, seq: int, byte_
     return ids[: n * seq].reshape(n, seq).clone()
 
 
-def load_ids_and_model(args: argparse.Namespace, device: str, tokens: int) -> tuple[torch.Tensor, torch.nn.Module]:
-    """The text's token ids first (a bad text fails before the model loads), then the model, whose vocabulary
-    ``--bytes`` must fit."""
+def load_ids_and_model(args: argparse.Namespace, device: str, tokens: int,
+                       check_ids: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The text's token ids first (a bad text fails before the model loads, as does ``check_ids(ids)``), then the
+    model, whose vocabulary ``--bytes`` must fit."""
     ids = load_token_ids(args.text, args.model, tokens, args.seq, args.bytes)
+    if check_ids is not None:
+        check_ids(ids)
     model = load_model(args.model, device, model_dtype(args.dtype, device))
     if args.bytes:
         check_byte_vocabulary(getattr(model.config, "vocab_size", None))
@@ -250,8 +276,9 @@ def add_calibrate(subparsers: argparse._SubParsersAction) -> None:
         "--ridge-sweep", type=_ridge_list, default=[], metavar="L1,L2,...",
         help="also fit these ridge values from the same sums and print their held-out R^2 (to choose --ridge)",
     )
-    p.add_argument("--holdout", type=bounded(float, 0.0, 1.0, high_open=True), default=0.1, metavar="H",
-                   help="held-out fraction of sequences, in [0, 1) (default: 0.1)")
+    p.add_argument("--holdout", type=holdout_value, default=0.1, metavar="H",
+                   help="held-out fraction of sequences: 0, or strictly between 1/20000 and 1 - 1/20000 "
+                   "(default: 0.1)")
     p.add_argument("--similarity", action="store_true", help="also measure the experts' output similarity, which "
                    "eval's --fill substitute needs (runs every expert a second time)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -262,6 +289,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
 
     device = resolve_device(args.device)
+    require_transformers()
     check_model_dir(args.model)
     args.seq = resolve_seq(args.seq, args.model, 512)
     check_input_file(args.text, "--text")
@@ -376,10 +404,13 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     import json
 
-    from .evaluate import budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready, plot
+    from .evaluate import (budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready,
+                           make_batches, plot)
+    from .layouts import find_moe_layouts
     from .policies import get_policy
 
     device = resolve_device(args.device)
+    require_transformers()
     try:
         policies = [get_policy(name) for name in args.policies.split(",") if name]
     except ValueError as err:
@@ -401,10 +432,22 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.plot:
         check_output_file(args.plot, "--plot")
         check_plot_format(args.plot)
-    ids, model = load_ids_and_model(args, device, args.batches * args.batch * args.seq)
+
+    def enough_tokens(ids: torch.Tensor) -> None:
+        try:
+            make_batches(ids, args.batch, args.seq, args.batches)
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
+
+    ids, model = load_ids_and_model(args, device, args.batches * args.batch * args.seq, check_ids=enough_tokens)
     budgets = args.budgets
     try:
-        if budgets is None:
+        for layout in find_moe_layouts(model):  # a policy option the model cannot take fails before the dense pass
+            for policy in policies:
+                policy.check_layout(layout)
+        if budgets is None and not any(p.needs_budget for p in policies):
+            budgets = []  # no budget to choose: no dense-union pass
+        elif budgets is None:
             union = dense_union(model, ids, batch=args.batch, seq=args.seq, prefill=args.prefill,
                                 batches=min(args.batches, 4), device=device)
             budgets = budgets_between(union)

@@ -142,9 +142,9 @@ def experts(
 
     ``max_active_experts``: the most distinct experts ``expert_ids`` can hold, when the caller knows it (a
     budget: ``num_groups * M``); the CUDA kernels launch work for that many experts instead of
-    ``min(E, T * k)``, and pick their tile configuration with it. Any value gives a correct result (a smaller one
-    only costs time); two values may differ by bf16 rounding (the configurations sum in different orders), the same
-    value always gives the same bits."""
+    ``min(E, T * k)``, and pick their tile configuration with it. Any value of at least 1 gives a correct
+    result (a smaller one only costs time); two values may differ by bf16 rounding (the configurations sum in
+    different orders), the same value always gives the same bits."""
     return _ops.experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, max_active_experts)
 
 

@@ -115,14 +115,22 @@ class Predictors:
 
     @property
     def num_experts(self) -> dict[int, int]:
+        """Per layer (as in :attr:`layers`), the number of routed experts its predictor scores."""
         return {i: w.shape[0] for i, w in self.weight.items()}
 
     @property
     def hidden_size(self) -> int:
+        """The model's hidden size, the predictors' input width."""
         return next(iter(self.weight.values())).shape[1]
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Predictors:
-        """A copy with every tensor moved to ``device`` / cast to ``dtype``."""
+    def to(self, device: torch.device | str | torch.dtype | None = None,
+           dtype: torch.dtype | None = None) -> Predictors:
+        """A copy with every tensor moved to ``device`` / cast to ``dtype``; as with ``torch.Tensor.to``, a dtype may
+        come first (``predictors.to(torch.float64)``)."""
+        if isinstance(device, torch.dtype):
+            if dtype is not None:
+                raise TypeError("to() got a dtype both positionally and as dtype=")
+            device, dtype = None, device
 
         def move(d: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
             return {i: t.to(device=device, dtype=dtype) for i, t in d.items()}

@@ -10,7 +10,7 @@ This script
    one decode batch of 16 tokens under the policy),
 4. prints bits per byte, the loss over dense, the retained expert energy and the active experts per layer.
 
-    python examples/quickstart.py                    # CPU: about a minute on 2 cores
+    python examples/quickstart.py                    # CPU: about a minute and a half on 2 cores
     python examples/quickstart.py --device cuda      # GPU (with base_moe's CUDA kernels)
     python examples/quickstart.py --batches 16 --json out.json --plot out.png
 
@@ -28,7 +28,7 @@ import time
 import torch
 
 import base_moe
-from base_moe.cli import resolve_seq
+from base_moe.cli import check_output_file, check_plot_format, require_transformers, resolve_device, resolve_seq
 from base_moe.evaluate import budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready, plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +56,14 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.batch, args.seq, args.batches) < 1 or args.calib_bytes < args.seq:
         parser.error("--batch, --seq and --batches must be >= 1, and --calib-bytes at least one sequence (--seq)")
+    # every check the CLI makes before its work: a bad device or output path fails now, not after the evaluation
+    args.device = resolve_device(args.device)
+    require_transformers()
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+        check_plot_format(args.plot)
     resolve_seq(args.seq, TESTBED, args.seq)  # refuses a --seq past the testbed's context, as the CLI does
     try:
         check_prefill(args.prefill, args.seq)

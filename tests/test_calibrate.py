@@ -251,6 +251,17 @@ def test_calibrate_accepts_an_iterable_of_batches_and_is_deterministic():
     assert a.r2 == b.r2
 
 
+@pytest.mark.parametrize("bad_id", [256, 300, -1])
+def test_calibrate_rejects_token_ids_outside_the_vocabulary(bad_id):
+    """An id the embedding cannot look up is named before the forward pass (whose IndexError names none)."""
+    ids = torch.randint(0, 256, (2, 16))
+    ids[0, :2] = torch.tensor([0, 255])  # so that the ids span [min(bad_id, 0), max(bad_id, 255)]
+    ids[1, 5] = bad_id
+    message = rf"token ids in \[0, 256\), got ids from {min(bad_id, 0)} to {max(bad_id, 255)}"
+    with pytest.raises(ValueError, match=message):
+        base_moe.calibrate(tiny_qwen3_moe(layers=1), ids, progress=False)
+
+
 def test_calibrate_rejects_bad_options():
     model, layouts = planted_setup()
     ids = torch.randint(0, 256, (4, 8))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -71,8 +72,6 @@ def test_cli_calibrate_end_to_end(checkpoint, tmp_path, capsys):
 def test_similarity_and_the_substitute_fill(checkpoint, tmp_path):
     """calibrate --similarity stores every layer's expert similarity; eval --fill substitute runs with it and is a
     clear error without it."""
-    import json
-
     with_sim, plain = tmp_path / "s.safetensors", tmp_path / "p.safetensors"
     assert main(calibrate_args(checkpoint, with_sim, "--similarity")) == 0
     assert main(calibrate_args(checkpoint, plain)) == 0
@@ -85,6 +84,46 @@ def test_similarity_and_the_substitute_fill(checkpoint, tmp_path):
         assert json.load(f)["protocol"]["fill"] == "substitute"
     with pytest.raises(SystemExit, match="fill='substitute' needs predictors calibrated with similarity=True"):
         main([*argv, "--predictors", str(plain)])
+
+
+def eval_args(root, tmp_path, *extra):
+    return ["eval", "--model", str(root / "model"), "--text", str(root / "text.txt"), "--bytes", "--device", "cpu",
+            "--batch", "4", "--seq", "16", "--prefill", "4", "--batches", "1", "--no-progress",
+            "--json", str(tmp_path / "o.json"), *extra]
+
+
+def test_eval_checks_policy_options_before_the_dense_pass(checkpoint, tmp_path, monkeypatch):
+    """An option the model's routing cannot take (OEA's k0 past its top-2) stops eval before the dense-union pass."""
+    def dense_pass(*args, **kwargs):
+        raise AssertionError("the dense-union pass ran")
+
+    monkeypatch.setattr("base_moe.evaluate.dense_union", dense_pass)
+    with pytest.raises(SystemExit, match="k0"):
+        main(eval_args(checkpoint, tmp_path, "--policies", "router_sq,oea:k0=3"))
+
+
+def test_eval_without_budgeted_policies_skips_the_dense_pass(checkpoint, tmp_path, monkeypatch, capsys):
+    """OEA chooses its own expert count: no budget to derive, so no dense-union pass, and the table has its row."""
+    def dense_pass(*args, **kwargs):
+        raise AssertionError("the dense-union pass ran")
+
+    monkeypatch.setattr("base_moe.evaluate.dense_union", dense_pass)
+    assert main(eval_args(checkpoint, tmp_path, "--policies", "oea:k0=1")) == 0
+    with open(tmp_path / "o.json") as f:
+        assert [r["policy"] for r in json.load(f)["results"]] == ["oea"]
+    assert "dense union" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["calibrate", "eval"])
+def test_commands_without_transformers_say_so_first(tmp_path, monkeypatch, command):
+    """transformers is an extra: without it, the commands stop at once with an install hint, not at the model load."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    argv = [command, "--model", str(tmp_path / "none"), "--text", str(text), "--device", "cpu",
+            *(["--out", str(tmp_path / "p")] if command == "calibrate" else ["--json", str(tmp_path / "o.json")])]
+    with pytest.raises(SystemExit, match="needs transformers"):
+        main(argv)
 
 
 def test_python_dash_m(checkpoint, tmp_path):
@@ -164,6 +203,7 @@ def empty_checkpoint(folder, config="{}"):
         (["--ridge", "nan"], "--ridge: expected a number >= 0.0, got nan"),
         (["--batch-size", "-1" + "0" * 400], "--batch-size: expected an integer >= 1"),  # no OverflowError
         (["--holdout", "inf"], "--holdout: expected a number >= 0.0 and < 1.0, got inf"),
+        (["--holdout", "0.00001"], "--holdout: holdout must be 0 or strictly between 1/20000"),  # rounds to 0
         (["--tokens", "64", "--seq", "128"], "need --tokens >= --seq >= 1, got --tokens 64 --seq 128"),
         (["--device", "bogus"], "--device 'bogus' is not a device"),
         (["--device", "meta"], "--device meta: base_moe runs on cpu or cuda"),
@@ -200,6 +240,8 @@ def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, messa
         (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--policies", "router_sq", "--plot", "{tmp}/o.txt"],
          "--plot .*: matplotlib writes .*png"),
         (["calibrate", "--text", "{empty}", "--out", "{tmp}/p", "--bytes"], "gives 0 tokens, fewer than one sequence"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--policies", "router_sq", "--bytes", "--batch", "4",
+          "--seq", "16", "--prefill", "4", "--batches", "1000"], "1000 batches of 4 x 16 tokens need 64000 tokens"),
     ],
 )
 def test_paths_checked_before_loading(tmp_path, argv, message):

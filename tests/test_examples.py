@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -55,6 +56,18 @@ def test_quickstart_main_job(tmp_path):
 def test_quickstart_rejects_a_prefill_past_the_sequence():
     done = run_example("quickstart.py", "--device", "cpu", "--seq", "64", "--prefill", "64")
     assert done.returncode != 0 and "prefill" in done.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--json", "{tmp}/no/out.json"], "--json .* does not exist"),
+    (["--plot", "{tmp}/out.xyz"], "--plot .*: matplotlib writes"),
+    (["--device", "tpu"], "--device 'tpu' is not a device|--device tpu: base_moe runs on cpu or cuda"),
+])
+def test_quickstart_checks_outputs_and_device_before_the_work(tmp_path, flags, message):
+    """A bad output path or device stops the script before calibration, not after the evaluation."""
+    done = run_example("quickstart.py", *[f.format(tmp=tmp_path) for f in flags])
+    assert done.returncode != 0 and re.search(message, done.stderr), done.stderr
+    assert "calibrat" not in done.stdout
 
 
 def test_quickstart_rejects_a_sequence_past_the_context():

@@ -188,14 +188,21 @@ def test_other_model_type_is_refused(calibrated):
 # ---------------------------------------------------------------------------------------------
 # Edge cases found by mutation testing
 # ---------------------------------------------------------------------------------------------
-def test_to_converts_every_tensor():
+@pytest.mark.parametrize("positional", [False, True])
+def test_to_converts_every_tensor(positional):
+    """``to(dtype=...)`` and, as with tensors, ``to(dtype)`` with the dtype first."""
     p = make_predictors()
-    q = p.to(dtype=torch.float64)
+    q = p.to(torch.float64) if positional else p.to(dtype=torch.float64)
     for field in ("weight", "bias", "mean_log_norm", "expert_r2", "similarity"):
         for i in p.layers:
             a, b = getattr(p, field)[i], getattr(q, field)[i]
             assert b.dtype == torch.float64 and torch.equal(b, a.double()), (field, i)
     assert q.r2 == p.r2 and q.metadata == p.metadata
+
+
+def test_to_refuses_two_dtypes():
+    with pytest.raises(TypeError, match="dtype both positionally and as dtype="):
+        make_predictors().to(torch.float64, dtype=torch.float32)
 
 
 def test_layers_without_r2_have_nan(tmp_path):
