@@ -105,6 +105,12 @@ def holdout_value(text: str) -> float:
     return value
 
 
+def check_plot_output(path: str) -> None:
+    """``--plot`` before the work: a writable file (:func:`check_output_file`) in a format matplotlib writes."""
+    check_output_file(path, "--plot")
+    check_plot_format(path)
+
+
 def check_plot_format(path: str) -> None:
     """Before the evaluation: matplotlib must be able to write the file's format (named by its extension)."""
     try:
@@ -162,8 +168,8 @@ def require_transformers() -> None:
 
 
 def load_model(path: str, device: str, dtype: str = "auto") -> torch.nn.Module:
-    """A causal LM from a local directory (never the network), in eval mode, on ``device``."""
-    require_transformers()
+    """A causal LM from a local directory (never the network), in eval mode, on ``device``; the commands call
+    :func:`require_transformers` before any work."""
     from transformers import AutoModelForCausalLM
 
     check_model_dir(path)
@@ -404,8 +410,8 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     import json
 
-    from .evaluate import (budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready,
-                           make_batches, plot)
+    from .evaluate import (budgets_between, check_policies_fit, check_prefill, dense_union, evaluate, format_table,
+                           json_ready, make_batches, plot)
     from .layouts import find_moe_layouts
     from .policies import get_policy
 
@@ -430,8 +436,7 @@ def run_eval(args: argparse.Namespace) -> int:
         check_input_file(args.predictors, "--predictors")
     check_output_file(args.json, "--json")
     if args.plot:
-        check_output_file(args.plot, "--plot")
-        check_plot_format(args.plot)
+        check_plot_output(args.plot)
 
     def enough_tokens(ids: torch.Tensor) -> None:
         try:
@@ -442,9 +447,7 @@ def run_eval(args: argparse.Namespace) -> int:
     ids, model = load_ids_and_model(args, device, args.batches * args.batch * args.seq, check_ids=enough_tokens)
     budgets = args.budgets
     try:
-        for layout in find_moe_layouts(model):  # a policy option the model cannot take fails before the dense pass
-            for policy in policies:
-                policy.check_layout(layout)
+        check_policies_fit(policies, find_moe_layouts(model))  # before the dense-union pass
         if budgets is None and not any(p.needs_budget for p in policies):
             budgets = []  # no budget to choose: no dense-union pass
         elif budgets is None:

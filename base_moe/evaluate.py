@@ -77,6 +77,14 @@ def budgets_between(union: float, low: float = 1 / 3, high: float = 1 / 2) -> li
     return list(range(lo, hi + 1)) if lo <= hi else [max(1, round((low + high) / 2 * union))]
 
 
+def check_policies_fit(policies, layouts) -> None:
+    """Raises ``ValueError`` when an option of a policy is out of range for one of the MoE layers (e.g. OEA's k0 past
+    the model's top-k): before any pass over the data, so that a bad option costs no evaluation time."""
+    for layout in layouts:
+        for policy in policies:
+            policy.check_layout(layout)
+
+
 @torch.no_grad()
 def dense_union(model, input_ids, *, batch: int, seq: int, prefill: int, batches: int = 4,
                 device: torch.device | str | None = None) -> float:
@@ -374,9 +382,7 @@ def evaluate(
     try:
         if fill_rule == SUBSTITUTE and any(p.takes_fill for p in pols):  # before the dense pass, not after it
             hf._require_similarity(used_predictors, layouts)
-        for lay in layouts:
-            for pol in pols:  # an option out of range fails here, not after the dense pass (the finally restores)
-                pol.check_layout(lay)
+        check_policies_fit(pols, layouts)  # fails here, not after the dense pass (the finally restores the model)
         from tqdm.auto import tqdm
 
         with torch.no_grad(), tqdm(total=batches * (1 + len(runs)), desc="evaluate", unit="run",

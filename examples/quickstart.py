@@ -28,7 +28,7 @@ import time
 import torch
 
 import base_moe
-from base_moe.cli import check_output_file, check_plot_format, require_transformers, resolve_device, resolve_seq
+from base_moe.cli import check_output_file, check_plot_output, require_transformers, resolve_device, resolve_seq
 from base_moe.evaluate import budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready, plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,8 +62,7 @@ def main() -> None:
     if args.json:
         check_output_file(args.json, "--json")
     if args.plot:
-        check_output_file(args.plot, "--plot")
-        check_plot_format(args.plot)
+        check_plot_output(args.plot)
     resolve_seq(args.seq, TESTBED, args.seq)  # refuses a --seq past the testbed's context, as the CLI does
     try:
         check_prefill(args.prefill, args.seq)
