@@ -92,22 +92,23 @@ def eval_args(root, tmp_path, *extra):
             "--json", str(tmp_path / "o.json"), *extra]
 
 
-def test_eval_checks_policy_options_before_the_dense_pass(checkpoint, tmp_path, monkeypatch):
-    """An option the model's routing cannot take (OEA's k0 past its top-2) stops eval before the dense-union pass."""
+@pytest.fixture
+def no_dense_pass(monkeypatch):
+    """The dense-union pass fails the test if eval runs it."""
     def dense_pass(*args, **kwargs):
         raise AssertionError("the dense-union pass ran")
 
     monkeypatch.setattr("base_moe.evaluate.dense_union", dense_pass)
+
+
+def test_eval_checks_policy_options_before_the_dense_pass(checkpoint, tmp_path, no_dense_pass):
+    """An option the model's routing cannot take (OEA's k0 past its top-2) stops eval before the dense-union pass."""
     with pytest.raises(SystemExit, match="k0"):
         main(eval_args(checkpoint, tmp_path, "--policies", "router_sq,oea:k0=3"))
 
 
-def test_eval_without_budgeted_policies_skips_the_dense_pass(checkpoint, tmp_path, monkeypatch, capsys):
+def test_eval_without_budgeted_policies_skips_the_dense_pass(checkpoint, tmp_path, no_dense_pass, capsys):
     """OEA chooses its own expert count: no budget to derive, so no dense-union pass, and the table has its row."""
-    def dense_pass(*args, **kwargs):
-        raise AssertionError("the dense-union pass ran")
-
-    monkeypatch.setattr("base_moe.evaluate.dense_union", dense_pass)
     assert main(eval_args(checkpoint, tmp_path, "--policies", "oea:k0=1")) == 0
     with open(tmp_path / "o.json") as f:
         assert [r["policy"] for r in json.load(f)["results"]] == ["oea"]
