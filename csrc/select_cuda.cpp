@@ -95,7 +95,7 @@ SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias,
 void set_cost(SelectParams& p, const OptTensor& log_norms, int64_t cost) {
   p.compute_cost = true;
   p.cost = static_cast<Cost>(cost);
-  if (static_cast<Cost>(cost) == Cost::kBase) {
+  if (p.cost == Cost::kBase) {
     p.log_norms = log_norms->data_ptr<float>();
     p.ln_stride = log_norms->size(0) > 1 ? log_norms->stride(0) : 0;
   }
