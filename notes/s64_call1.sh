@@ -5,6 +5,6 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if nvidia-smi -L | grep -q H200; then
   bash notes/device_trial.sh bselall layerq layero e2e | grep -v "^[0-9.]*+\|^GPU"
 else
-  nvidia-smi -L; echo "not an H200: the end-to-end table only"
+  nvidia-smi -L; echo "not an H200: ${H100_STEPS:-e2e}"
   bash notes/device_trial.sh ${H100_STEPS:-e2e} | grep -v "^[0-9.]*+\|^GPU"
 fi
