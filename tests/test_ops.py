@@ -26,6 +26,7 @@ ROUTINGS = [
     (32, 4, Routing(4, Scoring.SOFTMAX_AFTER_TOPK)),
     (64, 6, Routing(6, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, scaling=2.5)),
     (16, 3, Routing(3, Scoring.SIGMOID, renormalize=False)),
+    (24, 4, Routing(4, Scoring.SOFTMAX, renormalize=True, scaling=0.5)),  # TOP1_UNION's offset: max(1, scaling)
 ]
 
 
@@ -308,6 +309,23 @@ def test_experts_matches_reference_fp32(device, T, H, I, E, k):
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_experts_sums_a_tokens_slots_in_fp32_on_cpu():
+    """bf16 on the CPU: a token's two slots are two copies of one expert with weights a and -a (1 - 2^-9), so their
+    sum is a 2^-9 (a tiny fraction of either). Summed in fp32 and rounded once, the output is within bf16 rounding of
+    the fp64 reference; rounding each slot to bf16 first would leave errors as large as the result."""
+    g = torch.Generator().manual_seed(3)
+    T, H, I = 6, 64, 32
+    x = torch.randn(T, H, generator=g).bfloat16()
+    gate_up = (torch.randn(1, 2 * I, H, generator=g) / H**0.5).bfloat16().repeat(2, 1, 1)
+    down = (torch.randn(1, H, I, generator=g) / I**0.5).bfloat16().repeat(2, 1, 1)
+    ids = torch.tensor([[0, 1]] * T, dtype=torch.int32)
+    a = 1.0 + torch.rand(T, generator=g)
+    weights = torch.stack([a, -a * (1.0 - 2.0**-9)], dim=1)
+    out = ops.experts(x, ids, weights, gate_up, down)
+    expected = ref.experts(x.double(), ids, weights.double(), gate_up.double(), down.double())
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 2e-2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_experts_all_slots_dropped_gives_zero(device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -482,6 +500,46 @@ def test_reference_sigmoid_ties_go_to_the_lower_index():
         logits = torch.full((1, 40), value)  # one row: its last elements are the vectorised loop's tail
         assert torch.equal(ref.route(logits, routing)[0], first_two), value
         assert torch.equal(ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM)[0], first_two), value
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fill", list(Fill))
+def test_softmax_weights_of_kept_experts_far_below_the_row_max(device, fill):
+    """Softmax routing renormalises over the whole row's softmax: where every kept expert of a token lies 89-109 below
+    the row's maximum, their probabilities underflow fp32 (to zero or subnormals) and the weights must be the
+    reference's (finite; zero where the total is zero), not a renormalisation against the kept experts' own maximum."""
+    g = torch.Generator().manual_seed(11)
+    G, B, E = 3, 4, 16
+    routing = Routing(4, Scoring.SOFTMAX, renormalize=True)
+    logits = torch.randn(G * B, E, generator=g)
+    D = torch.rand(G, E, generator=g)
+    for group in range(G):
+        top = int(torch.randint(E, (1,), generator=g))
+        rows = slice(group * B, (group + 1) * B)
+        logits[rows, top] += 89.0 + 20.0 * torch.rand(B, generator=g)
+        D[group, top] = -1.0  # never kept at budget 1: every token loses its top expert
+    ids, weights, kept, _ = ops.select_fill(logits.to(device), D.to(device), routing, budget=1, fill=fill)
+    exp_ids, exp_weights, exp_kept, _ = ref.select_fill(logits, D, None, routing, 1, fill)
+    assert torch.equal(kept.cpu(), exp_kept) and torch.equal(ids.cpu(), exp_ids)
+    assert torch.isfinite(weights).all()
+    torch.testing.assert_close(weights.cpu(), exp_weights, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_group", [4, 8])
+def test_group_score_ties_go_to_the_lower_group(device, n_group):
+    """Group-limited sigmoid routing without a correction bias, on logits drawn from three values: groups whose
+    top-two sums tie are common, and the lower group wins, as in the reference (every other sigmoid test adds a
+    random bias, under which group scores never tie)."""
+    g = torch.Generator().manual_seed(n_group)
+    E = 4 * n_group
+    routing = Routing(4, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=2)
+    logits = torch.randint(0, 3, (64, E), generator=g).float()
+    ids, weights, D = ops.route_cost(logits.to(device), routing, cost=Cost.ROUTER_SUM)
+    exp_ids, exp_weights, exp_D = ref.route_cost(logits, None, None, 1, routing, Cost.ROUTER_SUM)
+    assert torch.equal(ids.cpu(), exp_ids)
+    torch.testing.assert_close(weights.cpu(), exp_weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(D.cpu(), exp_D, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -686,6 +744,11 @@ def test_bad_routing_and_shape_arguments_raise_clear_errors(device):
         (lambda: ops.route_select(logits, Routing(2), budget=0, cost=Cost.ROUTER_SUM), "budget must be >= 1"),
         (lambda: ops.route_select(logits, Routing(2), budget=2, cost=Cost.ROUTER_SUM, fill=3), "fill must be 0"),
     ]
+    for scaling in (0.0, -1.0, float("inf"), float("nan")):
+        cases.append((lambda scaling=scaling: ops.route_cost(logits, Routing(2, scaling=scaling), cost=Cost.ROUTER_SUM),
+                      "scaling must be finite and positive"))
+    for cost in (-1, 5):
+        cases.append((lambda cost=cost: ops.route_cost(logits, Routing(2), cost=cost), "cost must be 0"))
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
