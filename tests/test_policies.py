@@ -11,7 +11,7 @@ import torch
 from hf_models import FAMILIES, StandInPredictors, random_similarity, tiny_model
 
 import base_moe
-from base_moe import Fill, Routing, Scoring, reference
+from base_moe import Cost, Fill, Routing, Scoring, reference
 from base_moe.hf import moe_layouts, selections
 from base_moe.policies import (
     SUBSTITUTE,
@@ -182,8 +182,9 @@ def test_lynx_threshold_matches_loop_reference(groups, B, E, k, threshold):
 
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("keep", [None, 1, 3, 8])
-def test_topk_reduce_matches_loop_reference(keep, renormalize):
-    T, E, k = 10, 12, 4
+@pytest.mark.parametrize("k", [3, 4, 5])  # the default keeps k // 2: odd k rounds down
+def test_topk_reduce_matches_loop_reference(keep, renormalize, k):
+    T, E = 10, 12
     logits = random_logits(T, E, seed=3)
     routing = Routing(k, Scoring.SOFTMAX, renormalize)
     sel = TopKReducePolicy(keep).select(make_step(logits, routing, 2))
@@ -580,3 +581,15 @@ def test_lynx_scores_a_token_without_weight_in_the_last_bin():
                 b = bins - 1 if x == 0 else min(bins - 1, math.floor(math.log(top / x) / math.log(2.0)))
                 expected[t // 3, u] += decay ** b
         torch.testing.assert_close(D.double(), expected)
+
+
+def test_lynx_without_decay_counts_routed_tokens():
+    """decay = 1 (the largest the policy takes): every bin scores 1, so an expert's score is the number of its group's
+    tokens routed to it, the frequency cost."""
+    groups, T, E, k = 2, 12, 16, 4
+    logits = random_logits(T, E, seed=19)
+    routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
+    D = LynxPolicy(decay=1.0).batch_scores(make_step(logits, routing, groups))
+    ids, w = reference.route(logits, routing)
+    expected = reference.batch_cost(ids, torch.ones_like(w), groups, E, Cost.FREQUENCY, routing)
+    assert torch.equal(D, expected)
