@@ -132,6 +132,38 @@ def test_singular_system_is_a_clear_error():
     acc.fit(ridge=1e-3)  # a ridge makes it solvable
 
 
+def test_ridge_fit_needs_two_training_tokens():
+    acc = RidgeAccumulator(4, 2)
+    acc.add(torch.randn(1, 4), torch.randn(1, 2), torch.tensor([False]))
+    with pytest.raises(ValueError, match="at least 2 training tokens, got 1"):
+        acc.fit(ridge=1e-3)
+
+
+def test_expert_r2_is_nan_where_the_held_out_target_is_constant():
+    """R^2 is undefined for an expert whose held-out targets do not vary (SST = 0): NaN, not a huge negative."""
+    x, y, _, _ = planted(400, 6, 3, noise=0.3)
+    held = torch.arange(400) % 4 == 0
+    y[held, 1] = 0.5  # exactly representable: the held-out sums give SST = 0 exactly
+    acc = RidgeAccumulator(6, 3)
+    acc.add(x, y, held)
+    fit = acc.fit(ridge=1e-3)
+    assert math.isnan(fit.expert_r2[1].item())
+    assert bool(torch.isfinite(fit.expert_r2[[0, 2]]).all())
+
+
+def test_r2_of_an_exact_fit_is_at_most_one():
+    """An exactly linear target: the held-out SSE from the sums is 0 up to rounding, which must not push R^2 above 1
+    (of 16 experts, some get a slightly negative SSE from the sums' rounding)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 8, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(16, 8, generator=g, dtype=torch.float64).T + 0.3
+    acc = RidgeAccumulator(8, 16)
+    acc.add(x, y, torch.arange(300) % 3 == 0)
+    fit = acc.fit(ridge=0.0)
+    assert fit.r2 <= 1.0 and bool((fit.expert_r2 <= 1.0).all())
+    assert fit.r2 > 1 - 1e-9
+
+
 def test_held_out_sequences_are_fixed_and_independent_of_batching():
     whole = held_out_sequences(0, 40, 0.1)
     assert whole.nonzero().flatten().tolist() == [9, 19, 29, 39]
