@@ -9,6 +9,7 @@ import shutil
 import statistics
 import subprocess
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
@@ -74,6 +75,8 @@ def test_make_batches_and_budgets():
     assert torch.equal(make_batches(ids.view(10, 10), 2, 5, 3), data)  # rows are read in order
     with pytest.raises(ValueError, match="enough for 5 batches"):
         make_batches(ids, batch=2, seq=10, batches=6)
+    with pytest.raises(ValueError, match="need 30 tokens, the text gives 29"):  # one token short
+        make_batches(ids[:29], batch=2, seq=5, batches=3)
     assert budgets_between(20.2) == [7, 8, 9, 10]
     assert budgets_between(12) == [4, 5, 6]
     assert budgets_between(2.5) == [1]
@@ -81,6 +84,17 @@ def test_make_batches_and_budgets():
         with pytest.raises(ValueError, match="positive number of experts"):
             budgets_between(union)
     assert json_ready({"a": [1.0, math.nan, {"b": math.inf}], "c": "x"}) == {"a": [1.0, None, {"b": None}], "c": "x"}
+
+
+def test_budgets_between_is_exact_at_decimal_fractions():
+    """Products like 0.7 x 90 round below 63 in binary floating point; the budgets are those of the exact decimal
+    fractions."""
+    for low, high in (("0.1", "0.3"), ("0.2", "0.7"), ("0.5", "0.7"), ("0.3", "0.6")):
+        for union in range(1, 401):
+            lo = math.ceil(Fraction(low) * union)
+            hi = math.floor(Fraction(high) * union)
+            if lo <= hi:
+                assert budgets_between(union, float(low), float(high)) == list(range(lo, hi + 1)), (low, high, union)
 
 
 def test_dense_bits_and_union_match_a_direct_computation(result):
@@ -357,6 +371,10 @@ def test_a_policy_named_twice_runs_once():
     result = evaluate(model, ids, policies=["router_sum", "oea", get_policy("router_sum"), "oea"], budgets=[2, 2],
                       batch=2, seq=6, prefill=2, batches=1, progress=False, energy=False)
     assert sorted((r["policy"], r["budget"] or 0) for r in result["results"]) == [("oea", 0), ("router_sum", 2)]
+    # specs with options build a new policy object each time: still one run per name
+    specs = ["oea:k0=2", "oea:k0=2", "lynx:threshold=2", "lynx:threshold=2"]
+    result = evaluate(model, ids, policies=specs, batch=2, seq=6, prefill=2, batches=1, progress=False, energy=False)
+    assert sorted(r["policy"] for r in result["results"]) == ["lynx:threshold=2", "oea:k0=2"]
 
 
 def test_substitute_needs_similarity_only_where_a_policy_takes_the_fill():
