@@ -21,7 +21,7 @@ from base_moe import ops, reference
 from base_moe.hf import moe_layouts, selections
 from base_moe.layouts import find_moe_layouts
 from base_moe.policies import CostPolicy, Policy, available_policies, get_policy, parse_fill
-from base_moe.routing import MAX_TOP_K, Cost, Routing
+from base_moe.routing import MAX_EXPERTS, MAX_TOP_K, Cost, Routing
 
 BUDGETED = [name for name in available_policies() if get_policy(name).budgeted]
 
@@ -621,6 +621,19 @@ def test_routing_beyond_the_ops_limits_is_refused_up_front():
     with pytest.raises(RuntimeError, match=f"top_k must be in \\[1, {MAX_TOP_K}\\]"):  # the op's own limit agrees
         ops.route_select(torch.randn(2, MAX_TOP_K + 4), Routing(MAX_TOP_K + 1), budget=4, cost=Cost.ROUTER_SQ)
     ops.route_select(torch.randn(2, MAX_TOP_K + 4), Routing(MAX_TOP_K), budget=4, cost=Cost.ROUTER_SQ)
+    many = tiny_model("qwen3_moe", num_experts=MAX_EXPERTS + 1)  # the experts' limit, with a top-k the ops take
+    with pytest.raises(ValueError, match=f"at most {MAX_TOP_K} of {MAX_EXPERTS} "):
+        base_moe.apply(many, budget=4, policy="router_sum")
+
+
+def test_a_policy_that_needs_predictors_and_no_budget_is_refused_without_predictors():
+    """A policy with its own size rule runs without a budget: that it needs predictors is checked then too."""
+
+    class NeedsPredictors(Policy):
+        name, needs_budget, needs_predictors = "needs_predictors_test", False, True
+
+    with pytest.raises(ValueError, match="policy 'needs_predictors_test' needs predictors"):
+        base_moe.apply(fresh("qwen3_moe"), policy=NeedsPredictors())
 
 
 def test_static_energy_needs_calibration_statistics():
