@@ -534,7 +534,7 @@ def test_group_score_ties_go_to_the_lower_group(device, n_group):
     g = torch.Generator().manual_seed(n_group)
     E = 4 * n_group
     routing = Routing(4, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=2)
-    logits = torch.randint(0, 3, (64, E), generator=g).float()
+    logits = torch.randint(0, 3, (512, E), generator=g).float()
     ids, weights, D = ops.route_cost(logits.to(device), routing, cost=Cost.ROUTER_SUM)
     exp_ids, exp_weights, exp_D = ref.route_cost(logits, None, None, 1, routing, Cost.ROUTER_SUM)
     assert torch.equal(ids.cpu(), exp_ids)
