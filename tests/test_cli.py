@@ -160,8 +160,10 @@ def test_bytes_and_argument_errors(tmp_path):
     text.write_bytes(bytes(range(200)))
     ids = load_token_ids(str(text), "unused", tokens=150, seq=64, byte_level=True)
     assert ids.dtype == torch.int64 and ids.shape == (2, 64) and ids.flatten().tolist() == list(range(128))
-    with pytest.raises(SystemExit, match="at least 256"):
-        check_byte_vocabulary(64)
+    for too_few in (64, 255):
+        with pytest.raises(SystemExit, match="at least 256"):
+            check_byte_vocabulary(too_few)
+    check_byte_vocabulary(256)
     with pytest.raises(SystemExit, match="fewer than one sequence"):
         load_token_ids(str(text), "unused", tokens=512, seq=256, byte_level=True)
     with pytest.raises(SystemExit, match="not a directory"):
@@ -186,6 +188,16 @@ def test_seq_follows_the_models_context(tmp_path):
     assert resolve_seq(None, str(tmp_path), 512) == 512
     (tmp_path / "config.json").write_text("{}")
     assert resolve_seq(None, str(tmp_path), 512) == 512 and resolve_seq(9000, str(tmp_path), 512) == 9000
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 64}')
+    assert resolve_seq(64, str(tmp_path), 512) == 64  # as long as the context: taken
+    with pytest.raises(SystemExit, match="--seq 65 is longer than the model's context"):
+        resolve_seq(65, str(tmp_path), 512)
+    # a context that is no length (0, negative) says nothing: the text model's, if any, is used
+    config = '{"max_position_embeddings": 0, "text_config": {"max_position_embeddings": 64}}'
+    (tmp_path / "config.json").write_text(config)
+    assert resolve_seq(None, str(tmp_path), 512) == 64
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": -1}')
+    assert resolve_seq(None, str(tmp_path), 512) == 512
 
 
 def empty_checkpoint(folder, config="{}"):
@@ -298,6 +310,16 @@ def test_plot_format():
     from base_moe.cli import check_plot_format
 
     check_plot_format("out.png")
+    check_plot_format("out.PNG")  # extensions in any case
     check_plot_format("out")  # no extension: matplotlib writes a PNG
     with pytest.raises(SystemExit, match="matplotlib writes .*svg"):
         check_plot_format("out.txt")
+
+
+def test_cuda_device_without_cuda_is_refused(monkeypatch):
+    from base_moe.cli import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: no CUDA device is available here"):
+        resolve_device("cuda")
+    assert resolve_device("cpu") == "cpu"
