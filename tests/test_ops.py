@@ -14,6 +14,7 @@ import torch
 
 from base_moe import Cost, Fill, Routing, Scoring, ops
 from base_moe import reference as ref
+from base_moe.routing import MAX_EXPERTS
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -738,8 +739,8 @@ def test_bad_routing_and_shape_arguments_raise_clear_errors(device):
                                     torch.zeros(17, device=device)), "router_bias must have shape"),
         (lambda: ops.route_cost(logits, Routing(2), log_norms=torch.randn(16, 8, device=device).t()),
          "log_norms must be contiguous along experts"),
-        (lambda: ops.route_cost(torch.randn(4, 513, device=device), Routing(2), cost=Cost.ROUTER_SUM),
-         "logits must have 1 to 512 experts"),
+        (lambda: ops.route_cost(torch.randn(4, MAX_EXPERTS + 1, device=device), Routing(2), cost=Cost.ROUTER_SUM),
+         f"logits must have 1 to {MAX_EXPERTS} experts"),  # routing.MAX_EXPERTS is the ops' own limit
         (lambda: ops.route_cost(logits, Routing(2, 3), cost=Cost.ROUTER_SUM), "scoring must be 0"),
         (lambda: ops.route_select(logits, Routing(2), budget=0, cost=Cost.ROUTER_SUM), "budget must be >= 1"),
         (lambda: ops.route_select(logits, Routing(2), budget=2, cost=Cost.ROUTER_SUM, fill=3), "fill must be 0"),
@@ -752,6 +753,7 @@ def test_bad_routing_and_shape_arguments_raise_clear_errors(device):
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
+    ops.route_cost(torch.randn(4, MAX_EXPERTS, device=device), Routing(2), cost=Cost.ROUTER_SUM)  # the limit runs
 
 
 def test_experts_rejects_out_of_range_ids_on_cpu():

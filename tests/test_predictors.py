@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import base_moe
 from base_moe import Predictors
+from base_moe.predictors import FORMAT_VERSION
 
 
 def make_predictors(layers=(0, 1, 3), experts: int = 8, hidden: int = 32, seed: int = 0) -> Predictors:
@@ -109,6 +110,11 @@ def test_broken_predictor_files_are_clear_errors(tmp_path):
         "bad_version": ({}, {**meta, "format_version": json.dumps("2b")}, "format_version must be an int"),
         "nan": ({"layers.0.weight": torch.full((4, 8), math.nan), "layers.0.bias": torch.zeros(4),
                  "layers.0.mean_log_norm": torch.zeros(4)}, meta, "NaN or infinite"),
+        "inf_bias": ({**layer0, "layers.0.bias": torch.tensor([0.0, math.inf, 0.0, 0.0])}, meta, "NaN or infinite"),
+        "nan_mean": ({**layer0, "layers.0.mean_log_norm": torch.tensor([0.0, 0.0, math.nan, 0.0])}, meta,
+                     "NaN or infinite"),
+        "newer": (layer0, {**meta, "format_version": str(FORMAT_VERSION + 1)},
+                  "newer than this base_moe understands"),
         "unicode_digit": ({"layers.\u00b2.weight": torch.zeros(4, 8)}, meta, "unexpected tensor"),
         "r2_list": (layer0, {**meta, "r2": json.dumps([0.5])}, "metadata r2 must map layer numbers to numbers"),
         "r2_text": (layer0, {**meta, "r2": json.dumps({"0": "good"})}, "metadata r2 must map"),
