@@ -110,6 +110,14 @@ def test_budget_changes_decode_calls_only(family):
 # ---------------------------------------------------------------------------------------------------------------
 # The decode path computes what the selection says, with only kept experts
 # ---------------------------------------------------------------------------------------------------------------
+def test_nothing_is_recorded_without_record():
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, budget=2, policy="frequency")
+    for layout in moe_layouts(model):
+        run_block(layout, block_input(layout))
+    assert selections(model) == {}
+
+
 @pytest.mark.parametrize("fill", ["backfill", "drop", "drop_renorm", "substitute"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_output_is_the_selected_experts(family, fill):

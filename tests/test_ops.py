@@ -387,9 +387,14 @@ def opcheck_cases(device):
                                                       int(Cost.FREQUENCY), 3, int(Fill.DROP))
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down)
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down, 2)
-    yield torch.ops.base_moe.rms_norm.default, (hidden, torch.rand(64, device=device) + 0.5, 1e-6)
-    yield torch.ops.base_moe.add_rms_norm.default, (hidden, torch.randn(8, 64, device=device),
-                                                    torch.rand(64, device=device) + 0.5, 1e-6)
+    # a budget past the expert count: kept is [G, min(budget, E)]
+    yield torch.ops.base_moe.select_fill.default, (logits, D, None, *args, 20, int(Fill.BACKFILL))
+    yield torch.ops.base_moe.route_select.default, (logits, log_norms, None, 2, *args, int(Cost.BASE), 20,
+                                                    int(Fill.BACKFILL))
+    for h in (hidden, bf16):  # the norms' outputs in hidden's dtype
+        yield torch.ops.base_moe.rms_norm.default, (h, torch.rand(64, device=device).to(h.dtype) + 0.5, 1e-6)
+        yield torch.ops.base_moe.add_rms_norm.default, (h, torch.randn(8, 64, device=device).to(h.dtype),
+                                                        torch.rand(64, device=device).to(h.dtype) + 0.5, 1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
