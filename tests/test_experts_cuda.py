@@ -7,17 +7,19 @@ relative Frobenius) is at most twice the error of the same computation done in p
 import functools
 import os
 import re
-import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.cpp_extension import CUDA_HOME
 
 import base_moe
 import base_moe.ops  # noqa: F401  (registers the fakes)
 from base_moe import reference
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "micro"))
+from sass_k_loop import find_cuobjdump  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -29,11 +31,12 @@ SMALL = [dict(H=64, I=64, E=3, k=2), dict(H=320, I=192, E=10, k=3), dict(H=256, 
 @functools.cache
 def build_has_sm90a() -> bool:
     """Whether this build of the op library carries sm_90a code (WS and the wgmma configurations need it), read from
-    its cubins with the CUDA toolkit's cuobjdump. A build for other targets, e.g. ``TORCH_CUDA_ARCH_LIST="8.0+PTX"``
-    run on Hopper through the driver's JIT, runs the cp.async fallbacks there. Without cuobjdump the default build
-    (sm_90a) is assumed, so that the WS tests fail rather than skip where they cannot tell."""
-    tool = shutil.which("cuobjdump") or (CUDA_HOME and os.path.join(CUDA_HOME, "bin", "cuobjdump"))
-    if not tool or not os.path.exists(tool):
+    its cubins with cuobjdump (benchmarks/micro/sass_k_loop.py finds it). A build for other targets, e.g.
+    ``TORCH_CUDA_ARCH_LIST="8.0+PTX"`` run on Hopper through the driver's JIT, runs the cp.async fallbacks there.
+    Without cuobjdump the default build (sm_90a) is assumed, so that the WS tests fail rather than skip where they
+    cannot tell."""
+    tool = find_cuobjdump()
+    if tool is None:
         return True
     listing = subprocess.run([tool, "--list-elf", base_moe._C.__file__], capture_output=True, text=True, check=True)
     return "sm_90a" in listing.stdout
@@ -527,10 +530,6 @@ print("ok")
 def run_in_fresh_process(script, **env):
     """Runs ``script`` in a new Python process (the repository importable, ``env`` added to the environment): its
     return code, stdout and stderr."""
-    import os
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,

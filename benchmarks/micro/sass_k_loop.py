@@ -76,18 +76,29 @@ def template_args(mangled: str) -> str:
     return dtype + " " + " ".join(("true" if v == "1" else "false") if kind == "b" else v for kind, v in rest)
 
 
-def cuobjdump() -> str:
+def find_cuobjdump() -> str | None:
+    """cuobjdump from $CUOBJDUMP, PATH, the CUDA toolkit torch builds with, or Triton's copy; None if none is there."""
     found = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
     if found:
         return found
+    from torch.utils.cpp_extension import CUDA_HOME  # noqa: PLC0415  (torch only for the toolkit's path)
+
+    toolkit = CUDA_HOME and Path(CUDA_HOME) / "bin" / "cuobjdump"
+    if toolkit and toolkit.exists():
+        return str(toolkit)
     try:
         import triton  # noqa: PLC0415  (only for the cuobjdump it ships)
     except ImportError:
-        triton = None
-    bundled = triton and Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not bundled or not bundled.exists():
-        sys.exit("no cuobjdump: set CUOBJDUMP, put one on PATH or install triton")
-    return str(bundled)
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def cuobjdump() -> str:
+    found = find_cuobjdump()
+    if found is None:
+        sys.exit("no cuobjdump: set CUOBJDUMP, put one on PATH, install the CUDA toolkit or triton")
+    return found
 
 
 def setup_nvcc_flags() -> list[str]:
