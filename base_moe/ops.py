@@ -55,7 +55,12 @@ def select_fill(
     ``(ids [T, k], weights [T, k], kept [G, min(budget, E)], counts [G, E])``; sentinel id ``E``.
 
     ``batch_cost [G, E]`` ranks as ``torch.sort(descending=True)`` ranks it: a NaN before every number, equal values
-    (NaNs among them) to the lower expert index."""
+    (NaNs among them) to the lower expert index.
+
+    Softmax weights renormalised over the slots (and SOFTMAX_AFTER_TOPK's) are, on CUDA, the softmax of the final
+    slots' logits: the same function as the reference's row softmax renormalised, equal up to rounding, except where
+    backfill leaves a token only slots ~87 or more below its top logit. There the reference's and the CPU op's fp32
+    probabilities underflow (weights 0 or a few subnormal bits) and the CUDA weights stay exact."""
     return _ops.select_fill(logits, batch_cost, correction_bias, *routing.op_args(), budget, int(fill))
 
 
@@ -70,7 +75,7 @@ def route_select(
     log_norms: torch.Tensor | None = None,
     correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stages 2 and 3 in one call: ``(ids, weights, kept, counts, batch_cost)``."""
+    """Stages 2 and 3 in one call: ``(ids, weights, kept, counts, batch_cost)``; the weights as select_fill's."""
     return _ops.route_select(
         logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost), budget, int(fill)
     )
