@@ -115,6 +115,22 @@ def test_eval_without_budgeted_policies_skips_the_dense_pass(checkpoint, tmp_pat
     assert "dense union" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "policies, needing",
+    [("router_sq,static_energy", "static_energy"), ("static_energy,base,router_sum", "static_energy, base")],
+)
+def test_eval_policies_needing_statistics_want_predictors_first(tmp_path, policies, needing):
+    """static_energy needs the calibrated mean log-norms (``needs_statistics``), which only a predictors file holds:
+    without --predictors eval stops first, naming it among the policies that need the file, before any path check
+    (the model folder here does not exist); policies needing neither pass the check and reach the path checks."""
+    argv = ["eval", "--model", str(tmp_path / "none"), "--text", str(tmp_path / "t.txt"), "--device", "cpu",
+            "--json", str(tmp_path / "o.json"), "--policies"]
+    with pytest.raises(SystemExit, match=f"^error: policies {needing} need --predictors FILE"):
+        main([*argv, policies])
+    with pytest.raises(SystemExit, match="--model .* is not a directory"):
+        main([*argv, "router_sq,router_sum"])
+
+
 @pytest.mark.parametrize("command", ["calibrate", "eval"])
 def test_commands_without_transformers_say_so_first(tmp_path, monkeypatch, command):
     """transformers is an extra: without it, the commands stop at once with an install hint, not at the model load."""

@@ -8,6 +8,7 @@ unless the two experts at a position have reference costs within 1e-5 of each ot
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -634,6 +635,32 @@ def test_fakes_check_devices_and_output_shapes():
         ops.route_select(logits, routing, budget=2, num_groups=3, cost=Cost.ROUTER_SUM)
     kept = ops.route_select(logits, routing, budget=3, num_groups=2, cost=Cost.ROUTER_SUM)[2]
     assert kept.shape == (2, 3) and kept.device.type == "meta"
+
+
+def test_add_rms_norm_fake_checks_the_residual_shape():
+    """The fake (on meta tensors and under torch.compile's FakeTensorMode) returns ``(normed, sum)`` of hidden's shape
+    and dtype, and refuses a residual of another shape, even one of as many elements, as the kernels do: the sum's
+    shape is hidden's only because the two shapes are equal."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def meta(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    def check(make):
+        hidden, weight = make(4, 16), make(16)
+        normed, total = ops.add_rms_norm(hidden, make(4, 16), weight, 1e-6)
+        for out in (normed, total):
+            assert out.shape == (4, 16) and out.dtype == torch.bfloat16 and out.device == hidden.device
+        for shape in ((4, 15), (16, 4), (64,), (1, 16)):
+            with pytest.raises(RuntimeError, match=r"residual must have hidden's shape \[4, 16\], got "
+                               + re.escape(str(list(shape)))):
+                ops.add_rms_norm(hidden, make(*shape), weight, 1e-6)
+
+    check(meta)
+    with FakeTensorMode():
+        check(lambda *shape: torch.empty(*shape, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="residual must be on the same device as hidden"):
+        ops.add_rms_norm(meta(4, 16), torch.zeros(4, 16, dtype=torch.bfloat16), meta(16), 1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 
 import pytest
 import torch
@@ -62,6 +63,54 @@ def test_file_is_deterministic_and_readable_by_safetensors(tmp_path):
         meta = f.metadata()
     assert json.loads(meta["model_type"]) == "qwen3_moe" and json.loads(meta["layers"]) == [0, 1, 3]
     assert json.loads(meta["r2"])["3"] == p.r2[3]
+
+
+def read_header(path) -> tuple[int, bytes, list]:
+    """A safetensors file's header length field, its header bytes and the header's (key, value) pairs in file order."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = data[8:8 + length]
+    return length, header, json.loads(header, object_pairs_hook=list)
+
+
+def test_file_header_is_padded_and_sorted(tmp_path):
+    """The bytes are the format's, not only what one reader accepts: the JSON header padded with spaces to a multiple
+    of 8 bytes (the tensor data then starts 8-byte aligned), ``__metadata__`` first with its keys sorted, then the
+    tensors sorted by name, their data right after the header."""
+    pads = set()
+    for extra in range(8):  # header lengths of every residue mod 8: every padding length is written
+        p = make_predictors()
+        p.metadata["note"] = "x" * extra
+        path = tmp_path / f"p{extra}.safetensors"
+        p.save(path)
+        length, header, pairs = read_header(path)
+        assert length % 8 == 0, (extra, length)
+        text = header.rstrip(b" ")
+        pads.add(length - len(text))
+        assert header[len(text):] == b" " * (length - len(text)) and length - len(text) < 8 and text.endswith(b"}")
+        names = [name for name, _ in pairs]
+        assert names[0] == "__metadata__" and names[1:] == sorted(p.tensors())
+        metadata_keys = [key for key, _ in pairs[0][1]]
+        assert metadata_keys == sorted(p.metadata) and metadata_keys != list(p.metadata)  # sorted, not as inserted
+        end = max(dict(info)["data_offsets"][1] for _, info in pairs[1:])
+        assert path.stat().st_size == 8 + length + end
+    assert pads == set(range(8))
+
+
+def test_bytes_do_not_depend_on_the_metadatas_insertion_order(tmp_path):
+    """Equal metadata inserted in another order (at the top level and inside a nested value) gives the same bytes:
+    the keys and each value's JSON are sorted."""
+    p = make_predictors()
+    q = make_predictors()
+    q.metadata = {k: q.metadata[k] for k in reversed(q.metadata)}
+    q.metadata["routing"] = {k: q.metadata["routing"][k] for k in reversed(q.metadata["routing"])}
+    assert q.metadata == p.metadata and list(q.metadata) != list(p.metadata)
+    assert list(q.metadata["routing"]) != list(p.metadata["routing"])
+    p.save(tmp_path / "p.safetensors")
+    q.save(tmp_path / "q.safetensors")
+    assert (tmp_path / "p.safetensors").read_bytes() == (tmp_path / "q.safetensors").read_bytes()
+    p.save(tmp_path / "again.safetensors")  # and a second save of one object: the same bytes again
+    assert (tmp_path / "again.safetensors").read_bytes() == (tmp_path / "p.safetensors").read_bytes()
 
 
 def test_a_file_without_similarity_is_version_1(tmp_path):
