@@ -902,3 +902,63 @@ def test_norm_with_fp32_weights_in_a_bfloat16_model_runs_as_the_model_module():
     with torch.no_grad():
         out, expected = norm(x), own.forward(norm, x)
     assert out.dtype == expected.dtype and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("attention_shape, residual_dtype", [((1, 1, 32), torch.float32), ((4, 1, 32), torch.bfloat16)])
+def test_post_attention_of_another_shape_or_dtype_runs_the_models_modules(attention_shape, residual_dtype):
+    """post_attention runs ops.add_rms_norm only for a residual and attention output of one shape and dtype; others
+    (a broadcast, a bf16 residual stream beside an fp32 attention) get the model's own add and norm, as the layer's
+    forward computes them."""
+    model = base_moe.apply(fresh("qwen3_moe"), budget=2, policy="router_sum")
+    layer = model.model.layers[0]
+    norm = layer.post_attention_layernorm
+    own = type(norm)._base_moe_original_class
+    g = torch.Generator().manual_seed(4)
+    residual = torch.randn(4, 1, 32, generator=g).to(residual_dtype)
+    attention = torch.randn(attention_shape, generator=g)
+    with mock.patch.object(base_moe.ops, "add_rms_norm", wraps=base_moe.ops.add_rms_norm) as op, torch.no_grad():
+        normed, total = base_moe.hf.post_attention(layer, residual, attention)
+        assert op.call_count == 0
+        assert torch.equal(total, residual + attention) and torch.equal(normed, own.forward(norm, total))
+        fused = base_moe.hf.post_attention(layer, residual.float(), attention.expand(4, 1, 32))  # the op's case
+        assert op.call_count == 1 and torch.equal(fused[1], residual.float() + attention)
+
+
+def test_block_called_with_more_arguments_runs_its_own_forward():
+    """The budgeted path takes the hidden states alone: a block called with more arguments, positional or keyword,
+    runs the model's own forward with them."""
+
+    class ScaledBlock(transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock):
+        def forward(self, hidden_states, scale=1.0):
+            return super().forward(hidden_states) * scale
+
+    model = fresh("qwen3_moe")
+    block = model.model.layers[0].mlp
+    block.__class__ = ScaledBlock
+    hidden = block_input(find_moe_layouts(model)[0])
+    with torch.no_grad():
+        own = block(hidden)
+    base_moe.apply(model, budget=1, policy="router_sum")
+    with torch.no_grad():
+        assert not torch.allclose(block(hidden), own, rtol=1e-3, atol=1e-3)  # the budget binds
+        assert torch.equal(block(hidden, 2.0), 2.0 * own)
+        assert torch.equal(block(hidden, scale=2.0), 2.0 * own)
+
+
+def test_predictors_for_another_model_type_are_refused():
+    """Predictors whose shapes fit this model but that were calibrated on another model type are refused by apply
+    and configure (Predictors.check_compatible), not used."""
+    model = fresh("qwen3_moe")
+    stand_in = StandInPredictors(model)
+
+    def predictors(model_type):
+        return base_moe.Predictors(stand_in.weight, stand_in.bias, stand_in.mean_log_norm, stand_in.r2,
+                                   {"model_type": model_type})
+
+    message = r"predictors do not match this model:\n  model type: predictors are for 'olmoe', the model is 'qwen3_moe'"
+    with pytest.raises(ValueError, match=message):
+        base_moe.apply(model, predictors=predictors("olmoe"), budget=2, policy="base")
+    assert not base_moe.hf.is_applied(model)
+    base_moe.apply(model, predictors=predictors("qwen3_moe"), budget=2, policy="base")
+    with pytest.raises(ValueError, match=message):
+        base_moe.configure(model, predictors=predictors("olmoe"))

@@ -410,3 +410,189 @@ def test_expert_output_gram_is_independent_of_its_chunks():
     assert torch.equal(similarity.diagonal(), torch.ones(3)) and torch.all(similarity[2, :2] == 0)
     expected = torch.nn.functional.cosine_similarity(outputs[0], outputs[1], dim=0)
     torch.testing.assert_close(similarity[0, 1].double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def _experts_of(gate_up_shape, down_shape):
+    experts = _FusedExperts()
+    experts.gate_up_proj = nn.Parameter(torch.randn(gate_up_shape))
+    experts.down_proj = nn.Parameter(torch.randn(down_shape))
+    return experts
+
+
+@pytest.mark.parametrize("three_d", ["gate_up_proj", "down_proj"])
+def test_fused_experts_need_both_weights_three_d(three_d):
+    """A child holding one 3-D weight named like the experts' and one 2-D one is not an experts module (a hybrid
+    model's convolution, say); an 'experts' child like that is refused, not taken for the fused layout."""
+    shapes = {"gate_up_proj": (4, 12, 8), "down_proj": (4, 8, 6)}
+    shapes = {name: shape if name == three_d else shape[1:] for name, shape in shapes.items()}
+    block = nn.Module()
+    block.mixer = _experts_of(shapes["gate_up_proj"], shapes["down_proj"])
+    assert find_moe_layouts(_Model(block)) == []
+    block = _Block()
+    block.experts = _experts_of(shapes["gate_up_proj"], shapes["down_proj"])
+    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*has no fused 3-D 'gate_up_proj'/'down_proj' weights"):
+        find_moe_layouts(_Model(block))
+
+
+class _SharedGateFirstBlock(_Block):
+    """Qwen2-MoE's block (routed experts plus a sigmoid-gated shared expert) with the shared expert's gate, a
+    ``Linear(H, 1)``, registered before the router: the router is the child whose weight is ``[E, H]``."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.shared_expert_gate = nn.Linear(8, 1, bias=False)
+        self.shared_expert = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 8))
+        self.gate = _Router()
+        self.experts = _FusedExperts()
+
+    def forward(self, hidden):
+        x = hidden.reshape(-1, 8)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return (super().forward(hidden).reshape(-1, 8) + shared).view(hidden.shape)
+
+
+def test_router_is_found_by_its_shape_beside_a_shared_expert_gate():
+    (lay,) = find_moe_layouts(_Model(_SharedGateFirstBlock()))
+    assert lay.router_name == "gate" and lay.shared_gate_name == "shared_expert_gate"
+    assert lay.shared_names == ("shared_expert",) and lay.num_experts == 4
+
+
+def test_odd_gate_up_rows_are_refused():
+    """gate_up_proj stacks the gate and up rows, 2I of them: an odd count has no gate/up split."""
+    block = _Block()
+    block.experts = _experts_of((4, 13, 8), (4, 8, 6))  # 13 // 2 = 6: down_proj's shape alone would pass
+    with pytest.raises(MoELayoutError, match=r"'layers.1.mlp'.*gate_up_proj \(4, 13, 8\) / down_proj \(4, 8, 6\)"):
+        find_moe_layouts(_Model(block))
+
+
+def test_non_silu_experts_run_through_the_models_own_module():
+    """base_moe.ops.experts computes SiLU: a Qwen3-MoE model with GELU experts is not ``fused``, and under a budget
+    that keeps every expert the patched model gives the model's own output (through its experts module)."""
+    import base_moe
+    from hf_models import VOCAB
+
+    model = tiny_model("qwen3_moe", hidden_act="gelu")
+    assert [lay.fused for lay in find_moe_layouts(model)] == [False, False]
+    step = torch.randint(3, VOCAB, (6, 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dense = model(step).logits
+        base_moe.apply(model, budget=NUM_EXPERTS, policy="router_sum")
+        budgeted = model(step).logits
+    torch.testing.assert_close(budgeted, dense, rtol=1e-5, atol=1e-5)
+
+
+class _GatherExperts(_FusedExperts):
+    """Gathers each slot's weights by its id (as HF's batched_mm did before it knew the sentinel): id E is out of
+    range."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        gate_up = torch.einsum("th,tkih->tki", hidden, self.gate_up_proj[top_k_index])
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch.einsum("tki,tkhi->tkh", self.act_fn(gate) * up, self.down_proj[top_k_index])
+        return (y * top_k_weights[..., None]).sum(1)
+
+
+@torch.no_grad()
+def test_rows_whose_slots_are_all_sentinels_are_zero():
+    """routed_experts points a sentinel slot (id E) at a valid expert with weight 0, whatever weight it came with:
+    a token whose every slot was dropped gets 0, also where its fallback expert is the sentinel too."""
+    block = _Block()
+    block.experts = _GatherExperts()
+    (lay,) = find_moe_layouts(_Model(block))
+    E = lay.num_experts
+    x = torch.randn(3, 8)
+    ids = torch.tensor([[E, E], [1, E], [E, E]])
+    weights = torch.ones(3, 2)
+    for fallback in (None, torch.tensor([E, 2, 3])):
+        y = lay.routed_experts(x, ids, weights, fallback)
+        assert torch.equal(y[0], torch.zeros(8)) and torch.equal(y[2], torch.zeros(8))
+        torch.testing.assert_close(y[1], lay.expert_output(x[1:2], 1)[0])
+
+
+class _PairRouter(_Router):
+    """Returns ``(top_k_weights, top_k_index)``: neither the transformers 5.x triple nor logits."""
+
+    def forward(self, x):
+        _, weights, ids = super().forward(x)
+        return weights, ids
+
+
+class _PairRouterBlock(_Block):
+    def __init__(self):
+        super().__init__()
+        self.gate = _PairRouter()
+
+    def forward(self, hidden):
+        weights, ids = self.gate(hidden.reshape(-1, 8))
+        return self.experts(hidden.reshape(-1, 8), ids, weights).view(hidden.shape)
+
+
+def test_router_returning_weights_and_ids_is_refused():
+    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*router 'gate' returns neither"):
+        find_moe_layouts(_Model(_PairRouterBlock()))
+
+
+class _WeightsFirstRoutingBlock(_RoutingBlock):
+    """Its ``route_tokens_to_experts`` returns ``(weights, ids)``, the other order: told apart by dtype."""
+
+    def route_tokens_to_experts(self, router_logits):
+        ids, weights = super().route_tokens_to_experts(router_logits)
+        return weights, ids
+
+    def forward(self, hidden):
+        x = hidden.reshape(-1, 8)
+        weights, ids = self.route_tokens_to_experts(self.gate(x))
+        return self.experts(x, ids, weights).view(hidden.shape)
+
+
+def test_block_routing_its_logits_to_weights_then_ids():
+    (lay,) = find_moe_layouts(_Model(_WeightsFirstRoutingBlock()))
+    assert lay.routing == Routing(2, Scoring.SIGMOID, True, scaling=1.5)
+
+
+class _TemperatureRouter(_Router):
+    def forward(self, x, temperature):
+        return super().forward(x * temperature)
+
+
+class _BiasAndTemperatureRouter(_Router):
+    def forward(self, x, e_score_correction_bias, temperature):
+        return super().forward(x * temperature)
+
+
+class _OptionalArgumentsRouter(_Router):
+    def forward(self, x, temperature=1.0, *args, **kwargs):
+        return super().forward(x * temperature)
+
+
+class _ArgumentRouterBlock(_Block):
+    def __init__(self, router, correction_bias=True):
+        super().__init__()
+        self.gate = router
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(4))
+
+
+@pytest.mark.parametrize(
+    "router, correction_bias, arguments",
+    [
+        (_TemperatureRouter(), True, "temperature"),  # the block's correction bias is no temperature
+        (_BiasAndTemperatureRouter(), True, "e_score_correction_bias, temperature"),
+        (_BiasArgumentRouter(), False, "e_score_correction_bias"),  # a bias argument, but no bias to give it
+    ],
+)
+def test_router_with_unknown_arguments_is_refused(router, correction_bias, arguments):
+    """A router's forward is called with the hidden states and, where it takes one argument more named like a bias,
+    the correction bias; any other required argument is refused, naming it."""
+    block = _ArgumentRouterBlock(router, correction_bias)
+    with pytest.raises(MoELayoutError, match=rf"'layers.1.mlp'.*router 'gate' takes arguments base_moe does not know "
+                                             rf"\({arguments}\)"):
+        find_moe_layouts(_Model(block))
+
+
+def test_router_with_optional_arguments_is_called_with_the_hidden_states():
+    """Arguments with defaults, ``*args`` and ``**kwargs`` are not required: the router runs on the states alone."""
+    (lay,) = find_moe_layouts(_Model(_ArgumentRouterBlock(_OptionalArgumentsRouter(), correction_bias=False)))
+    assert lay.routing == Routing(2, Scoring.SOFTMAX, False)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(lay.router_logits(x), nn.functional.linear(x, lay.router.weight))
