@@ -442,12 +442,14 @@ def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None
     forward = layout.router_class.forward
     required = [
         p for p in list(inspect.signature(forward).parameters.values())[2:]  # self, hidden_states
-        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     if not required:
         return forward(layout.router, x)
     bias = _correction_bias(layout.router, layout.block)
     if len(required) == 1 and "bias" in required[0].name and bias is not None:
+        if required[0].kind is inspect.Parameter.KEYWORD_ONLY:
+            return forward(layout.router, x, **{required[0].name: bias})
         return forward(layout.router, x, bias)
     raise MoELayoutError(
         f"{where or layout.name}: its router '{layout.router_name}' takes arguments base_moe does not know "

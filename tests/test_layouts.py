@@ -234,16 +234,23 @@ class _BiasArgumentRouter(nn.Module):
         return logits, weights / weights.sum(-1, keepdim=True), ids
 
 
+class _KeywordBiasRouter(_BiasArgumentRouter):
+    """The same router with its bias argument keyword-only."""
+
+    def forward(self, x, *, e_score_correction_bias):
+        return super().forward(x, e_score_correction_bias)
+
+
 class _BiasArgumentBlock(nn.Module):
-    def __init__(self):
+    def __init__(self, router=None):
         super().__init__()
-        self.gate = _BiasArgumentRouter()
+        self.gate = router or _BiasArgumentRouter()
         self.experts = _FusedExperts()
         self.register_buffer("e_score_correction_bias", torch.randn(4) * 0.1)
 
     def forward(self, hidden):
         x = hidden.reshape(-1, 8)
-        _, weights, ids = self.gate(x, self.e_score_correction_bias)
+        _, weights, ids = self.gate(x, e_score_correction_bias=self.e_score_correction_bias)
         return self.experts(x, ids, weights).view(hidden.shape)
 
 
@@ -289,8 +296,9 @@ def test_shared_experts_that_are_summed_are_understood():
     assert lay.shared_names == ("shared_experts",)
 
 
-def test_router_that_takes_the_correction_bias():
-    (lay,) = find_moe_layouts(_Model(_BiasArgumentBlock()))
+@pytest.mark.parametrize("router", [_BiasArgumentRouter, _KeywordBiasRouter])
+def test_router_that_takes_the_correction_bias(router):
+    (lay,) = find_moe_layouts(_Model(_BiasArgumentBlock(router())))
     assert lay.routing == Routing(2, Scoring.SIGMOID, True)
     x = torch.randn(3, 8)
     torch.testing.assert_close(lay.router_logits(x), nn.functional.linear(x, lay.router.weight))
@@ -560,6 +568,11 @@ class _BiasAndTemperatureRouter(_Router):
         return super().forward(x * temperature)
 
 
+class _KeywordTemperatureRouter(_Router):
+    def forward(self, x, *, temperature):
+        return super().forward(x * temperature)
+
+
 class _OptionalArgumentsRouter(_Router):
     def forward(self, x, temperature=1.0, *args, **kwargs):
         return super().forward(x * temperature)
@@ -579,6 +592,7 @@ class _ArgumentRouterBlock(_Block):
         (_TemperatureRouter(), True, "temperature"),  # the block's correction bias is no temperature
         (_BiasAndTemperatureRouter(), True, "e_score_correction_bias, temperature"),
         (_BiasArgumentRouter(), False, "e_score_correction_bias"),  # a bias argument, but no bias to give it
+        (_KeywordTemperatureRouter(), True, "temperature"),  # keyword-only arguments are required too
     ],
 )
 def test_router_with_unknown_arguments_is_refused(router, correction_bias, arguments):
