@@ -57,10 +57,11 @@ def select_fill(
     ``batch_cost [G, E]`` ranks as ``torch.sort(descending=True)`` ranks it: a NaN before every number, equal values
     (NaNs among them) to the lower expert index.
 
-    Softmax weights renormalised over the slots (and SOFTMAX_AFTER_TOPK's) are, on CUDA, the softmax of the final
-    slots' logits: the same function as the reference's row softmax renormalised, equal up to rounding, except where
-    backfill leaves a token only slots ~87 or more below its top logit. There the reference's and the CPU op's fp32
-    probabilities underflow (weights 0 or a few subnormal bits) and the CUDA weights stay exact."""
+    For softmax routing with renormalisation the CUDA kernels compute the weights as the softmax of the final slots'
+    logits, the same function as the reference's softmax over the row renormalised over the slots: the two agree up
+    to rounding, except where backfill leaves a token only slots ~87 or more below its top logit. There the
+    reference's and the CPU op's fp32 probabilities underflow (weights 0 or a few subnormal bits) and the CUDA
+    weights stay exact."""
     return _ops.select_fill(logits, batch_cost, correction_bias, *routing.op_args(), budget, int(fill))
 
 

@@ -610,3 +610,81 @@ def test_router_with_optional_arguments_is_called_with_the_hidden_states():
     assert lay.routing == Routing(2, Scoring.SOFTMAX, False)
     x = torch.randn(3, 8)
     torch.testing.assert_close(lay.router_logits(x), nn.functional.linear(x, lay.router.weight))
+
+
+class _ScaleSharedExpert(nn.Module):
+    """``x * weight``: a shared expert whose one weight is ``[1, H]``, the shape of Qwen2-MoE's shared-expert gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(1, 8))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class _LinearLikeGate(nn.Module):
+    """``x @ weight.T`` with ``weight [1, H]``: what a ``Linear(H, 1)`` computes, in a module that is not one."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight)
+
+
+def test_non_linear_shared_child_with_a_gate_shaped_weight_is_a_shared_expert():
+    """Only a ``Linear(H, 1)`` is taken for the shared experts' gate (base_moe applies a sigmoid to what it returns):
+    another module with a ``[1, H]`` weight is a shared expert, added as the block adds it, and where the block uses
+    it as a gate the probe refuses the block rather than adding the gate's output."""
+    block = _SharedBlock(average=False)
+    block.shared_experts = _ScaleSharedExpert()
+    (lay,) = find_moe_layouts(_Model(block))
+    assert lay.shared_names == ("shared_experts",) and lay.shared_gate_name is None
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(lay.shared_output(x), block.shared_experts(x))
+    gated = _SharedGateFirstBlock()
+    gated.shared_expert_gate = _LinearLikeGate(gated.shared_expert_gate.weight)
+    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*not the weighted sum of its routed experts plus its"):
+        find_moe_layouts(_Model(gated))
+
+
+class _UnappliedScalingBlock(_Block):
+    """Carries a ``routed_scaling_factor`` that its softmax routing does not apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.routed_scaling_factor = 2.5
+
+
+class _UnappliedScalingSigmoidBlock(_RoutingBlock):
+    """DeepSeek-V3's sigmoid routing with a ``routed_scaling_factor`` of 2.5 that it does not apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.routed_scaling_factor = 2.5
+
+    def route_tokens_to_experts(self, router_logits):
+        ids, weights = super().route_tokens_to_experts(router_logits)
+        return ids, weights / self.routed_scaling_factor
+
+
+def test_routed_scaling_factor_the_block_does_not_apply_is_not_applied():
+    """The probe, not the attribute, decides the factor: a softmax block carrying a factor it does not apply routes
+    with scaling 1 (a budget keeping every expert gives its own output), and a sigmoid one is refused (base_moe's
+    sigmoid rules take the attribute's factor) rather than computed 2.5 times too large."""
+    import base_moe
+
+    block = _UnappliedScalingBlock()
+    model = _Model(block).eval()
+    (lay,) = find_moe_layouts(model)
+    assert lay.routing == Routing(2, Scoring.SOFTMAX, False) and lay.routing.scaling == 1.0
+    x = torch.randn(6, 1, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own = block(x)
+        base_moe.apply(model, budget=lay.num_experts, policy="router_sum")
+        torch.testing.assert_close(block(x), own, rtol=1e-5, atol=1e-5)
+    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*match none of base_moe's routing rules"):
+        find_moe_layouts(_Model(_UnappliedScalingSigmoidBlock()))
