@@ -962,3 +962,29 @@ def test_predictors_for_another_model_type_are_refused():
     base_moe.apply(model, predictors=predictors("qwen3_moe"), budget=2, policy="base")
     with pytest.raises(ValueError, match=message):
         base_moe.configure(model, predictors=predictors("olmoe"))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # past_key_values: renamed after 5.17
+def test_decoder_layer_called_with_the_caches_old_name_runs_its_own_forward():
+    """A decoder layer whose forward renames an argument (transformers after 5.17: ``past_key_values`` -> ``cache``)
+    called by the old name runs its own forward, which renames it: base_moe's steps would pass the attention both
+    names, ``cache=None`` first, and the attention would drop the cache. Either name gives the layer's own output and
+    grows the cache by the step."""
+    model = base_moe.apply(fresh("qwen3_moe"), budget=2, policy="router_sum")
+    layer = model.model.layers[0]
+    names = [name for name, _ in layer._base_moe.decoder_parameters]
+    if "cache" not in names:
+        pytest.skip("this transformers' decoder layers take past_key_values: nothing is renamed")
+    prompt, step = prompt_ids(), decode_ids(batch=4)
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values
+        hidden = model.model.embed_tokens(step)
+        position_ids = torch.full((1, 1), prompt.shape[1])
+        kwargs = dict(position_ids=position_ids, use_cache=True,
+                      position_embeddings=model.model.rotary_emb(hidden, position_ids=position_ids))
+        own_cache = copy.deepcopy(cache)
+        own = type(layer)._base_moe_original_class.forward(layer, hidden, cache=own_cache, **kwargs)
+        for name in ("past_key_values", "cache"):
+            ours = copy.deepcopy(cache)
+            assert torch.equal(layer(hidden, **{name: ours}, **kwargs), own), name
+            assert ours.get_seq_length(0) == own_cache.get_seq_length(0) == prompt.shape[1] + 1, name

@@ -677,6 +677,8 @@ def test_routed_scaling_factor_the_block_does_not_apply_is_not_applied():
     sigmoid rules take the attribute's factor) rather than computed 2.5 times too large."""
     import base_moe
 
+    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*match none of base_moe's routing rules"):
+        find_moe_layouts(_Model(_UnappliedScalingSigmoidBlock()))
     block = _UnappliedScalingBlock()
     model = _Model(block).eval()
     (lay,) = find_moe_layouts(model)
@@ -686,5 +688,3 @@ def test_routed_scaling_factor_the_block_does_not_apply_is_not_applied():
         own = block(x)
         base_moe.apply(model, budget=lay.num_experts, policy="router_sum")
         torch.testing.assert_close(block(x), own, rtol=1e-5, atol=1e-5)
-    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*match none of base_moe's routing rules"):
-        find_moe_layouts(_Model(_UnappliedScalingSigmoidBlock()))
