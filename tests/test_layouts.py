@@ -660,29 +660,28 @@ class _UnappliedScalingBlock(_Block):
 
 
 class _UnappliedScalingSigmoidBlock(_RoutingBlock):
-    """DeepSeek-V3's sigmoid routing with a ``routed_scaling_factor`` of 2.5 that it does not apply."""
+    """DeepSeek-V3's sigmoid routing with a ``routed_scaling_factor`` that it does not apply."""
 
-    def __init__(self):
+    def __init__(self, factor):
         super().__init__()
-        self.routed_scaling_factor = 2.5
+        self.routed_scaling_factor = factor
 
     def route_tokens_to_experts(self, router_logits):
         ids, weights = super().route_tokens_to_experts(router_logits)
         return ids, weights / self.routed_scaling_factor
 
 
-def test_routed_scaling_factor_the_block_does_not_apply_is_not_applied():
-    """The probe, not the attribute, decides the factor: a softmax block carrying a factor it does not apply routes
-    with scaling 1 (a budget keeping every expert gives its own output), and a sigmoid one is refused (base_moe's
-    sigmoid rules take the attribute's factor) rather than computed 2.5 times too large."""
+@pytest.mark.parametrize("block", [_UnappliedScalingBlock(), _UnappliedScalingSigmoidBlock(2.5),
+                                   _UnappliedScalingSigmoidBlock(1.015)], ids=["softmax", "sigmoid", "sigmoid-near-1"])
+def test_routed_scaling_factor_the_block_does_not_apply_is_not_applied(block):
+    """The probe, not the attribute, decides the factor: a block carrying a factor it does not apply routes with
+    scaling 1, so a budget keeping every expert gives its own output. A factor within 2% of 1 passes the probe's
+    element tolerance (bf16 rounding) and was taken: 1.5% too large an output, silently."""
     import base_moe
 
-    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*match none of base_moe's routing rules"):
-        find_moe_layouts(_Model(_UnappliedScalingSigmoidBlock()))
-    block = _UnappliedScalingBlock()
     model = _Model(block).eval()
     (lay,) = find_moe_layouts(model)
-    assert lay.routing == Routing(2, Scoring.SOFTMAX, False) and lay.routing.scaling == 1.0
+    assert lay.routing.scaling == 1.0
     x = torch.randn(6, 1, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         own = block(x)
