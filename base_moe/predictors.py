@@ -100,12 +100,16 @@ class Predictors:
         self.similarity = {i: t.float().contiguous() for i, t in sorted(similarity.items())}
         self.r2 = {i: float((r2 or {}).get(i, math.nan)) for i in layers}
         self.metadata: dict[str, Any] = dict(metadata or {})
-        self.metadata.setdefault("format", FORMAT)
-        self.metadata["format_version"] = FORMAT_VERSION if self.similarity else 1
-        self.metadata.setdefault("layers", layers)
-        self.metadata["r2"] = {str(i): self.r2[i] for i in layers}
+        if self.metadata.get("format", FORMAT) != FORMAT:  # kept, it would make a file that load() refuses
+            raise ValueError(f"metadata 'format' names the file format, {FORMAT!r}; got {self.metadata['format']!r}")
+        self.metadata.update(self._format_fields())
         self.stats: dict[str, Any] = {}
         """Run statistics of the calibration that made these predictors (time, memory); not saved."""
+
+    def _format_fields(self) -> dict[str, Any]:
+        """The metadata the file format owns, derived from the predictors: save() writes them over the caller's."""
+        return {"format": FORMAT, "format_version": FORMAT_VERSION if self.similarity else 1, "layers": self.layers,
+                "r2": {str(i): float(v) for i, v in self.r2.items()}}
 
     # -----------------------------------------------------------------------------------------
     @property
@@ -165,7 +169,7 @@ class Predictors:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the predictors as a safetensors file (deterministic bytes; see the module docstring)."""
-        metadata = {**self.metadata, "layers": self.layers, "r2": {str(i): float(v) for i, v in self.r2.items()}}
+        metadata = {**self.metadata, **self._format_fields()}
         _write_safetensors(path, self.tensors(), {k: json.dumps(v, sort_keys=True) for k, v in metadata.items()})
 
     @classmethod

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import base_moe
 from base_moe import Predictors
-from base_moe.predictors import FORMAT_VERSION
+from base_moe.predictors import FORMAT, FORMAT_VERSION
 
 
 def make_predictors(layers=(0, 1, 3), experts: int = 8, hidden: int = 32, seed: int = 0) -> Predictors:
@@ -111,6 +111,22 @@ def test_bytes_do_not_depend_on_the_metadatas_insertion_order(tmp_path):
     assert (tmp_path / "p.safetensors").read_bytes() == (tmp_path / "q.safetensors").read_bytes()
     p.save(tmp_path / "again.safetensors")  # and a second save of one object: the same bytes again
     assert (tmp_path / "again.safetensors").read_bytes() == (tmp_path / "p.safetensors").read_bytes()
+
+
+def test_the_formats_own_metadata_is_the_predictors(tmp_path):
+    """format, format_version, layers and r2 describe the file: a caller's other "format" is refused (a file that
+    load() refuses would be written), a caller's "layers" gives way to the predictors' own, and metadata replaced after
+    construction still saves a loadable file."""
+    p = make_predictors()
+    with pytest.raises(ValueError, match="metadata 'format' names the file format, 'base_moe.predictors'; got 'mine'"):
+        Predictors(p.weight, p.bias, p.mean_log_norm, p.r2, {"format": "mine"})
+    q = Predictors(p.weight, p.bias, p.mean_log_norm, p.r2, {"format": FORMAT, "layers": [7], "r2": {"7": 1.0}})
+    assert q.metadata["layers"] == q.layers == [0, 1, 3] and q.metadata["r2"] == {str(i): p.r2[i] for i in p.layers}
+    p.metadata = {"model_type": "olmoe"}
+    p.save(tmp_path / "p.safetensors")
+    loaded = Predictors.load(tmp_path / "p.safetensors")
+    assert loaded.metadata["model_type"] == "olmoe" and loaded.metadata["format_version"] == FORMAT_VERSION
+    assert loaded.layers == p.layers
 
 
 def test_a_file_without_similarity_is_version_1(tmp_path):
