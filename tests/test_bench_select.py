@@ -1,10 +1,14 @@
 """bench_select's plain-PyTorch selection path (the baseline its speed-up is measured against) computes what the
-ops compute: the same routing, batch cost, kept set, fill and counts as ``ops.select_experts`` on random inputs."""
+ops compute: the same routing, batch cost, kept set, fill and counts as ``ops.select_experts`` on random inputs; and
+the figures derived from the timings (medians, differences behind a norm, speed-ups, weight bandwidth) are what they
+say."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -87,3 +91,64 @@ def test_hf_deepseek_router_gets_fp32_weights(monkeypatch):
     monkeypatch.setattr(bench_select, "median", lambda v: float(next(count)))  # nonzero differences
     bench_select.bench_model("deepseek-v3-like", cfg, replays=1, tokens=(2,), device="cpu")
     assert dtypes == [torch.float32]
+
+
+# median microseconds of each timed path (fake_replays: the median is the time, the min half of it)
+PATH_US = dict(gemv_only=1.5, route_select=1.2, select_experts=2.0, pytorch=50.0, hf=20.0, norm=3.0, norm_select=8.0,
+               norm_pytorch=60.0, our_norm=2.5, our_norm_select=7.0)
+
+
+def fake_replays(seen):
+    """Stands in for graph_time_us: replay times around each path's PATH_US (median: it; min: half of it; mean: more),
+    and records the weight sets each path's calls read."""
+
+    def graph_time_us(calls, replays=25, rounds=1):
+        defaults = calls[0].__defaults__
+        path = "route_select" if isinstance(defaults[-1], int) else defaults[-1].__name__
+        seen[path] = [call.__defaults__[1] for call in calls]
+        us = PATH_US[path]
+        return [us / 2, us, 3 * us]
+
+    return graph_time_us
+
+
+def test_selection_figures(monkeypatch, tmp_path, capsys):
+    """Issue 3's figures, from main() run on the CPU with the timings faked: medians, the "after a norm" differences,
+    the speed-ups (reference path / ours), the bytes of the router and predictor weights and their bandwidth."""
+    cfg = bench_select.MODELS["qwen3-30b-a3b"]
+    monkeypatch.setattr(bench_select, "L2_BYTES", cfg["E"] * cfg["H"] * 2)  # a small rotation (3 copies)
+    seen = {}
+    monkeypatch.setattr(bench_select, "graph_time_us", fake_replays(seen))
+    monkeypatch.setattr(bench_select, "require_cuda", lambda script: None)
+    monkeypatch.setattr(bench_select, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "cpu")
+    monkeypatch.setattr(torch.backends.cuda, "matmul", types.SimpleNamespace(allow_tf32=True))  # main() sets it
+    bench_model = bench_select.bench_model
+    monkeypatch.setattr(bench_select, "bench_model", lambda *args: bench_model(*args, device="cpu"))
+    out = tmp_path / "select.json"
+    monkeypatch.setattr(sys, "argv", ["bench_select.py", "--models", "qwen3-30b-a3b", "--tokens", "2",
+                                      "--out", str(out)])
+    bench_select.main()
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert result["copy_bandwidth_TBps"] == 4.0
+    weights = seen["select_experts"][0]
+    assert row["weight_bytes"] == weights["Wr"].nbytes + weights["Wp"].nbytes  # router + predictor, bf16
+    rot = row["rotation"]
+    assert rot * weights["Wr"].nbytes > 2 * bench_select.L2_BYTES  # HF's router alone cycles through twice the L2
+    assert len({id(s) for s in seen["select_experts"]}) == rot
+    assert (row["router_predict_us"], row["route_select_us"]) == (1.5, 1.2)
+    assert (row["select_experts_us"], row["select_experts_us_min"], row["pytorch_us"]) == (2.0, 1.0, 50.0)
+    assert row["select_experts_after_norm_us"] == pytest.approx(8.0 - 3.0)
+    assert row["select_experts_after_our_norm_us"] == pytest.approx(7.0 - 3.0)  # our norm's step - torch's norm
+    assert row["pytorch_after_norm_us"] == pytest.approx(60.0 - 3.0)
+    assert row["speedup_vs_pytorch"] == pytest.approx(50.0 / 2.0)
+    assert row["speedup_vs_pytorch_after_norm"] == pytest.approx(57.0 / 5.0)
+    assert row["speedup_vs_hf_router"] == pytest.approx(20.0 / 2.0)
+    assert row["weight_bandwidth_TBps"] == pytest.approx(row["weight_bytes"] / 2e-6 / 1e12)
+    cells = capsys.readouterr().out.split("| qwen3-30b-a3b | 2 | ")[1].split(" | ")
+    assert cells[:1] + cells[7:9] == ["2.00", "25.0x", f"{row['weight_bytes'] / 1e6:.2f} MB"]
+
+    monkeypatch.setattr(sys, "argv", sys.argv + ["--weights", "hot"])  # weights from L2: no HBM bandwidth
+    bench_select.main()
+    assert json.loads(out.read_text())["rows"][0]["weight_bandwidth_TBps"] is None
