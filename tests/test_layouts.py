@@ -687,3 +687,24 @@ def test_routed_scaling_factor_the_block_does_not_apply_is_not_applied(block):
         own = block(x)
         base_moe.apply(model, budget=lay.num_experts, policy="router_sum")
         torch.testing.assert_close(block(x), own, rtol=1e-5, atol=1e-5)
+
+
+class _TemperatureLogitsRouter(_LogitsRouter):
+    def forward(self, x):
+        return super().forward(x) / 0.5
+
+
+class _UnusedBiasLogitsRouter(_LogitsRouter):
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight)
+
+
+@pytest.mark.parametrize("router", [_TemperatureLogitsRouter(8, 4, bias=False), _UnusedBiasLogitsRouter(8, 4)])
+def test_router_computing_other_logits_is_refused(router):
+    """The budgeted path computes the logits from the router's weight and bias: a router whose forward computes others
+    (a temperature, a bias it does not add) is refused, though its routing rule on its own logits is a known one."""
+    block = _RoutingBlock()
+    block.gate = router
+    with pytest.raises(MoELayoutError, match=r"'layers.1.mlp'.*router 'gate' computes logits other than "
+                                             r"hidden @ weight.T \+ bias"):
+        find_moe_layouts(_Model(block))

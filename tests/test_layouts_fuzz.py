@@ -10,21 +10,19 @@ the block's own output: to fp32 tolerance in fp32; in bf16 only "refused or clos
 rounding moves the weights by up to 2%, which the probe admits by design). A block of a rule base_moe models, declared
 truthfully enough, must be taken (a library refusing everything would keep the promise too).
 
-The fuzz found three defects. The strategy leaves their regions out, each as narrowly as a spec can tell it, and each
-has a minimal reproduction below marked ``xfail(strict=True)``: mending the library makes it pass, which strict turns
-into a failure, saying to drop the xfail and the strategy's exclusion.
+The fuzz found three defects, mended in base_moe/layouts.py (session 65); their minimal reproductions stay below as
+regression cases, and the strategy draws their regions like any other:
 
-A. fp32 blocks whose weights differ from a supported rule's by less than the probe's tolerances (2% a weight, 0.5% in
-   total, sized for bf16 rounding) are taken for it: a routed_scaling_factor within 0.5% of 1 applied by a softmax
-   rule or carried unapplied by a sigmoid one, a no-renormalisation softmax whose top k hold all but < 0.5% of the mass
-   (taken as renormalised without a norm_topk_prob attribute), a temperature of 1.02. 0.2-0.5% off, a few % on some
-   tokens.
+A. fp32 blocks whose weights differ from a supported rule's by less than the probe's tolerances (then 2% a weight,
+   0.5% in total, sized for bf16 rounding) were taken for it: a routed_scaling_factor within 0.5% of 1 applied by a
+   softmax rule or carried unapplied by a sigmoid one, a no-renormalisation softmax whose top k hold all but < 0.5% of
+   the mass (taken as renormalised without a norm_topk_prob attribute), a temperature of 1.02. Now a router's fp32
+   weights are matched to fp32 rounding.
 B. A router whose forward's logits are not ``x @ weight.T + bias`` (a temperature or an extra offset inside the
-   router, a ``bias`` it does not add) is taken: the probe verifies the rule on the router's own logits, but the
-   budgeted path recomputes them from ``weight``/``bias``. Grossly off.
-C. The probe's 64 tokens miss a group rule that differs from the rule taken on ~5% of tokens (groups the block does
-   not declare, or DeepSeek-V2's group max, where only one group of three is excluded and k = 1). Grossly off on those
-   tokens (3% of them in the reproduction).
+   router, a ``bias`` it does not add) was taken: the probe verified the rule on the router's own logits, but the
+   budgeted path recomputes them from ``weight``/``bias``. Now such a router is refused.
+C. The probe's 64 tokens missed a group rule that differs from the rule taken on ~5% of tokens (groups the block does
+   not declare, or DeepSeek-V2's group max, where only one group of three is excluded and k = 1). Now it has 512.
 """
 
 from __future__ import annotations
@@ -45,15 +43,14 @@ SCALINGS = (1.003, 1.01, 0.99, 1.015, 2.5)
 """routed_scaling_factor values: near 1 (inside the probe's 2% element tolerance, either side of its 0.5% totals
 check) and far."""
 
-UNSUPPORTED = ("square", "temperature", "other_topk", "group_max", "k_lie", "shared_average")
+UNSUPPORTED = ("square", "temperature", "other_topk", "group_max", "k_lie", "shared_average", "logit_scale",
+               "logit_offset", "bias_unused")
 """Routing or combination rules base_moe has no model of: the block must be refused (or, where the variant happens to
-coincide with a supported rule, e.g. group_max with groups that never bind, reproduced)."""
+coincide with a supported rule, e.g. group_max with groups that never bind, reproduced). The last three are routers
+whose logits are not ``x @ weight.T + bias`` (defect B)."""
 
-KNOWN_DEFECTS = ("logit_scale", "logit_offset", "bias_unused")
-"""Routers whose logits are not ``x @ weight.T + bias`` (defect B): never drawn unless asked for."""
-
-TEMPERATURES = (0.5, 2.0)
-"""Softmax/sigmoid temperatures of the ``temperature`` variant; 0.98 and 1.02 (defect A) only with known_defects."""
+TEMPERATURES = (0.5, 2.0, 0.98, 1.02)
+"""Softmax/sigmoid temperatures of the ``temperature`` variant (the last two near 1: defect A)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,7 @@ class Spec:
     router_bias: bool  # the router is a Linear with a bias (added to the logits)
     router_fp32: bool  # the router computes in fp32 whatever its weight's dtype (DeepSeek-V3)
     shared: str  # "none", "plain", "gated" (a Linear(H, 1) sigmoid gate, Qwen2-MoE)
-    variant: str  # "none", one of UNSUPPORTED, or one of KNOWN_DEFECTS
+    variant: str  # "none" or one of UNSUPPORTED
     attrs_on: str  # "block" or "router": where top_k & co. are declared
     top_k_name: str  # "top_k" or "num_experts_per_tok"
     ids_sorted: bool  # the ids come in descending score or in topk(sorted=False)'s order
@@ -278,9 +275,8 @@ class _Model(nn.Module):
 # The strategy
 # ---------------------------------------------------------------------------------------------------------------
 @st.composite
-def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED, known_defects=False):
-    """A block with E 4-16, k 1..E-1, H 8-16. Unless ``known_defects``, the regions of the known defects (see the xfail
-    tests at the end) are left out, each as narrowly as its spec can tell it."""
+def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED):
+    """A block with E 4-16, k 1..E-1, H 8-16."""
     E = draw(st.integers(4, 16))
     scoring = draw(st.sampled_from(["softmax", "softmax_after_topk", "sigmoid"]))
     variant = draw(st.sampled_from(variants))
@@ -289,10 +285,7 @@ def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED, known_
     if (scoring == "sigmoid" or variant == "group_max") and divisors and draw(st.booleans()):
         n_group = draw(st.sampled_from(divisors))
         group_attrs = draw(st.booleans())
-        # defect C: a group rule base_moe does not take (undeclared groups, group max) that excludes few groups
-        # differs from the one it takes on a few tokens in a hundred, which the 64-token probe may all miss
-        unseen = variant == "group_max" or not group_attrs
-        topk_group = draw(st.integers(1, n_group // 2 if unseen and not known_defects else n_group))
+        topk_group = draw(st.integers(1, n_group))
     if variant == "group_max" and n_group == 1:
         variant = "none"
     k = draw(st.integers(1, min(E - 1, topk_group * (E // n_group))))
@@ -301,20 +294,7 @@ def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED, known_
     norm_attr = draw(st.sampled_from(["truthful", "false", "absent"]))
     scaling = draw(st.none() | st.sampled_from(SCALINGS))
     scaling_applied = scaling is not None and draw(st.booleans())
-    if not known_defects and fp32 and scoring != "sigmoid" and k > E // 2:
-        # defect A: where the top k hold all but ~1% of the softmax, the weights summing to 1, the softmax ones
-        # and those scaled by a factor near 1 pass for one another, and base_moe takes the first it tries (the one the
-        # norm attribute names, renormalised without one; top-k-then-softmax first for a router with a bias). Only
-        # blocks whose weights sum to 1 stay, where every such rule is the same one.
-        renormalize, norm_attr = True, "absent" if norm_attr == "absent" else "truthful"
-        scaling_applied = scaling_applied and scaling == 2.5
-    if not known_defects and fp32 and scaling is not None and abs(scaling - 1.0) < 5e-3:
-        # defect A: a factor within the probe's 0.5% totals tolerance is not told from 1 (nor from a k=1 rule's
-        # weights of 1): only the sigmoid rule that applies it, the rule base_moe tries first, stays
-        if not (scoring == "sigmoid" and scaling_applied and variant == "none"):
-            scaling, scaling_applied = None, False
     shared = ["plain", "gated"] if variant == "shared_average" else ["none", "plain", "gated"]
-    temperatures = TEMPERATURES + ((0.98, 1.02) if known_defects else ())
     return Spec(
         E=E, k=k, H=draw(st.integers(8, 16)), I=draw(st.integers(2, 8)), dtype=dtype,
         interface=draw(st.sampled_from(["logits", "triple"])), scoring=scoring, renormalize=renormalize,
@@ -325,7 +305,7 @@ def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED, known_
         shared=draw(st.sampled_from(shared)), variant=variant, attrs_on=draw(st.sampled_from(["block", "router"])),
         top_k_name=draw(st.sampled_from(["top_k", "num_experts_per_tok"])),
         ids_sorted=draw(st.booleans()), weights_first=draw(st.booleans()),
-        temperature=draw(st.sampled_from(temperatures)), seed=draw(st.integers(0, 2**31 - 1)),
+        temperature=draw(st.sampled_from(TEMPERATURES)), seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
@@ -394,7 +374,7 @@ def test_bf16_block_is_refused_or_close(spec, tokens, x_seed):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The known defects' minimal reproductions (found and shrunk by the fuzz above with known_defects=True)
+# The defects' minimal reproductions (found and shrunk by the fuzz above before they were mended)
 # ---------------------------------------------------------------------------------------------------------------
 _SMALLEST = Spec(
     E=4, k=1, H=8, I=2, dtype=torch.float32, interface="logits", scoring="softmax", renormalize=False,
@@ -402,31 +382,26 @@ _SMALLEST = Spec(
     scaling_applied=False, router_bias=False, router_fp32=False, shared="none", variant="none", attrs_on="block",
     top_k_name="top_k", ids_sorted=True, weights_first=False, temperature=1.0, seed=0,
 )
-_A = "defect A: fp32 weights within the probe's bf16-sized tolerances of another rule are taken for it"
-_B = "defect B: the probe checks the router's own logits; the budgeted path recomputes them as x @ weight.T + bias"
-_C = "defect C: the 64-token probe misses a group rule that differs from the rule taken on ~5% of tokens"
 
 
-def _known(reason, tokens=8, x_seed=0, **changes):
+def _mended(defect, tokens=8, x_seed=0, **changes):
     spec = replace(_SMALLEST, **changes)
-    name = reason.split(":")[0].split()[-1] + ":" + ",".join(f"{key}={value}" for key, value in changes.items())
-    return pytest.param(spec, tokens, x_seed, id=name,
-                        marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason))
+    return pytest.param(spec, tokens, x_seed, id=defect + ":" + ",".join(f"{k}={v}" for k, v in changes.items()))
 
 
 @pytest.mark.parametrize("spec, tokens, x_seed", [
-    _known(_A, scaling=1.003, scaling_applied=True),  # softmax * 1.003: taken as plain softmax
-    _known(_A, scoring="sigmoid", k=2, renormalize=True, correction_bias=True, scaling=1.003),  # carried unapplied
-    _known(_A, E=9, k=8, H=14, I=3, norm_attr="absent", seed=14),  # no renormalisation, k = E - 1: renormalised
-    _known(_A, E=5, scoring="sigmoid", variant="temperature", temperature=1.02),
-    _known(_B, variant="logit_scale"),
-    _known(_B, variant="logit_offset"),
-    _known(_B, variant="bias_unused"),
-    _known(_C, 256, 92, E=6, H=9, I=4, scoring="sigmoid", renormalize=True, n_group=3, topk_group=2, group_attrs=False,
-           interface="triple", seed=92),
-    _known(_C, 256, 92, E=6, H=9, I=4, scoring="sigmoid", renormalize=True, n_group=3, topk_group=2,
-           variant="group_max", interface="triple", seed=92),
+    _mended("A", scaling=1.003, scaling_applied=True),  # softmax * 1.003: was taken as plain softmax
+    _mended("A", scoring="sigmoid", k=2, renormalize=True, correction_bias=True, scaling=1.003),  # carried unapplied
+    _mended("A", E=9, k=8, H=14, I=3, norm_attr="absent", seed=14),  # no renormalisation, k = E - 1: renormalised
+    _mended("A", E=5, scoring="sigmoid", variant="temperature", temperature=1.02),
+    _mended("B", variant="logit_scale"),
+    _mended("B", variant="logit_offset"),
+    _mended("B", variant="bias_unused"),
+    _mended("C", 256, 92, E=6, H=9, I=4, scoring="sigmoid", renormalize=True, n_group=3, topk_group=2,
+            group_attrs=False, interface="triple", seed=92),
+    _mended("C", 256, 92, E=6, H=9, I=4, scoring="sigmoid", renormalize=True, n_group=3, topk_group=2,
+            variant="group_max", interface="triple", seed=92),
 ])
-def test_known_defect_is_computed_wrong(spec, tokens, x_seed):
-    """Accepted and computed wrong today (the xfail); refused or reproduced once the defect is mended."""
+def test_mended_defect_is_refused_or_reproduced(spec, tokens, x_seed):
+    """Each was accepted and computed wrong before the mends the module docstring names."""
     refused_or_reproduced(spec, tokens, x_seed)
