@@ -988,3 +988,19 @@ def test_decoder_layer_called_with_the_caches_old_name_runs_its_own_forward():
             ours = copy.deepcopy(cache)
             assert torch.equal(layer(hidden, **{name: ours}, **kwargs), own), name
             assert ours.get_seq_length(0) == own_cache.get_seq_length(0) == prompt.shape[1] + 1, name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_model_with_tf32_matmuls_is_understood(family):
+    """fp32 GEMMs may run in TF32 (torch.backends.cuda.matmul.allow_tf32): a router's logits then differ from exact
+    fp32 ones by ~1e-3 of the largest, which the layouts' logit check (router logits against weight and bias) allows
+    at a real model's hidden size."""
+    model = tiny_model(family, hidden_size=2048).cuda()
+    exact = [layout.routing for layout in find_moe_layouts(model)]
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert [layout.routing for layout in find_moe_layouts(model)] == exact
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
