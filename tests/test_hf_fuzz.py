@@ -367,7 +367,8 @@ def test_binding_budget_routes_as_the_model(family, data, batch, token_seed, pol
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Defect D1 (found by the property-1 fuzz with output_router_logits and group_by='position'; not mended)
+# Defect D1 (found by the property-1 fuzz with output_router_logits and group_by='position'; not mended; README's
+# HF section states the order and the aux_loss consequence)
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.xfail(strict=True, raises=(AssertionError, RuntimeError), reason=(
     "D1: with group_by='position' the budgeted positions' router logits reach output_router_logits in position-major "
