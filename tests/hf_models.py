@@ -110,3 +110,15 @@ class StandInPredictors:
         if not with_mean:
             self.mean_log_norm = {}
         self.metadata = {"model_type": model.config.model_type}
+
+
+def selection_output(layout, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """What a block must return for the selection ``ids, weights [N, k]`` of ``x [N, H]``, in fp32: each slot's weight
+    times its expert's output (sentinel ids add nothing), plus the block's shared experts."""
+    y = torch.zeros(x.shape[0], layout.hidden_size, device=x.device)
+    for u in range(layout.num_experts):
+        token, slot = torch.nonzero(ids == u, as_tuple=True)
+        if len(token):
+            y[token] += weights[token, slot, None] * layout.expert_output(x[token], u)
+    shared = layout.shared_output(x)
+    return y if shared is None else y + shared.float()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from hf_models import FAMILIES, NUM_EXPERTS, VOCAB, StandInPredictors, tiny_model
+from hf_models import FAMILIES, NUM_EXPERTS, VOCAB, StandInPredictors, selection_output, tiny_model
 
 import base_moe
 from base_moe import ops, reference
@@ -133,15 +133,7 @@ def test_decode_output_is_the_selected_experts(family, fill):
         assert int(active.sum()) <= 2
         ids = sel.ids.long()
         assert bool(((ids == NUM_EXPERTS) | active[0].gather(0, ids.clamp(max=NUM_EXPERTS - 1).flatten()).view_as(ids)).all())
-        x = hidden.view(-1, layout.hidden_size)
-        expected = torch.zeros_like(x)
-        for u in range(NUM_EXPERTS):
-            token, slot = torch.nonzero(ids == u, as_tuple=True)
-            if len(token):
-                expected[token] += sel.weights[token, slot, None] * layout.expert_output(x[token], u)
-        shared = layout.shared_output(x)
-        if shared is not None:
-            expected += shared
+        expected = selection_output(layout, hidden.view(-1, layout.hidden_size), ids, sel.weights)
         torch.testing.assert_close(y.view(-1, layout.hidden_size), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -718,14 +710,8 @@ def test_cuda_bf16_budgeted_block(family, fill):
         sel, _ = selections(model)[layout.layer_index]
         assert int((sel.counts > 0).sum()) <= 3
         x = hidden.view(32, -1)
-        expected = torch.zeros(32, layout.hidden_size, device="cuda")
-        for u in range(NUM_EXPERTS):
-            token, slot = torch.nonzero(sel.ids == u, as_tuple=True)
-            if len(token):
-                expected[token] += sel.weights[token, slot, None] * layout.expert_output(x[token], u)
+        expected = selection_output(layout, x, sel.ids, sel.weights)
         shared = layout.shared_output(x)
-        if shared is not None:
-            expected += shared.float()
         with torch.no_grad():
             hf = layout.routed_experts(x, sel.ids, sel.weights, sel.kept[:, :1].expand(1, 32).reshape(32))
             hf = hf + shared if shared is not None else hf

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import NUM_EXPERTS, VOCAB, tiny_model
+from hf_models import NUM_EXPERTS, VOCAB, selection_output, tiny_model
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -337,14 +337,7 @@ def budget_selects_as_the_reference(case: Case, ids: torch.Tensor, budget: int, 
         want = reference.route_select(logits, None, bias, G, layout.routing, cost, budget, parse_fill(fill))
         assert torch.equal(sel.ids, want[0]) and torch.equal(sel.kept, want[2]), f"not the reference's selection{where}"
         torch.testing.assert_close(sel.weights, want[1], msg=lambda m: m + where)
-        expected = torch.zeros_like(x)
-        for u in range(E):
-            token, slot = torch.nonzero(final == u, as_tuple=True)
-            if len(token):
-                expected[token] += sel.weights[token, slot, None] * layout.expert_output(x[token], u)
-        shared = layout.shared_output(x)
-        if shared is not None:
-            expected += shared
+        expected = selection_output(layout, x, final, sel.weights)
         block_out = block_out[0] if isinstance(block_out, tuple) else block_out
         got = block_out[:, P:].transpose(0, 1).reshape(-1, H)  # position-major, as the groups
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=tolerance(expected), msg=lambda m: m + where)

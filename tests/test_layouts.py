@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hf_models import FAMILIES, NUM_EXPERTS, tiny_model
+from hf_models import FAMILIES, NUM_EXPERTS, selection_output, tiny_model
 from torch import nn
 
 from base_moe import reference
@@ -65,15 +65,8 @@ def test_layout_reproduces_the_block(family):
     bias = lay.correction_bias()
     assert (bias is not None) == (family == "deepseek_v3")
     ids, weights = reference.route(logits, lay.routing, bias)
-    y = torch.zeros(7, lay.hidden_size)
-    for u in range(lay.num_experts):
-        token, slot = torch.nonzero(ids == u, as_tuple=True)
-        if len(token):
-            y[token] += weights[token, slot, None] * lay.expert_output(x[token], u)
-    shared = lay.shared_output(x)
-    assert (shared is not None) == bool(EXPECTED[family]["shared"])
-    if shared is not None:
-        y += shared
+    assert (lay.shared_output(x) is not None) == bool(EXPECTED[family]["shared"])
+    y = selection_output(lay, x, ids, weights)
     out = lay.block(x[None])
     out = out[0] if isinstance(out, tuple) else out
     torch.testing.assert_close(y, out[0], rtol=1e-5, atol=1e-5)
