@@ -420,8 +420,7 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
 def _check_router_logits(layout: MoELayout, probe: torch.Tensor, logits: torch.Tensor, where: str) -> None:
     """The budgeted path computes the logits as ``probe @ weight.T + bias`` (router_predict): a router whose forward
     computes anything else (a temperature, an offset, a bias it does not add) is refused, not silently replaced."""
-    bias = layout.router_bias
-    expected = F.linear(probe.float(), layout.router_weight.float(), None if bias is None else bias.float())
+    expected, _ = reference.router_predict(probe, layout.router_weight, layout.router_bias)
     scale = float(expected.abs().max())
     # of the largest logit: fp32 GEMMs may run in TF32 (~1e-3 of it; ours here too), half types round to ~4e-3
     tolerance = 5e-3 if logits.dtype == torch.float32 else 2e-2
