@@ -18,7 +18,9 @@ What a patched block does with a call:
   No host synchronisation: a decode step can be captured in a CUDA graph.
 * ``group_by="position"`` (the evaluation harness, DESIGN section 7): every call is budgeted, each sequence
   position of ``[B, S, H]`` is one decode batch of B tokens (``num_groups = S``), except the first
-  ``dense_positions`` positions, which run the model's own forward.
+  ``dense_positions`` positions, which get what the block's own forward computes (the router's own choices, the
+  model's experts and shared experts, the same bits). The router module sees one call on all B * S tokens in token
+  order, so HF's ``output_router_logits`` records one ``[B * S, E]`` tensor per block call, as for the model.
 
 The decoder layer's norm just before a patched block (``post_attention_layernorm``) is re-classed too where it is
 Hugging Face's Llama-style RMSNorm (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3; not GPT-OSS's): while the
@@ -354,10 +356,9 @@ def _new_patched(mixin: type, cls: type) -> nn.Module:
 
 
 class _BaseMoERouter:
-    """Mixed into the model's router class. Called with ``base_moe=state`` it returns ``(logits [T, E] fp32,
-    predicted log-norms [T, E] or [T, 0], Selection or None)``: the selection too when the policy runs as one
-    ``select_experts`` call; otherwise it is the model's own router. Either way HF's ``output_router_logits``
-    hooks see the logits at index 0."""
+    """Mixed into the model's router class. Called with ``base_moe=state`` it returns ``(logits [T, E] fp32 in the
+    tokens' order, _Routed)`` (:meth:`_BlockState.route`); otherwise it is the model's own router. Either way HF's
+    ``output_router_logits`` hooks see one call per block call, with every token's logits in token order at index 0."""
 
     def forward(self, hidden_states, *args, base_moe: _BlockState | None = None, **kwargs):
         if base_moe is None:
@@ -489,14 +490,8 @@ class _BaseMoEBlock:
         P = min(s.dense_positions, S)
         if P == S:
             return super().forward(hidden_states)
-        x = hidden_states[:, P:].transpose(0, 1).reshape((S - P) * B, H)  # position after position
-        y, scores = state.budgeted(x, num_groups=S - P)
-        y = y.view(S - P, B, H).transpose(0, 1)
-        if P == 0:  # back to token order, as the block returns it
-            return state.output(y.contiguous(), scores.view(S, B, -1).transpose(0, 1).reshape(B * S, -1))
-        dense = super().forward(hidden_states[:, :P].contiguous())
-        dense = dense[0] if isinstance(dense, tuple) else dense
-        return state.output(torch.cat([dense, y], dim=1), None)
+        y, scores = state.budgeted(hidden_states.reshape(B * S, H), num_groups=S - P, sequences=B)
+        return state.output(y.view(B, S, H), scores)
 
 
 def _experts_kernel_fits(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
@@ -506,6 +501,20 @@ def _experts_kernel_fits(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
         return True
     E, two_i, H = gate_up_proj.shape
     return x.dtype in (torch.bfloat16, torch.float16) and H % 64 == 0 and (two_i // 2) % 64 == 0 and E <= 512
+
+
+@dataclass(eq=False)
+class _Routed:
+    """What a budgeted router call hands its block: the budgeted tokens' ``hidden [T, H]`` (group after group), their
+    fp32 ``logits`` and predicted ``log_norms``, the ``selection`` where one ``select_experts`` call made it, and under
+    group_by='position' with dense positions their tokens' ``(hidden [N, H], top_k_weights, top_k_index)`` from the
+    model's own router (token order)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    log_norms: torch.Tensor
+    selection: Selection | None
+    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class _BlockState:
@@ -566,7 +575,31 @@ class _BlockState:
         return cached[3]
 
     # -- stage 1, or stages 1-3 (called through the router module, so its hooks fire) -------------------------------
-    def route(self, router: nn.Module, hidden: torch.Tensor, num_groups: int):
+    def route(self, router: nn.Module, hidden: torch.Tensor, num_groups: int, sequences: int | None = None):
+        """``hidden [T, H]``: ``num_groups`` decode batches, group after group; or, with ``sequences``
+        (group_by='position'), that many sequences in token order whose last ``num_groups`` positions are the decode
+        batches (routed position after position) and whose earlier ones get the model's own routing. Returns every
+        token's fp32 logits in ``hidden``'s order (what HF's ``output_router_logits`` records: one ``[T, E]`` per
+        block call, in token order) and the :class:`_Routed` the block goes on with."""
+        if sequences is None:
+            logits, log_norms, sel = self._route_groups(router, hidden, num_groups)
+            return logits, _Routed(hidden, logits, log_norms, sel)
+        tokens = hidden.view(sequences, -1, hidden.shape[-1])
+        P = tokens.shape[1] - num_groups
+        x = tokens[:, P:].transpose(0, 1).reshape(num_groups * sequences, -1).contiguous()  # position after position
+        logits, log_norms, sel = self._route_groups(router, x, num_groups)
+        routed = _Routed(x, logits, log_norms, sel)
+        token_logits = logits.view(num_groups, sequences, -1).transpose(0, 1)
+        if P:
+            dense = tokens[:, :P].reshape(sequences * P, -1).contiguous()
+            own_logits, weights, ids = self.layout.router_choices(dense)
+            routed.dense = (dense, weights, ids)
+            token_logits = torch.cat([own_logits.float().view(sequences, P, -1), token_logits], dim=1)
+        return token_logits.reshape(hidden.shape[0], -1), routed
+
+    def _route_groups(self, router: nn.Module, hidden: torch.Tensor, num_groups: int):
+        """Stage 1 on ``hidden`` (group after group), or stages 1-3 as one ``select_experts`` call:
+        ``(logits [T, E] fp32, predicted log-norms [T, E] or [T, 0], Selection or None)``."""
         weight = router.weight
         x = hidden.to(weight.dtype).contiguous()  # DeepSeek-V3 routes in fp32
         bias = self.router_bias_fp32()
@@ -588,25 +621,44 @@ class _BlockState:
 
     # -- stages 1-4 -----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def budgeted(self, x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H]`` (``num_groups`` decode batches, group after group) -> ``(y [T, H], weights [T, k])``.
+    def budgeted(self, x: torch.Tensor, num_groups: int,
+                 sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> ``(y [T, H], weights [T, k])``, for ``num_groups`` decode batches group after group, or,
+        with ``sequences``, for the token-order layout of :meth:`route` (outputs in token order too).
         Inference only: no gradient flows through the budgeted path (the ops have no backward)."""
-        layout, s = self.layout, self.settings
-        x = x.contiguous()
-        logits, log_norms, sel = layout.router(x, base_moe=self, num_groups=num_groups)
+        s = self.settings
+        _, routed = self.layout.router(x.contiguous(), base_moe=self, num_groups=num_groups, sequences=sequences)
+        x, sel = routed.hidden, routed.selection
         # the step only where a policy or the substitute fill reads it (not on the fused path's every call)
-        step = self._step(x, logits, log_norms, num_groups) if sel is None or s.substitutes else None
+        step = self._step(x, routed.logits, routed.log_norms, num_groups) if sel is None or s.substitutes else None
         if sel is None:
             sel = s.policy.select(step)
         if s.substitutes:
             sel = substitute_dropped(step, sel, self.similarity)
         if s.record:
             self.last = (sel, num_groups)
-        y = self.experts(x, sel, num_groups)
-        shared = layout.shared_output(x)
-        if shared is not None:
-            y = y + shared
-        return y, sel.weights
+        y = self._plus_shared(x, self.experts(x, sel, num_groups))
+        if sequences is None:
+            return y, sel.weights
+        return self._in_token_order(y, sel.weights, routed.dense, sequences)
+
+    def _plus_shared(self, x: torch.Tensor, routed_output: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus the shared experts', as the block adds them."""
+        shared = self.layout.shared_output(x)
+        return routed_output if shared is None else routed_output + shared
+
+    def _in_token_order(self, y: torch.Tensor, weights: torch.Tensor, dense, sequences: int):
+        """The budgeted positions' ``y`` and ``weights`` (position after position) and the dense positions' (the
+        model's own experts on its own routing, plus its shared experts: the block's own forward) in token order."""
+        H, k = y.shape[-1], weights.shape[-1]
+        y = y.view(-1, sequences, H).transpose(0, 1)
+        weights = weights.view(-1, sequences, k).transpose(0, 1)
+        if dense is not None:
+            x, own_weights, ids = dense
+            own = self._plus_shared(x, self.layout.routed_experts(x, ids, own_weights))
+            y = torch.cat([own.view(sequences, -1, H).to(y.dtype), y], dim=1)
+            weights = torch.cat([own_weights.view(sequences, -1, k).to(weights.dtype), weights], dim=1)
+        return y.reshape(-1, H), weights.reshape(-1, k)
 
     def _step(self, x: torch.Tensor, logits: torch.Tensor, log_norms: torch.Tensor, num_groups: int) -> DecodeStep:
         layout, s = self.layout, self.settings

@@ -134,6 +134,12 @@ class MoELayout:
         """``x [N, H]`` -> the HF router's logits ``[N, E]`` as fp32 (computed by the router's own forward)."""
         return _logits_of(_router_forward(self, x.reshape(-1, self.hidden_size))).float()
 
+    def router_choices(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [N, H]`` -> the model's own routing of it, ``(logits [N, E], top_k_weights [N, k], top_k_index [N, k])``
+        as its router's own forward returns them (or, for a router that returns logits only, as the block's
+        ``route_tokens_to_experts`` makes them): the choices the block's own forward acts on."""
+        return _router_choices(self, x)
+
     def correction_bias(self) -> torch.Tensor | None:
         """DeepSeek-V3's ``e_score_correction_bias`` (fp32, contiguous) or None."""
         bias = _correction_bias(self.router, self.block)

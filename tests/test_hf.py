@@ -206,6 +206,26 @@ def test_position_groups(family):
     torch.testing.assert_close(mixed[:, :2], run_block(layout, hidden)[:, :2], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_positions_are_the_models_own_block_bit_for_bit(family, dtype):
+    """group_by='position' runs the dense positions as the block's own forward does (the router's own choices, the
+    model's experts and shared experts) in the same router call as the budgeted ones: the same bits as that forward,
+    and for GPT-OSS the router's own scores, in token order."""
+    model = fresh(family, dtype=dtype)
+    base_moe.apply(model, budget=1, policy="router_sq", group_by="position", dense_positions=2)
+    for layout in moe_layouts(model):
+        hidden = block_input(layout, batch=5, seq=4)
+        with torch.no_grad():
+            own = type(layout.block)._base_moe_original_class.forward(layout.block, hidden[:, :2].contiguous())
+            got = layout.block(hidden)
+        assert isinstance(got, tuple) == isinstance(own, tuple)
+        if isinstance(own, tuple):  # (hidden, router_scores [B * S, k]) in token order
+            assert torch.equal(got[1].view(5, 4, -1)[:, :2], own[1].view(5, 2, -1).to(got[1].dtype))
+            got, own = got[0], own[0]
+        assert torch.equal(got[:, :2], own)
+
+
 def test_predictors_follow_the_router_from_their_calibrated_values():
     """After model.to(bfloat16) and back, and after static_energy steps on bf16 hidden states with an fp32 router
     (DeepSeek-V3's), the predictor is the calibrated one in the router's dtype (it was converted again from its

@@ -27,7 +27,8 @@ wrong, none refused that the family supports. A DeepSeek-V3 config with k above 
 weights experts its group mask excluded) is refused with MoELayoutError: not drawn. Weight scales of 1-2 over three
 layers give fp32 rounding differences up to ~2e-5 of the logits' magnitude, base_moe's as close to an fp64 run as
 HF's own fp32 path: not drawn (0.5 at most). One defect outside the config space, D1 (group_by='position' and
-output_router_logits), is kept below as a strict xfail.
+output_router_logits: position-major router logits, two tensors per layer with dense positions), was mended in
+session 66; its reproduction is the last test below.
 """
 
 from __future__ import annotations
@@ -255,8 +256,7 @@ def full_budget_reproduces(case: Case, ids: torch.Tensor, prefill: bool, options
     where = f"\n{case}\n{options}\n{[lay.routing for lay in moe_layouts(model)]}"
     torch.testing.assert_close(got.logits[clear], want.logits[clear], rtol=1e-5, atol=tolerance(want.logits),
                                msg=lambda m: m + where)
-    if case.config.get("output_router_logits") and prefill:  # HF's hooks see the budgeted path's logits
-        # (not with group_by='position': defect D1 below)
+    if case.config.get("output_router_logits"):  # HF's hooks see the budgeted path's logits, in token order
         assert len(got.router_logits) == len(want.router_logits), f"router logits of other calls{where}"
         for mine, own in zip(got.router_logits, want.router_logits):
             rows = clear.repeat_interleave(own.shape[0] // ids.shape[0])  # token order: sequence after sequence
@@ -308,12 +308,15 @@ def budget_selects_as_the_reference(case: Case, ids: torch.Tensor, budget: int, 
     for layout in moe_layouts(model):
         H, E = layout.hidden_size, layout.num_experts
         where = f"\n{case}\nlayer {layout.layer_index}: {layout.routing}, budget={budget}, {policy}, {fill}, {options}"
-        x, routed = recorder.calls[layout.name + ":router"][0]  # the budgeted call (before the dense positions')
+        (x, routed), = recorder.calls[layout.name + ":router"]  # one call: every token, in token order
         (_, block_out), = recorder.calls[layout.name]
         x = x.reshape(-1, H)
         logits = routed[0]
-        own_logits, own_weights, own_ids = layout.router_class.forward(layout.router, x)
+        own_logits, _, _ = layout.router_class.forward(layout.router, x)
         torch.testing.assert_close(logits, own_logits.float(), rtol=1e-5, atol=1e-6, msg=lambda m: m + where)
+        # the decode batches: the positions after the dense ones, position after position
+        x, logits = (t.view(B, S, -1)[:, P:].transpose(0, 1).reshape(G * B, -1) for t in (x, logits))
+        _, own_weights, own_ids = layout.router_class.forward(layout.router, x)
         clear = margin(case, layout.router, x) >= MARGIN
         bias = layout.correction_bias()
         ref_ids, ref_weights = reference.route(logits, layout.routing, bias)
@@ -360,21 +363,17 @@ def test_binding_budget_routes_as_the_model(family, data, batch, token_seed, pol
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Defect D1 (found by the property-1 fuzz with output_router_logits and group_by='position'; not mended; README's
-# HF section states the order and the aux_loss consequence)
+# Defect D1 (found by the property-1 fuzz with output_router_logits and group_by='position'; mended in session 66: the
+# router module gets one call per block call, on every token in token order)
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=(AssertionError, RuntimeError), reason=(
-    "D1: with group_by='position' the budgeted positions' router logits reach output_router_logits in position-major "
-    "order (rows permuted against HF's token order), and with dense_positions > 0 each layer reports two tensors "
-    "(budgeted positions, then the dense ones): router_logits has twice the entries, and HF's load-balancing loss "
-    "with an attention_mask pairs logits with the wrong mask entries (dense_positions=0) or raises a size mismatch"))
-@pytest.mark.parametrize("dense_positions", [0, 1])
-def test_position_groups_keep_hf_router_logits(dense_positions):
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dense_positions", [0, 1, 2])
+def test_position_groups_keep_hf_router_logits(family, dense_positions):
     """A drop-in keeps HF's ``output_router_logits`` contract (one ``[B * S, E]`` tensor per MoE layer, in token order,
     base_moe.hf's docstring); budget=E changes no logit, so router logits and aux loss must be the model's own."""
     ids = token_ids(2, 3, 0)
     mask = torch.tensor([[0, 0, 1], [1, 1, 1]])  # left padding
-    model = tiny_model("qwen3_moe", output_router_logits=True)
+    model = tiny_model(family, output_router_logits=True)
     with torch.no_grad():
         own = model(ids, attention_mask=mask)
     base_moe.apply(model, budget=NUM_EXPERTS, policy="router_sum", group_by="position",
@@ -383,5 +382,5 @@ def test_position_groups_keep_hf_router_logits(dense_positions):
         out = model(ids, attention_mask=mask)
     assert len(out.router_logits) == len(own.router_logits)
     for mine, theirs in zip(out.router_logits, own.router_logits):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine.float(), theirs.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.aux_loss, own.aux_loss, rtol=1e-5, atol=1e-6)
