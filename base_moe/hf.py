@@ -18,9 +18,11 @@ What a patched block does with a call:
   No host synchronisation: a decode step can be captured in a CUDA graph.
 * ``group_by="position"`` (the evaluation harness, DESIGN section 7): every call is budgeted, each sequence
   position of ``[B, S, H]`` is one decode batch of B tokens (``num_groups = S``), except the first
-  ``dense_positions`` positions, which get what the block's own forward computes (the router's own choices, the
-  model's experts and shared experts, the same bits). The router module sees one call on all B * S tokens in token
-  order, so HF's ``output_router_logits`` records one ``[B * S, E]`` tensor per block call, as for the model.
+  ``dense_positions`` positions, which get what the block's own forward computes in eval mode (the router's own
+  choices, the model's experts and shared experts, the same bits; not a block's training-time noise such as Mixtral's
+  router jitter). The router module sees one call on all B * S tokens in token order, so HF's
+  ``output_router_logits`` records one ``[B * S, E]`` tensor per block call, as for the model (fp32: the budgeted
+  positions' logits are base_moe's router GEMV). Such a call is inference only, its dense positions included.
 
 The decoder layer's norm just before a patched block (``post_attention_layernorm``) is re-classed too where it is
 Hugging Face's Llama-style RMSNorm (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3; not GPT-OSS's): while the
@@ -625,7 +627,8 @@ class _BlockState:
                  sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``(y [T, H], weights [T, k])``, for ``num_groups`` decode batches group after group, or,
         with ``sequences``, for the token-order layout of :meth:`route` (outputs in token order too).
-        Inference only: no gradient flows through the budgeted path (the ops have no backward)."""
+        Inference only: no gradient flows through the budgeted path (the ops have no backward), nor through the dense
+        positions computed with it."""
         s = self.settings
         _, routed = self.layout.router(x.contiguous(), base_moe=self, num_groups=num_groups, sequences=sequences)
         x, sel = routed.hidden, routed.selection
