@@ -579,6 +579,24 @@ def test_decode_path_traces_without_graph_breaks(family, dynamic):
         torch.testing.assert_close(out, run_block(layout, hidden), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("family,dense_positions", [("qwen3_moe", 0), ("qwen3_moe", 2), ("gpt_oss", 1)])
+def test_position_groups_trace_without_graph_breaks(family, dense_positions):
+    """group_by='position' traces with fullgraph=True as well: the permutations to and from position after position in
+    the one router call, and the dense positions' routing by the router's own forward."""
+    model = fresh(family)
+    _set_experts_implementation(model, "grouped_mm")
+    base_moe.apply(model, budget=2, policy="router_sq", group_by="position", dense_positions=dense_positions)
+    layout = moe_layouts(model)[0]
+    compiled = torch.compile(layout.block, backend="aot_eager", fullgraph=True)
+    hidden = block_input(layout, batch=5, seq=4)
+    with torch.no_grad():
+        out, want = compiled(hidden), layout.block(hidden)
+    if isinstance(want, tuple):  # GPT-OSS: (hidden, router_scores in token order)
+        torch.testing.assert_close(out[1], want[1], rtol=1e-6, atol=1e-6)
+        out, want = out[0], want[0]
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Errors say what to do next
 # ---------------------------------------------------------------------------------------------------------------
