@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from hf_models import NUM_EXPERTS, VOCAB, selection_output, tiny_model
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -256,7 +257,9 @@ def full_budget_reproduces(case: Case, ids: torch.Tensor, prefill: bool, options
     where = f"\n{case}\n{options}\n{[lay.routing for lay in moe_layouts(model)]}"
     torch.testing.assert_close(got.logits[clear], want.logits[clear], rtol=1e-5, atol=tolerance(want.logits),
                                msg=lambda m: m + where)
-    if case.config.get("output_router_logits"):  # HF's hooks see the budgeted path's logits, in token order
+    # HF's hooks see the budgeted path's logits, in token order (where the family returns them: not DeepSeek-V3 in
+    # transformers 5.17)
+    if case.config.get("output_router_logits") and getattr(want, "router_logits", None) is not None:
         assert len(got.router_logits) == len(want.router_logits), f"router logits of other calls{where}"
         for mine, own in zip(got.router_logits, want.router_logits):
             rows = clear.repeat_interleave(own.shape[0] // ids.shape[0])  # token order: sequence after sequence
@@ -376,6 +379,8 @@ def test_position_groups_keep_hf_router_logits(family, dense_positions):
     model = tiny_model(family, output_router_logits=True)
     with torch.no_grad():
         own = model(ids, attention_mask=mask)
+    if getattr(own, "router_logits", None) is None:
+        pytest.skip(f"{family} returns no router logits in transformers {transformers.__version__}")
     base_moe.apply(model, budget=NUM_EXPERTS, policy="router_sum", group_by="position",
                    dense_positions=dense_positions)
     with torch.no_grad():
