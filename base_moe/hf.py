@@ -590,14 +590,13 @@ class _BlockState:
         P = tokens.shape[1] - num_groups
         x = tokens[:, P:].transpose(0, 1).reshape(num_groups * sequences, -1).contiguous()  # position after position
         logits, log_norms, sel = self._route_groups(router, x, num_groups)
-        routed = _Routed(x, logits, log_norms, sel)
-        token_logits = logits.view(num_groups, sequences, -1).transpose(0, 1)
+        token_logits, dense = logits.view(num_groups, sequences, -1).transpose(0, 1), None
         if P:
-            dense = tokens[:, :P].reshape(sequences * P, -1).contiguous()
-            own_logits, weights, ids = self.layout.router_choices(dense)
-            routed.dense = (dense, weights, ids)
+            dense_hidden = tokens[:, :P].reshape(sequences * P, -1).contiguous()
+            own_logits, weights, ids = self.layout.router_choices(dense_hidden)
+            dense = (dense_hidden, weights, ids)
             token_logits = torch.cat([own_logits.float().view(sequences, P, -1), token_logits], dim=1)
-        return token_logits.reshape(hidden.shape[0], -1), routed
+        return token_logits.reshape(hidden.shape[0], -1), _Routed(x, logits, log_norms, sel, dense)
 
     def _route_groups(self, router: nn.Module, hidden: torch.Tensor, num_groups: int):
         """Stage 1 on ``hidden`` (group after group), or stages 1-3 as one ``select_experts`` call:
@@ -640,15 +639,10 @@ class _BlockState:
             sel = substitute_dropped(step, sel, self.similarity)
         if s.record:
             self.last = (sel, num_groups)
-        y = self._plus_shared(x, self.experts(x, sel, num_groups))
+        y = self.layout.plus_shared(x, self.experts(x, sel, num_groups))
         if sequences is None:
             return y, sel.weights
         return self._in_token_order(y, sel.weights, routed.dense, sequences)
-
-    def _plus_shared(self, x: torch.Tensor, routed_output: torch.Tensor) -> torch.Tensor:
-        """The routed experts' output plus the shared experts', as the block adds them."""
-        shared = self.layout.shared_output(x)
-        return routed_output if shared is None else routed_output + shared
 
     def _in_token_order(self, y: torch.Tensor, weights: torch.Tensor, dense, sequences: int):
         """The budgeted positions' ``y`` and ``weights`` (position after position) and the dense positions' (the
@@ -658,7 +652,7 @@ class _BlockState:
         weights = weights.view(-1, sequences, k).transpose(0, 1)
         if dense is not None:
             x, own_weights, ids = dense
-            own = self._plus_shared(x, self.layout.routed_experts(x, ids, own_weights))
+            own = self.layout.plus_shared(x, self.layout.routed_experts(x, ids, own_weights))
             y = torch.cat([own.view(sequences, -1, H).to(y.dtype), y], dim=1)
             weights = torch.cat([own_weights.view(sequences, -1, k).to(weights.dtype), weights], dim=1)
         return y.reshape(-1, H), weights.reshape(-1, k)

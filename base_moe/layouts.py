@@ -176,6 +176,12 @@ class MoELayout:
             out = torch.sigmoid(getattr(self.block, self.shared_gate_name)(x)) * out
         return out
 
+    def plus_shared(self, x: torch.Tensor, routed_output: torch.Tensor) -> torch.Tensor:
+        """``routed_output [N, H]`` (the routed experts' output for ``x [N, H]``) plus the shared experts', as the
+        block adds them."""
+        shared = self.shared_output(x)
+        return routed_output if shared is None else routed_output + shared
+
     # -- helpers for the drop-in module and the oracle policy ---------------------------------------------------
     def expert_log_norms(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, E]`` fp32: see the module function ``expert_log_norms`` (the oracle policy's log-norms)."""
@@ -536,10 +542,7 @@ def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
             hidden = _logits_of(out)
             x = probe.reshape(-1, layout.hidden_size)
             _, weights, ids = _router_choices(layout, x, where)
-            expected = layout.routed_experts(x, ids.long(), weights)
-            shared = layout.shared_output(x)
-            if shared is not None:
-                expected = expected + shared
+            expected = layout.plus_shared(x, layout.routed_experts(x, ids.long(), weights))
     finally:
         for module, training in modes:
             module.training = training

@@ -315,11 +315,11 @@ def budget_selects_as_the_reference(case: Case, ids: torch.Tensor, budget: int, 
         (_, block_out), = recorder.calls[layout.name]
         x = x.reshape(-1, H)
         logits = routed[0]
-        own_logits, _, _ = layout.router_class.forward(layout.router, x)
+        own_logits, own_weights, own_ids = layout.router_class.forward(layout.router, x)
         torch.testing.assert_close(logits, own_logits.float(), rtol=1e-5, atol=1e-6, msg=lambda m: m + where)
         # the decode batches: the positions after the dense ones, position after position
-        x, logits = (t.view(B, S, -1)[:, P:].transpose(0, 1).reshape(G * B, -1) for t in (x, logits))
-        _, own_weights, own_ids = layout.router_class.forward(layout.router, x)
+        x, logits, own_weights, own_ids = (t.reshape(B, S, -1)[:, P:].transpose(0, 1).reshape(G * B, -1)
+                                           for t in (x, logits, own_weights, own_ids))
         clear = margin(case, layout.router, x) >= MARGIN
         bias = layout.correction_bias()
         ref_ids, ref_weights = reference.route(logits, layout.routing, bias)
