@@ -1,4 +1,4 @@
-"""Calibration of the removal-cost predictors (DESIGN section 4).
+"""Calibration of the removal-cost predictors.
 
 Calibration text runs once through the dense model. A forward pre-hook on every MoE block captures the
 block's input ``z`` (one batch, one layer at a time), runs **every** routed expert on it to get the targets
@@ -221,7 +221,7 @@ def calibrate(
     ridge_sweep: Iterable[float] = (),
     similarity: bool = False,
 ) -> Predictors:
-    """Fit BASE's removal-cost predictors for every MoE layer of ``model`` (DESIGN section 4).
+    """Fit BASE's removal-cost predictors for every MoE layer of ``model``.
 
     Args:
         model: a Hugging Face MoE model (any layout :func:`base_moe.layouts.find_moe_layouts` knows), dense.

@@ -1,4 +1,4 @@
-"""The forced-token evaluation harness (DESIGN section 7): quality of budgeted decoding, policy against policy.
+"""The forced-token evaluation harness: quality of budgeted decoding, policy against policy.
 
 ``B`` sequences of ``S`` tokens from held-out text form one evaluation batch. Positions ``< P`` are prefill and run
 the model's own (dense) routing; at every later position the ``B`` tokens of that position are one decode batch,
@@ -322,6 +322,7 @@ def evaluate(
         fill: ``backfill`` (default), ``drop``, ``drop_renorm`` or ``substitute`` (predictors calibrated with
             ``similarity=True``).
         device: where to run (default: the model's device; the model is moved there).
+        progress: show a progress bar (tqdm) over the runs.
         energy: compute the retained energy (runs each expert on its routed tokens once more per run).
         timing: time one MoE block per decode batch (default: on CUDA only; CUDA needed).
         repeats: timing repeats (median).

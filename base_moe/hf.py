@@ -16,7 +16,7 @@ What a patched block does with a call:
   over the kept set only (``base_moe.ops.experts`` for the fused HF v5 layout; the model's own experts module,
   with empty slots pointed at a kept expert with weight 0, for others such as GPT-OSS) -> plus shared experts.
   No host synchronisation: a decode step can be captured in a CUDA graph.
-* ``group_by="position"`` (the evaluation harness, DESIGN section 7): every call is budgeted, each sequence
+* ``group_by="position"`` (the evaluation harness, base_moe.evaluate): every call is budgeted, each sequence
   position of ``[B, S, H]`` is one decode batch of B tokens (``num_groups = S``), except the first
   ``dense_positions`` positions, which get what the block's own forward computes in eval mode (the router's own
   choices, the model's experts and shared experts, the same bits; not a block's training-time noise such as Mixtral's
@@ -104,9 +104,17 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     ``static_energy``). ``budget``: experts kept per layer and decode batch (None: the model's own routing, for every
     policy that needs a budget; ``oea``, ``topk_reduce`` and ``lynx:threshold=...`` prune without one).
     ``policy``: a name from ``base_moe.policies.available_policies()``. ``fill``: ``backfill``, ``drop``,
-    ``drop_renorm`` or ``substitute`` (needs predictors calibrated with ``similarity=True``). Options: ``group_by``,
-    ``dense_positions``, ``experts``, ``norm``, ``record`` (see
-    ``_OPTIONS``).
+    ``drop_renorm`` or ``substitute`` (needs predictors calibrated with ``similarity=True``).
+
+    Options (keywords; ``configure`` takes them too):
+    ``group_by``: ``"batch"`` (default: a decode call's tokens form one batch) or ``"position"`` (each position of
+    the sequences is one batch: the evaluation harness). ``dense_positions``: with ``group_by="position"``, how many
+    leading positions run the model's own routing (default 0). ``experts``: ``"auto"`` (default: base_moe's expert op
+    where it takes the layout, dtype and device, else the model's), ``"base_moe"`` (the same, but refused where a
+    block lacks the fused SiLU layout, e.g. GPT-OSS) or ``"hf"`` (the model's own experts module). ``norm``: ``"auto"`` (default: while the budget is on, base_moe's
+    ``add_rms_norm`` for a Llama-style decoder layer's residual add and norm before each block, or ``rms_norm`` for
+    the norm alone) or ``"model"`` (the model's own modules always). ``record``: keep each block's last selection,
+    read with ``base_moe.hf.selections(model)`` (default False).
     """
     if is_applied(model):
         raise ValueError(

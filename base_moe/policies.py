@@ -1,10 +1,10 @@
-"""Expert-selection policies for budgeted decoding: BASE and the baselines it is judged against (DESIGN section 5).
+"""Expert-selection policies for budgeted decoding: BASE and the baselines it is judged against.
 
 A policy turns one decode step of one MoE layer (:class:`DecodeStep`: the tokens, their router logits, the
 model's routing rule, the budget, the fill rule) into each token's final experts and weights
 (:class:`Selection`). Most policies differ only in the per-slot cost that ranks experts for the keep set A; they
 are :class:`CostPolicy` instances and run the fused ``route_select`` op. A policy that chooses A some other way
-(OEA, Lynx, per-token top-k reduction: issue 6) subclasses :class:`Policy`, implements :meth:`Policy.select`
+(OEA, Lynx, per-token top-k reduction) subclasses :class:`Policy`, implements :meth:`Policy.select`
 (and :meth:`Policy.check_layout` where an option must fit the model, e.g. its top-k) and calls
 :func:`register_policy` (or is passed as an instance: ``apply(model, policy=MyPolicy(k0=2))``); nothing else in
 base_moe needs to change.
@@ -30,7 +30,7 @@ Policies that choose A another way (plain PyTorch over :mod:`base_moe.reference`
 | ``topk_reduce`` (``topk_reduce:k=K``) | every token keeps its top-k' of k (default k // 2), rescaled to its routed total (not batch-aware) |
 
 Fill rules (:func:`parse_fill`): ``backfill``, ``drop`` and ``drop_renorm`` are the ops' (:class:`Fill`);
-``substitute`` (SERE-like, DESIGN section 5) runs the policy with ``drop`` and then moves each dropped slot, with its
+``substitute`` (SERE-like) runs the policy with ``drop`` and then moves each dropped slot, with its
 weight, to the kept expert most similar to the dropped one (:func:`substitute_dropped`; predictors calibrated with
 ``similarity=True``).
 
@@ -359,10 +359,10 @@ def select_fill(step: DecodeStep, batch_cost: torch.Tensor, budget: int):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Policies with their own keep rule (issue 6): plain PyTorch over the reference's routing helpers
+# Policies with their own keep rule (OEA, Lynx, top-k reduction): plain PyTorch over the reference's routing helpers
 # ---------------------------------------------------------------------------------------------------------------
 def substitute_dropped(step: DecodeStep, dropped: Selection, similarity: torch.Tensor) -> Selection:
-    """The ``substitute`` fill (SERE-like, DESIGN section 5) from ``dropped``, the policy's selection under ``drop``:
+    """The ``substitute`` fill (SERE-like) from ``dropped``, the policy's selection under ``drop``:
     each token's routed slot whose expert was not kept moves, with its routing weight, to the kept expert of its
     group most similar to the dropped one by ``similarity [E, E]`` (calibrated; ties to the lower index); slots that
     land on the same expert add their weights in the first of them; the token's experts come first, in slot order,

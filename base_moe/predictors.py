@@ -174,7 +174,7 @@ class Predictors:
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> Predictors:
-        """Read a file written by :meth:`save`."""
+        """Read a file written by :meth:`save`, its tensors onto ``device`` (default the CPU)."""
         from safetensors import SafetensorError, safe_open
 
         device = torch.device(device)  # a bad device is the caller's error, not the file's

@@ -13,7 +13,8 @@ fi
 source .venv/bin/activate
 python -m pip install -q "torch==2.14.1" ninja pybind11 numpy safetensors tqdm "transformers>=5,<6" \
   matplotlib pytest hypothesis
-# torch otherwise guesses the CUDA root from a wrapper nvcc on PATH (DESIGN section 9)
+# torch otherwise guesses the CUDA root from the nvcc on PATH: where that is a wrapper (e.g. /usr/local/bin/nvcc)
+# it guesses /usr/local, and the link fails on -lcudart
 if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 python -m pip install -q --no-build-isolation -e .
