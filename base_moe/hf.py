@@ -106,16 +106,15 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     ``policy``: a name from ``base_moe.policies.available_policies()``. ``fill``: ``backfill``, ``drop``,
     ``drop_renorm`` or ``substitute`` (needs predictors calibrated with ``similarity=True``).
 
-    Options (keywords; ``configure`` takes them too):
-    ``group_by``: ``"batch"`` (default: a decode call's tokens form one batch) or ``"position"`` (each position of
-    the sequences is one batch: the evaluation harness). ``dense_positions``: with ``group_by="position"``, how many
-    leading positions run the model's own routing (default 0). ``experts``: ``"auto"`` (default: base_moe's expert op
-    where it takes the layout, dtype and device, else the model's), ``"base_moe"`` (the same, but refused where a
-    block lacks the fused SiLU layout, e.g. GPT-OSS) or ``"hf"`` (the model's own experts module). ``norm``:
-    ``"auto"`` (default: while the budget is on, base_moe's ``add_rms_norm`` for a Llama-style decoder layer's
-    residual add and norm before each block, or ``rms_norm`` for the norm alone) or ``"model"`` (the model's own
-    modules always). ``record``: keep each block's last selection,
-    read with ``base_moe.hf.selections(model)`` (default False).
+    Options (keywords; ``configure`` takes them too): ``group_by``: ``"batch"`` (default: a decode call's tokens form
+    one batch) or ``"position"`` (each position of the sequences is one batch: the evaluation harness).
+    ``dense_positions``: with ``group_by="position"``, how many leading positions run the model's own routing (default
+    0). ``experts``: ``"auto"`` (default: base_moe's expert op where it takes the layout, dtype and device, else the
+    model's), ``"base_moe"`` (the same, but refused where a block lacks the fused SiLU layout, e.g. GPT-OSS) or ``"hf"``
+    (the model's own experts module). ``norm``: ``"auto"`` (default: while the budget is on, base_moe's ``add_rms_norm``
+    for a Llama-style decoder layer's residual add and norm before each block, or ``rms_norm`` for the norm alone) or
+    ``"model"`` (the model's own modules always). ``record``: keep each block's last selection, read with
+    ``base_moe.hf.selections(model)`` (default False).
     """
     if is_applied(model):
         raise ValueError(
