@@ -62,6 +62,8 @@ _OPTIONS = {
     "norm": "'auto' (while the budget is on, base_moe.ops.add_rms_norm for the Llama-style decoder layer's residual "
     "add and norm before each block, or ops.rms_norm for the norm alone) or 'model' (the model's own modules always)",
     "record": "keep each block's last Selection (read it with base_moe.hf.selections(model))",
+    "finished_tokens": "None, 'auto' (the pad and EOS ids of the model's generation config) or token ids: a decode "
+    "row whose input token is one of them (a sequence generate has finished) takes no part in choosing the experts",
 }
 
 
@@ -77,6 +79,7 @@ class Settings:
     experts: str = "auto"
     norm: str = "auto"
     record: bool = False
+    finished_tokens: tuple[int, ...] | None = None
 
     @property
     def active(self) -> bool:
@@ -114,7 +117,13 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     (the model's own experts module). ``norm``: ``"auto"`` (default: while the budget is on, base_moe's ``add_rms_norm``
     for a Llama-style decoder layer's residual add and norm before each block, or ``rms_norm`` for the norm alone) or
     ``"model"`` (the model's own modules always). ``record``: keep each block's last selection, read with
-    ``base_moe.hf.selections(model)`` (default False).
+    ``base_moe.hf.selections(model)`` (default False). ``finished_tokens``: ``None`` (default: every token of a decode
+    batch votes), ``"auto"`` (the pad and EOS token ids of ``model.generation_config``, else ``model.config``) or an
+    iterable of token ids: a token whose input id is one of them adds nothing to the batch's expert costs (it still
+    runs on the kept experts). ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the
+    others go on, so with ``"auto"`` finished sequences stop taking budget from the live ones; pass the ids yourself
+    where ``generate`` gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold. It needs the
+    model called with ``input_ids`` (not ``inputs_embeds``), and costs one elementwise kernel per block.
     """
     if is_applied(model):
         raise ValueError(
@@ -128,6 +137,7 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
             "holding fused 3-D expert weights (transformers >= 5 MoE models)"
         )
     predictors = _load_predictors(predictors, model)
+    options = _resolve_finished_tokens(model, options)
     settings = _settings(Settings(), found, predictors, budget=budget, policy=policy, fill=fill, **options)
     for layout in found:
         if "forward" in layout.block.__dict__ or "forward" in layout.router.__dict__:
@@ -135,8 +145,9 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
                 f"MoE block '{layout.name}' has an instance-level forward (an accelerate/kernels hook?); "
                 "call base_moe.apply before dispatching the model across devices"
             )
+    inputs = _ModelInputs()
     for layout in found:
-        state = _BlockState(layout, settings)
+        state = _BlockState(layout, settings, inputs)
         state.set_predictors(predictors)
         layout.block.__class__ = _patched_class(_BaseMoEBlock, type(layout.block))
         layout.router.__class__ = _patched_class(_BaseMoERouter, layout.router_class)
@@ -152,6 +163,10 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
             state.decoder_layer.__class__ = _patched_class(_BaseMoEDecoderLayer, type(state.decoder_layer))
             state.decoder_layer._base_moe = state
     model._base_moe_layouts = found
+    model._base_moe_hooks = (
+        model.register_forward_pre_hook(_record_inputs, with_kwargs=True),
+        model.register_forward_hook(_forget_inputs, always_call=True),
+    )
     return model
 
 
@@ -165,6 +180,7 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
     if predictors is not _UNSET:
         predictors = _load_predictors(predictors, model)
     has_predictors = state0.predictors if predictors is _UNSET else predictors
+    options = _resolve_finished_tokens(model, options)
     given = {k: v for k, v in dict(budget=budget, policy=policy, fill=fill).items() if v is not _UNSET}
     settings = _settings(state0.settings, found, has_predictors, **given, **options)
     for layout in found:
@@ -188,7 +204,9 @@ def restore(model: nn.Module) -> nn.Module:
         layout.block.__class__ = type(layout.block)._base_moe_original_class
         layout.router.__class__ = layout.router_class
         del layout.block._base_moe
-    del model._base_moe_layouts
+    for hook in model._base_moe_hooks:
+        hook.remove()
+    del model._base_moe_layouts, model._base_moe_hooks
     return model
 
 
@@ -245,6 +263,11 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
                 )
     if not isinstance(s.record, bool):
         raise ValueError(f"record must be a bool, got {s.record!r}")
+    if s.finished_tokens is not None and not (
+        isinstance(s.finished_tokens, tuple) and s.finished_tokens
+        and all(type(i) is int and i >= 0 for i in s.finished_tokens)
+    ):
+        raise ValueError(f"finished_tokens must be None, 'auto' or token ids (ints >= 0), got {s.finished_tokens!r}")
     if s.active:
         for layout in found:
             if layout.routing.top_k > MAX_TOP_K or layout.num_experts > MAX_EXPERTS:
@@ -285,18 +308,62 @@ def _require_similarity(predictors, layouts: list[MoELayout]) -> None:
         )
 
 
+def _integer(value) -> int | None:
+    """``value`` as an int where ``operator.index`` takes it (int, numpy or torch integers) and it is no bool."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _budget(budget) -> int:
     """A positive int from anything ``operator.index`` takes (int, numpy or torch integers), never a bool."""
-    is_bool = isinstance(budget, bool) or (isinstance(budget, torch.Tensor) and budget.dtype == torch.bool)
-    try:
-        value = None if is_bool else operator.index(budget)
-    except TypeError:
-        value = None
+    value = _integer(budget)
     if value is None or not 1 <= value < 2**63:  # the ops take an int64
         raise ValueError(
             f"budget must be an int in [1, 2^63) (experts kept per MoE layer and decode batch) or None, got {budget!r}"
         )
     return value
+
+
+def _resolve_finished_tokens(model: nn.Module, options: dict) -> dict:
+    """``options`` with ``finished_tokens`` as :class:`Settings` holds it: None or a tuple of token ids (ints >= 0)."""
+    value = options.get("finished_tokens")
+    if value is None:
+        return options
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"finished_tokens must be None, 'auto' or token ids, got {value!r}")
+        ids = _stop_token_ids(model)
+        if not ids:
+            raise ValueError(
+                "finished_tokens='auto': neither the model's generation_config nor its config names a pad or EOS "
+                "token id; pass the ids, e.g. finished_tokens=[tokenizer.pad_token_id, tokenizer.eos_token_id]"
+            )
+    else:
+        given = [value] if _integer(value) is not None else value
+        try:
+            ids = [_integer(i) for i in given]
+        except TypeError:
+            ids = [None]
+        if not ids or any(i is None or i < 0 for i in ids):
+            raise ValueError(f"finished_tokens must be None, 'auto' or token ids (ints >= 0), got {value!r}")
+    return {**options, "finished_tokens": tuple(dict.fromkeys(ids))}
+
+
+def _stop_token_ids(model: nn.Module) -> list[int]:
+    """The pad and EOS token ids that ``generate`` feeds a finished sequence: those of ``model.generation_config``,
+    or of ``model.config`` where the former names none."""
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        ids = []
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(config, name, None)
+            ids += [i for i in (value if isinstance(value, (list, tuple)) else [value]) if _integer(i) is not None]
+        if ids:
+            return [_integer(i) for i in ids]
+    return []
 
 
 def _load_predictors(predictors, model: nn.Module):
@@ -363,6 +430,32 @@ def _reduce_patched(self, protocol):
 def _new_patched(mixin: type, cls: type) -> nn.Module:
     patched = _patched_class(mixin, cls)
     return patched.__new__(patched)
+
+
+class _ModelInputs:
+    """What a patched model's forward call tells its blocks: ``voting [B, S]`` bool, the tokens whose input id is
+    none of ``finished_tokens`` (None outside a call, without ``finished_tokens``, or without ``input_ids``)."""
+
+    def __init__(self):
+        self.voting: torch.Tensor | None = None
+
+
+def _record_inputs(model: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook of a patched model: which tokens of the call vote (compares on the device, no sync)."""
+    state = model._base_moe_layouts[0].block._base_moe
+    finished = state.settings.finished_tokens
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    voting = None
+    if finished is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+        voting = ids != finished[0]
+        for token in finished[1:]:
+            voting = voting & (ids != token)
+    state.inputs.voting = voting
+
+
+def _forget_inputs(model: nn.Module, args, output) -> None:
+    """Forward hook of a patched model (also after an exception): a later call of its layers alone sees no mask."""
+    model._base_moe_layouts[0].block._base_moe.inputs.voting = None
 
 
 class _BaseMoERouter:
@@ -495,12 +588,13 @@ class _BaseMoEBlock:
         if s.group_by == "batch":
             if S != 1:
                 return super().forward(hidden_states)
-            y, scores = state.budgeted(hidden_states.reshape(B, H), num_groups=1)
+            y, scores = state.budgeted(hidden_states.reshape(B, H), num_groups=1, voting=state.voting(B, S))
             return state.output(y.view(B, 1, H), scores)
         P = min(s.dense_positions, S)
         if P == S:
             return super().forward(hidden_states)
-        y, scores = state.budgeted(hidden_states.reshape(B * S, H), num_groups=S - P, sequences=B)
+        y, scores = state.budgeted(hidden_states.reshape(B * S, H), num_groups=S - P, sequences=B,
+                                   voting=state.voting(B, S))
         return state.output(y.view(B, S, H), scores)
 
 
@@ -518,22 +612,24 @@ class _Routed:
     """What a budgeted router call hands its block: the budgeted tokens' ``hidden [T, H]`` (group after group), their
     fp32 ``logits`` and predicted ``log_norms``, the ``selection`` where one ``select_experts`` call made it, and under
     group_by='position' with dense positions their tokens' ``(hidden [N, H], top_k_weights, top_k_index)`` from the
-    model's own router (token order)."""
+    model's own router (token order), and ``voting``, the budgeted tokens that vote (None: all)."""
 
     hidden: torch.Tensor
     logits: torch.Tensor
     log_norms: torch.Tensor
     selection: Selection | None
     dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    voting: torch.Tensor | None = None
 
 
 class _BlockState:
     """One patched block's settings, predictor tensors and last selection (a plain attribute of the block, so
     nothing of it reaches ``state_dict``)."""
 
-    def __init__(self, layout: MoELayout, settings: Settings):
+    def __init__(self, layout: MoELayout, settings: Settings, inputs: _ModelInputs):
         self.layout = layout
         self.settings = settings
+        self.inputs = inputs  # shared by the model's blocks
         self.predictors = None
         self.predictor_weight: torch.Tensor | None = None
         self.predictor_bias: torch.Tensor | None = None
@@ -584,31 +680,47 @@ class _BlockState:
             self._router_bias_fp32 = cached
         return cached[3]
 
+    def voting(self, B: int, S: int) -> torch.Tensor | None:
+        """``[B * S]`` bool in token order: the tokens that vote under ``finished_tokens`` (None: all)."""
+        voting = self.inputs.voting
+        if voting is None:
+            return None
+        if tuple(voting.shape) != (B, S):
+            raise ValueError(
+                f"finished_tokens: the model was called with input_ids of shape {tuple(voting.shape)}, but MoE block "
+                f"'{self.layout.name}' got {B} x {S} tokens; it needs blocks that see the model's tokens one to one"
+            )
+        return voting.reshape(B * S)
+
     # -- stage 1, or stages 1-3 (called through the router module, so its hooks fire) -------------------------------
-    def route(self, router: nn.Module, hidden: torch.Tensor, num_groups: int, sequences: int | None = None):
+    def route(self, router: nn.Module, hidden: torch.Tensor, num_groups: int, sequences: int | None = None,
+              voting: torch.Tensor | None = None):
         """``hidden [T, H]``: ``num_groups`` decode batches, group after group; or, with ``sequences``
         (group_by='position'), that many sequences in token order whose last ``num_groups`` positions are the decode
-        batches (routed position after position) and whose earlier ones get the model's own routing. Returns every
+        batches (routed position after position) and whose earlier ones get the model's own routing. ``voting``: the
+        tokens that vote, in ``hidden``'s order (None: all). Returns every
         token's fp32 logits in ``hidden``'s order (what HF's ``output_router_logits`` records: one ``[T, E]`` per
         block call, in token order) and the :class:`_Routed` the block goes on with."""
         if sequences is None:
-            logits, log_norms, sel = self._route_groups(router, hidden, num_groups)
-            return logits, _Routed(hidden, logits, log_norms, sel)
+            logits, log_norms, sel = self._route_groups(router, hidden, num_groups, voting)
+            return logits, _Routed(hidden, logits, log_norms, sel, voting=voting)
         tokens = hidden.view(sequences, -1, hidden.shape[-1])
         P = tokens.shape[1] - num_groups
         x = tokens[:, P:].transpose(0, 1).reshape(num_groups * sequences, -1).contiguous()  # position after position
-        logits, log_norms, sel = self._route_groups(router, x, num_groups)
+        if voting is not None:
+            voting = voting.view(sequences, -1)[:, P:].transpose(0, 1).reshape(-1)
+        logits, log_norms, sel = self._route_groups(router, x, num_groups, voting)
         token_logits, dense = logits.view(num_groups, sequences, -1).transpose(0, 1), None
         if P:
             dense_hidden = tokens[:, :P].reshape(sequences * P, -1).contiguous()
             own_logits, weights, ids = self.layout.router_choices(dense_hidden)
             dense = (dense_hidden, weights, ids)
             token_logits = torch.cat([own_logits.float().view(sequences, P, -1), token_logits], dim=1)
-        return token_logits.reshape(hidden.shape[0], -1), _Routed(x, logits, log_norms, sel, dense)
+        return token_logits.reshape(hidden.shape[0], -1), _Routed(x, logits, log_norms, sel, dense, voting)
 
-    def _route_groups(self, router: nn.Module, hidden: torch.Tensor, num_groups: int):
-        """Stage 1 on ``hidden`` (group after group), or stages 1-3 as one ``select_experts`` call:
-        ``(logits [T, E] fp32, predicted log-norms [T, E] or [T, 0], Selection or None)``."""
+    def _route_groups(self, router: nn.Module, hidden: torch.Tensor, num_groups: int, voting: torch.Tensor | None):
+        """Stage 1 on ``hidden`` (group after group), or stages 1-3 as one ``select_experts`` call where every token
+        votes: ``(logits [T, E] fp32, predicted log-norms [T, E] or [T, 0], Selection or None)``."""
         weight = router.weight
         x = hidden.to(weight.dtype).contiguous()  # DeepSeek-V3 routes in fp32
         bias = self.router_bias_fp32()
@@ -617,7 +729,7 @@ class _BlockState:
             self._follow()
             pw, pb = self.predictor_weight, self.predictor_bias
         cost = s.policy.fused_cost
-        if cost is not None and s.budget is not None and has_kernel("select_experts", x.device):
+        if cost is not None and s.budget is not None and voting is None and has_kernel("select_experts", x.device):
             logits, log_norms, *selection = ops.select_experts(
                 x, weight, self.layout.routing, budget=s.budget, num_groups=num_groups, cost=cost, fill=s.op_fill,
                 router_bias=bias, predictor_weight=pw, predictor_bias=pb,
@@ -630,17 +742,19 @@ class _BlockState:
 
     # -- stages 1-4 -----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def budgeted(self, x: torch.Tensor, num_groups: int,
-                 sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def budgeted(self, x: torch.Tensor, num_groups: int, sequences: int | None = None,
+                 voting: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``(y [T, H], weights [T, k])``, for ``num_groups`` decode batches group after group, or,
-        with ``sequences``, for the token-order layout of :meth:`route` (outputs in token order too).
+        with ``sequences``, for the token-order layout of :meth:`route` (outputs in token order too); ``voting [T]``:
+        the tokens whose costs choose the kept experts (None: all).
         Inference only: no gradient flows through the budgeted path (the ops have no backward), nor through the dense
         positions computed with it."""
         s = self.settings
-        _, routed = self.layout.router(x.contiguous(), base_moe=self, num_groups=num_groups, sequences=sequences)
+        _, routed = self.layout.router(x.contiguous(), base_moe=self, num_groups=num_groups, sequences=sequences,
+                                       voting=voting)
         x, sel = routed.hidden, routed.selection
         # the step only where a policy or the substitute fill reads it (not on the fused path's every call)
-        step = self._step(x, routed.logits, routed.log_norms, num_groups) if sel is None or s.substitutes else None
+        step = self._step(routed, num_groups) if sel is None or s.substitutes else None
         if sel is None:
             sel = s.policy.select(step)
         if s.substitutes:
@@ -665,8 +779,9 @@ class _BlockState:
             weights = torch.cat([own_weights.view(sequences, -1, k).to(weights.dtype), weights], dim=1)
         return y.reshape(-1, H), weights.reshape(-1, k)
 
-    def _step(self, x: torch.Tensor, logits: torch.Tensor, log_norms: torch.Tensor, num_groups: int) -> DecodeStep:
+    def _step(self, routed: _Routed, num_groups: int) -> DecodeStep:
         layout, s = self.layout, self.settings
+        x, logits, log_norms = routed.hidden, routed.logits, routed.log_norms
         mean, similarity = self.mean_log_norm, self.similarity
         # (not _follow: an offloaded router's weight is back on "meta" once its forward has returned)
         if s.policy.needs_statistics and mean is not None and mean.device != x.device:
@@ -684,6 +799,7 @@ class _BlockState:
             fill=s.op_fill,
             layout=layout,
             mean_log_norm=self.mean_log_norm,
+            voting=routed.voting,
         )
 
     def experts(self, x: torch.Tensor, sel: Selection, num_groups: int) -> torch.Tensor:

@@ -64,6 +64,7 @@ __all__ = [
     "register_policy",
     "register_policy_factory",
     "substitute_dropped",
+    "voting_batch_cost",
     "OEAPolicy",
     "LynxPolicy",
     "TopKReducePolicy",
@@ -96,6 +97,10 @@ class DecodeStep:
     layout: MoELayout
     mean_log_norm: torch.Tensor | None = None
     """``[E]`` fp32 calibrated mean log-norm per expert (when the predictors carry it)."""
+    voting: torch.Tensor | None = None
+    """``[T]`` bool: the tokens whose costs choose the kept experts (None: every token). The others (a finished
+    sequence's padding, see ``apply``'s ``finished_tokens``) add nothing to the batch sums and are still filled from
+    the kept set."""
 
 
 @dataclass
@@ -139,7 +144,8 @@ class Policy:
         """The decode step's experts: every token's final ``ids`` and ``weights`` (see :class:`Selection`), at
         most ``step.budget`` distinct experts per group of ``T / step.num_groups`` tokens when the policy
         ``needs_budget``. Called once per MoE layer and decode call, possibly inside a CUDA graph capture: no
-        host synchronisation, and output shapes that depend only on the input shapes and the budget."""
+        host synchronisation, and output shapes that depend only on the input shapes and the budget. A batch-aware
+        policy lets only ``step.voting``'s tokens choose the kept set, where it is given."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -185,7 +191,15 @@ class CostPolicy(Policy):
         return None
 
     def select(self, step: DecodeStep) -> Selection:
-        return Selection(*route_select(step, self.cost, self.batch_log_norms(step)))
+        log_norms = self.batch_log_norms(step)
+        if step.voting is None:
+            return Selection(*route_select(step, self.cost, log_norms))
+        if self.cost == Cost.BASE:  # the fused op still, on log-norms that make a non-voting slot's cost exactly 0
+            silenced = log_norms.masked_fill(~step.voting[:, None], SILENT_LOG_NORM)
+            return Selection(*route_select(step, self.cost, silenced))
+        ids, weights, _ = route_cost(step, self.cost, log_norms)
+        D = voting_batch_cost(step, ids, reference.slot_costs(ids, weights, log_norms, self.cost), self.cost)
+        return Selection(*select_fill(step, D, step.budget), D)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -349,6 +363,21 @@ def route_cost(step: DecodeStep, cost: Cost, log_norms: torch.Tensor | None):
     return reference.route_cost(step.logits, log_norms, step.correction_bias, step.num_groups, step.routing, cost)
 
 
+SILENT_LOG_NORM = -1e4
+"""The log-norm given to a non-voting token's experts: ``exp(2 g)`` is 0 in fp32 (and fp64), so its ``Cost.BASE``
+slot costs are exactly 0 and the batch sums are those of the voting tokens alone, bit for bit."""
+
+
+def voting_batch_cost(step: DecodeStep, ids: torch.Tensor, costs: torch.Tensor, cost: Cost) -> torch.Tensor:
+    """``D [G, E]`` from the slots' ``ids`` and ``costs [T, k]``, summed over ``step.voting``'s tokens (all where it is
+    None) in token order: the other tokens' slots add nothing and seed no ``TOP1_UNION`` expert."""
+    E = step.logits.shape[1]
+    if step.voting is not None:
+        ids = torch.where(step.voting[:, None], ids, E)
+        costs = torch.where(step.voting[:, None], costs, 0.0)
+    return reference.batch_cost(ids, costs, step.num_groups, E, cost, step.routing)
+
+
 def select_fill(step: DecodeStep, batch_cost: torch.Tensor, budget: int):
     """``ops.select_fill`` for the step and a given batch cost ``D [G, E]``: ``(ids, weights, kept, counts)``."""
     if has_kernel("select_fill", step.logits.device):
@@ -439,6 +468,8 @@ class OEAPolicy(Policy):
     def select(self, step: DecodeStep) -> Selection:
         routing, E = step.routing, step.logits.shape[1]
         seeds, _ = reference.route(step.logits, replace(routing, top_k=min(self.k0, routing.top_k)), step.correction_bias)
+        if step.voting is not None:
+            seeds = torch.where(step.voting[:, None], seeds, E)
         return _fill_from_mask(step, reference.routed_union(seeds, step.num_groups, E))
 
 
@@ -479,7 +510,7 @@ class LynxPolicy(Policy):
         ratio = torch.where(valid & (weights > 0), torch.log(top / weights), math.inf)  # inf: the last bin
         bins = torch.floor(ratio / self.width).clamp(max=self.bins - 1)
         score = torch.where(valid, torch.pow(self.decay, bins), 0.0).float()
-        return reference.batch_cost(ids, score, step.num_groups, E, Cost.FREQUENCY, step.routing)
+        return voting_batch_cost(step, ids, score, Cost.FREQUENCY)
 
     def select(self, step: DecodeStep) -> Selection:
         D = self.batch_scores(step)

@@ -783,7 +783,8 @@ def test_cuda_graph_captures_a_decode_step(family, fill):
 
 
 @pytest.mark.cuda
-def test_cuda_generate_static_cache_compiled():
+@pytest.mark.parametrize("finished_tokens", [None, "auto"])
+def test_cuda_generate_static_cache_compiled(finished_tokens):
     """generate() with a static cache compiles the decode step (Hugging Face's auto-compile:
     torch.compile(mode="reduce-overhead"), CUDA graphs) through base_moe's ops under a budget, and gives the tokens of
     the uncompiled budgeted model (the first new token exactly; later ones may follow a near-tie of the random model's
@@ -793,9 +794,11 @@ def test_cuda_generate_static_cache_compiled():
 
     model = fresh("qwen3_moe", dtype=torch.bfloat16, device="cuda")
     _set_experts_implementation(model, "grouped_mm")
-    base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy="base")
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy="base", finished_tokens=finished_tokens)
     prompt = prompt_ids(batch=8, length=5).cuda()
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    if finished_tokens is not None:  # row 0 finishes at once and then feeds pad tokens that do not vote
+        kwargs.update(eos_token_id=2, logits_processor=end_first_row())
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
@@ -805,6 +808,128 @@ def test_cuda_generate_static_cache_compiled():
     assert counters["stats"]["unique_graphs"] >= 1, "generate() did not compile the decode step"
     assert compiled.shape == eager.shape and torch.equal(compiled[:, :6], eager[:, :6])
     assert (compiled == eager).float().mean() >= 0.75
+    if finished_tokens is not None:
+        assert compiled[0, 5:].tolist() == [2] + [0] * 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# finished_tokens: the rows of finished sequences take no part in choosing the experts
+# ---------------------------------------------------------------------------------------------------------------
+def live_and_finished(live: torch.Tensor, token: int) -> torch.Tensor:
+    """``live``'s rows 0, 5 and 6 of seven; rows 1-4 are finished sequences holding ``token`` only."""
+    return torch.cat([live[:1], torch.full((4, live.shape[1]), token), live[1:]])
+
+
+LIVE_ROWS = [0, 5, 6]
+
+
+def batch_costs(model) -> list[torch.Tensor]:
+    return [selection.batch_cost for selection, _ in selections(model).values()]
+
+
+@pytest.mark.parametrize("group_by", ["batch", "position"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_finished_sequences_do_not_vote(family, group_by):
+    """With finished_tokens, which finished ids the finished rows hold changes nothing for the live rows (their logits
+    and every layer's batch costs bit for bit), where without it it changes the costs; and the live rows get what they
+    get alone, to the rounding of the batched matrix products."""
+    model = fresh(family)
+    live = prompt_ids(batch=3, length=1 if group_by == "batch" else 3, seed=5)  # ids 3.. (0 pad, 2 EOS: never live)
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy="base", group_by=group_by,
+                   record=True, finished_tokens=[0, 2])
+    as_pad = logits_of(model, live_and_finished(live, 0))
+    pad_costs = batch_costs(model)
+    as_eos = logits_of(model, live_and_finished(live, 2))
+    assert torch.equal(as_pad[LIVE_ROWS], as_eos[LIVE_ROWS])
+    assert all(torch.equal(a, b) for a, b in zip(pad_costs, batch_costs(model), strict=True))
+    alone = logits_of(model, live)
+    torch.testing.assert_close(as_pad[LIVE_ROWS], alone, rtol=1e-5, atol=1e-5)
+    for a, b in zip(pad_costs, batch_costs(model), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    base_moe.configure(model, finished_tokens=None)  # every row votes again
+    logits_of(model, live_and_finished(live, 0))
+    voting_pad = batch_costs(model)
+    logits_of(model, live_and_finished(live, 2))
+    assert any(not torch.equal(a, b) for a, b in zip(voting_pad, batch_costs(model), strict=True))
+
+
+def test_finished_tokens_auto_reads_the_generation_config():
+    model = fresh("qwen3_moe")
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, [2, 7]
+    base_moe.apply(model, budget=2, policy="router_sq", finished_tokens="auto")
+    settings = lambda: moe_layouts(model)[0].block._base_moe.settings  # noqa: E731
+    assert settings().finished_tokens == (0, 2, 7)
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    model.config.pad_token_id, model.config.eos_token_id = 5, 6
+    base_moe.configure(model, finished_tokens="auto")  # the config's where the generation config names none
+    assert settings().finished_tokens == (5, 6)
+    model.config.pad_token_id = model.config.eos_token_id = None
+    with pytest.raises(ValueError, match="names a pad or EOS token id"):
+        base_moe.configure(model, finished_tokens="auto")
+    base_moe.configure(model, finished_tokens=np.int64(4))
+    assert settings().finished_tokens == (4,)
+    base_moe.configure(model, finished_tokens=torch.tensor([4, 4, 3]))
+    assert settings().finished_tokens == (4, 3)
+    for bad in ("eos", -1, [True], torch.tensor([True]), [], [1.5], 2.0, [None], [3, -2]):
+        with pytest.raises(ValueError, match="finished_tokens must be"):
+            base_moe.configure(model, finished_tokens=bad)
+    assert settings().finished_tokens == (4, 3)
+    base_moe.configure(model, finished_tokens=None)
+    assert settings().finished_tokens is None
+
+
+def test_finished_tokens_mask_lives_for_one_model_call():
+    """The mask is the current call's: gone after it (so a loop that calls the layers itself sees none), none for
+    inputs_embeds, an error where a block's tokens are not the model's; restore removes the hooks."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, budget=2, policy="router_sq", finished_tokens=[0])
+    state = moe_layouts(model)[0].block._base_moe
+    seen = []
+    moe_layouts(model)[0].block.register_forward_pre_hook(lambda module, args: seen.append(state.inputs.voting))
+    ids = torch.tensor([[0], [5], [0], [9]])
+    logits_of(model, ids)
+    assert torch.equal(seen[-1], ids != 0) and state.inputs.voting is None
+    with torch.no_grad():
+        model(inputs_embeds=model.get_input_embeddings()(ids))
+    assert seen[-1] is None
+    state.inputs.voting = torch.ones(2, 1, dtype=torch.bool)  # as if the model had been called with two tokens
+    layout = moe_layouts(model)[0]
+    with pytest.raises(ValueError, match="got 6 x 1 tokens"):
+        run_block(layout, block_input(layout))
+    base_moe.restore(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def end_first_row():
+    """generate's logits processors with one that makes row 0's first new token EOS (id 2)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class EndFirstRow(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[0] = -torch.inf
+            scores[0, 2] = 0.0
+            return scores
+
+    return LogitsProcessorList([EndFirstRow()])
+
+
+def test_generate_stops_counting_a_finished_sequence():
+    """Under generate, a sequence that has produced its EOS stops voting from the next step on (its EOS, then its
+    pad tokens), the others vote throughout."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, budget=2, policy="router_sq", finished_tokens="auto")
+    assert moe_layouts(model)[0].block._base_moe.settings.finished_tokens == (0, 2)
+    seen = []
+    moe_layouts(model)[0].block.register_forward_pre_hook(
+        lambda module, args: seen.append(module._base_moe.inputs.voting.clone())
+    )
+    prompt = prompt_ids(batch=3, length=4)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=2,
+                             logits_processor=end_first_row())
+    assert out[0, 4:].tolist() == [2, 0, 0, 0] and (out[1:, 4:] > 2).any()
+    assert seen[0].shape == (3, 4) and seen[0].all()  # the prompt
+    assert [v.squeeze(1).tolist() for v in seen[1:]] == [[False, True, True]] * 3
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -593,3 +593,109 @@ def test_lynx_without_decay_counts_routed_tokens():
     ids, w = reference.route(logits, routing)
     expected = reference.batch_cost(ids, torch.ones_like(w), groups, E, Cost.FREQUENCY, routing)
     assert torch.equal(D, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Voting tokens (apply's finished_tokens): the others take no part in choosing the kept set
+# ---------------------------------------------------------------------------------------------
+VOTING_POLICIES = {
+    **{f"cost_{cost.name.lower()}": CostPolicy(f"cost_{cost.name.lower()}", cost,
+                                               "predicted" if cost == Cost.BASE else "none") for cost in Cost},
+    "static_energy": get_policy("static_energy"),
+    "oea:k0=2": OEAPolicy(2),
+    "lynx": LynxPolicy(),
+    "lynx:threshold=1.5": LynxPolicy(threshold=1.5),
+    "topk_reduce": TopKReducePolicy(),
+}
+
+
+def voting_step(scoring, fill, budget, seed, device, T=18, groups=2):
+    """A random step of ``groups`` groups with a random voting mask (every group keeps at least one voting token)."""
+    routing, bias = SCORINGS[scoring]
+    g = torch.Generator().manual_seed(seed)
+    E = 16
+    logits = torch.randn(T, E, generator=g) * 2
+    step = make_step(logits, routing, groups, budget=budget, fill=fill)
+    step.predicted_log_norms = torch.randn(T, E, generator=g)
+    step.mean_log_norm = torch.randn(E, generator=g)
+    step.correction_bias = bias
+    voting = torch.rand(T, generator=g) < 0.5
+    voting[:: T // groups] = True
+    step.voting = voting
+    for name in ("logits", "predicted_log_norms", "mean_log_norm", "correction_bias", "voting", "hidden"):
+        value = getattr(step, name)
+        setattr(step, name, None if value is None else value.to(device))
+    return step
+
+
+def voting_tokens_alone(step, group):
+    """The step of ``group``'s voting tokens alone (one group, every token voting)."""
+    B = step.logits.shape[0] // step.num_groups
+    rows = torch.arange(group * B, (group + 1) * B, device=step.logits.device)
+    rows = rows[step.voting[rows]]
+    alone = make_step(step.logits[rows], step.routing, 1, budget=step.budget, fill=step.fill)
+    alone.predicted_log_norms = step.predicted_log_norms[rows]
+    alone.mean_log_norm, alone.correction_bias, alone.hidden = step.mean_log_norm, step.correction_bias, step.hidden
+    return alone, rows
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("budget", [2, 5, 16])
+@pytest.mark.parametrize("fill", list(Fill))
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("policy", VOTING_POLICIES)
+def test_non_voting_tokens_do_not_change_what_the_voting_ones_get(policy, scoring, fill, budget, seed, device):
+    """Per group, the selection of a step with non-voting tokens is, for its voting tokens, the selection of those
+    tokens alone: the same ids and weights bit for bit, the same batch costs, and the same kept experts ahead of those
+    only non-voting tokens routed (which rank last, at cost 0). Every token's experts come from its group's kept
+    set."""
+    step = voting_step(scoring, fill, budget, seed, device)
+    chosen = VOTING_POLICIES[policy].select(step)
+    E = step.logits.shape[1]
+    assert not step.voting.all() and step.voting.any()
+    for group in range(step.num_groups):
+        alone, rows = voting_tokens_alone(step, group)
+        own = VOTING_POLICIES[policy].select(alone)
+        assert torch.equal(chosen.ids[rows], own.ids) and torch.equal(chosen.weights[rows], own.weights)
+        # (TOP1_UNION's seed offset grows with the group's token count: its costs differ by it, its order does not)
+        if own.batch_cost is not None and policy != "cost_top1_union":
+            assert torch.equal(chosen.batch_cost[group], own.batch_cost[0])
+        if own.kept is not None:
+            n = int((own.kept[0] < E).sum())
+            assert torch.equal(chosen.kept[group, :n], own.kept[0, :n])
+    if chosen.kept is not None:
+        B = step.logits.shape[0] // step.num_groups
+        kept = torch.zeros(step.num_groups, E + 1, dtype=torch.bool, device=device)
+        kept.scatter_(1, chosen.kept.long(), True)
+        kept[:, E] = True  # sentinel slots
+        assert kept.repeat_interleave(B, dim=0).gather(1, chosen.ids.long()).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fill", list(Fill))
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("policy", VOTING_POLICIES)
+def test_every_token_voting_is_no_mask(policy, scoring, fill, device):
+    """A voting mask of all True selects what no mask does, bit for bit (the masked paths against the plain ones:
+    BASE's silenced log-norms, the other costs' sums in PyTorch, OEA's and Lynx's masks)."""
+    step = voting_step(scoring, fill, 5, 7, device)
+    step.voting = torch.ones_like(step.voting)
+    masked = VOTING_POLICIES[policy].select(step)
+    step.voting = None
+    plain = VOTING_POLICIES[policy].select(step)
+    for field in ("ids", "weights", "kept", "counts", "batch_cost"):
+        a, b = getattr(masked, field), getattr(plain, field)
+        assert (a is None and b is None) or torch.equal(a, b), field
+
+
+def test_silent_log_norm_costs_nothing():
+    """exp(2 g) of the silenced log-norm is 0 in fp32 and fp64, so even DeepSeek's scaled weights cost 0."""
+    g = torch.tensor(base_moe.policies.SILENT_LOG_NORM)
+    for dtype in (torch.float32, torch.float64):
+        assert torch.exp(2 * g.to(dtype)) == 0
+    ids, w = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([[2.5, 1e-3]])
+    assert torch.equal(reference.slot_costs(ids, w, torch.full((1, 2), g.item()), Cost.BASE), torch.zeros(1, 2))
