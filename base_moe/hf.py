@@ -15,7 +15,9 @@ What a patched block does with a call:
   predictor GEMV) -> the policy (``base_moe.ops.route_select`` for the cost-based policies) -> the routed experts
   over the kept set only (``base_moe.ops.experts`` for the fused HF v5 layout; the model's own experts module,
   with empty slots pointed at a kept expert with weight 0, for others such as GPT-OSS) -> plus shared experts.
-  No host synchronisation: a decode step can be captured in a CUDA graph.
+  No host synchronisation: a decode step can be captured in a CUDA graph. With ``finished_tokens``, tokens whose
+  input id is a pad or EOS id (finished sequences under ``generate``) add nothing to the batch's expert costs (the
+  model's forward pre-hook reads the call's ``input_ids``; ``DecodeStep.voting``).
 * ``group_by="position"`` (the evaluation harness, base_moe.evaluate): every call is budgeted, each sequence
   position of ``[B, S, H]`` is one decode batch of B tokens (``num_groups = S``), except the first
   ``dense_positions`` positions, which get what the block's own forward computes in eval mode (the router's own

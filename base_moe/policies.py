@@ -34,6 +34,11 @@ Fill rules (:func:`parse_fill`): ``backfill``, ``drop`` and ``drop_renorm`` are 
 weight, to the kept expert most similar to the dropped one (:func:`substitute_dropped`; predictors calibrated with
 ``similarity=True``).
 
+Where ``DecodeStep.voting`` is given (``apply``'s ``finished_tokens``), only its tokens choose the kept set: the
+cost policies sum their slot costs over them alone (BASE through ``route_select`` on log-norms of ``SILENT_LOG_NORM``
+for the others, which cost exactly 0; the other costs in PyTorch, :func:`voting_batch_cost`), OEA seeds A from them and
+Lynx counts them; every token is then filled from the kept set as before.
+
 A name with options (``"oea:k0=2"``, ``"lynx:threshold=4:bins=3"``) builds an instance through the policy's factory
 (:func:`register_policy_factory`); ``apply``, ``configure`` and the ``eval`` command accept such names.
 """

@@ -52,6 +52,13 @@ def load_tokenizer(path, model):
     return tokenizer
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The tokenizer's pad and EOS ids and the model's EOS ids: what generate feeds a sequence that has ended."""
+    eos = model.generation_config.eos_token_id
+    ids = [tokenizer.pad_token_id, getattr(tokenizer, "eos_token_id", None), *(eos if isinstance(eos, list) else [eos])]
+    return sorted({i for i in ids if i is not None})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a model directory or Hugging Face id (transformers >= 5 MoE model)")
@@ -77,7 +84,10 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model, model)
 
     # one call: every MoE block now applies the budget to each decode step (prefill stays dense)
-    base_moe.apply(model, predictors=args.predictors, budget=args.budget, policy=args.policy, fill=args.fill)
+    # finished_tokens: once a sequence has ended, the EOS and pad tokens generate feeds it no longer vote for the
+    # experts the other sequences get
+    base_moe.apply(model, predictors=args.predictors, budget=args.budget, policy=args.policy, fill=args.fill,
+                   finished_tokens=stop_token_ids(model, tokenizer))
 
     inputs = {k: v.to(device) for k, v in tokenizer(PROMPTS, return_tensors="pt", padding=True).items()}
     pad = tokenizer.pad_token_id
