@@ -896,6 +896,10 @@ def test_finished_tokens_mask_lives_for_one_model_call():
     layout = moe_layouts(model)[0]
     with pytest.raises(ValueError, match="got 6 x 1 tokens"):
         run_block(layout, block_input(layout))
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # a copy's restore removes its own hooks
+        base_moe.restore(twin)
+        assert not twin._forward_pre_hooks and not twin._forward_hooks
+    assert model._forward_pre_hooks and model._forward_hooks
     base_moe.restore(model)
     assert not model._forward_pre_hooks and not model._forward_hooks
 
