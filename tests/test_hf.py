@@ -885,7 +885,7 @@ def test_finished_tokens_mask_lives_for_one_model_call():
     base_moe.apply(model, budget=2, policy="router_sq", finished_tokens=[0])
     state = moe_layouts(model)[0].block._base_moe
     seen = []
-    moe_layouts(model)[0].block.register_forward_pre_hook(lambda module, args: seen.append(state.inputs.voting))
+    spy = moe_layouts(model)[0].block.register_forward_pre_hook(lambda module, args: seen.append(state.inputs.voting))
     ids = torch.tensor([[0], [5], [0], [9]])
     logits_of(model, ids)
     assert torch.equal(seen[-1], ids != 0) and state.inputs.voting is None
@@ -896,6 +896,7 @@ def test_finished_tokens_mask_lives_for_one_model_call():
     layout = moe_layouts(model)[0]
     with pytest.raises(ValueError, match="got 6 x 1 tokens"):
         run_block(layout, block_input(layout))
+    spy.remove()
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # a copy's restore removes its own hooks
         base_moe.restore(twin)
         assert not twin._forward_pre_hooks and not twin._forward_hooks
