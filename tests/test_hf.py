@@ -827,16 +827,16 @@ def batch_costs(model) -> list[torch.Tensor]:
     return [selection.batch_cost for selection, _ in selections(model).values()]
 
 
-@pytest.mark.parametrize("group_by", ["batch", "position"])
+@pytest.mark.parametrize("group_by,dense_positions", [("batch", 0), ("position", 0), ("position", 1)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_finished_sequences_do_not_vote(family, group_by):
+def test_finished_sequences_do_not_vote(family, group_by, dense_positions):
     """With finished_tokens, which finished ids the finished rows hold changes nothing for the live rows (their logits
     and every layer's batch costs bit for bit), where without it it changes the costs; and the live rows get what they
     get alone, to the rounding of the batched matrix products."""
     model = fresh(family)
     live = prompt_ids(batch=3, length=1 if group_by == "batch" else 3, seed=5)  # ids 3.. (0 pad, 2 EOS: never live)
     base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy="base", group_by=group_by,
-                   record=True, finished_tokens=[0, 2])
+                   dense_positions=dense_positions, record=True, finished_tokens=[0, 2])
     as_pad = logits_of(model, live_and_finished(live, 0))
     pad_costs = batch_costs(model)
     as_eos = logits_of(model, live_and_finished(live, 2))
