@@ -827,30 +827,35 @@ def batch_costs(model) -> list[torch.Tensor]:
     return [selection.batch_cost for selection, _ in selections(model).values()]
 
 
+def all_close(a: list[torch.Tensor], b: list[torch.Tensor], rtol: float, atol: float) -> bool:
+    return all(torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a, b, strict=True))
+
+
 @pytest.mark.parametrize("group_by,dense_positions", [("batch", 0), ("position", 0), ("position", 1)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_finished_sequences_do_not_vote(family, group_by, dense_positions):
-    """With finished_tokens, which finished ids the finished rows hold changes nothing for the live rows (their logits
-    and every layer's batch costs bit for bit), where without it it changes the costs; and the live rows get what they
-    get alone, to the rounding of the batched matrix products."""
+    """With finished_tokens, which finished ids the finished rows hold changes nothing for the live rows: their logits
+    and every layer's batch costs bit for bit (to rounding with dense positions, whose model's own experts round a
+    token's output by the other tokens routed with it), where without it the costs change; and the live rows get what
+    they get alone, to the rounding of the batched matrix products."""
     model = fresh(family)
     live = prompt_ids(batch=3, length=1 if group_by == "batch" else 3, seed=5)  # ids 3.. (0 pad, 2 EOS: never live)
     base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy="base", group_by=group_by,
                    dense_positions=dense_positions, record=True, finished_tokens=[0, 2])
+    tolerance = (0.0, 0.0) if dense_positions == 0 else (1e-5, 1e-6)
     as_pad = logits_of(model, live_and_finished(live, 0))
     pad_costs = batch_costs(model)
     as_eos = logits_of(model, live_and_finished(live, 2))
-    assert torch.equal(as_pad[LIVE_ROWS], as_eos[LIVE_ROWS])
-    assert all(torch.equal(a, b) for a, b in zip(pad_costs, batch_costs(model), strict=True))
+    assert all_close([as_pad[LIVE_ROWS]], [as_eos[LIVE_ROWS]], *tolerance)
+    assert all_close(pad_costs, batch_costs(model), *tolerance)
     alone = logits_of(model, live)
     torch.testing.assert_close(as_pad[LIVE_ROWS], alone, rtol=1e-5, atol=1e-5)
-    for a, b in zip(pad_costs, batch_costs(model), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all_close(pad_costs, batch_costs(model), 1e-5, 1e-6)
     base_moe.configure(model, finished_tokens=None)  # every row votes again
     logits_of(model, live_and_finished(live, 0))
     voting_pad = batch_costs(model)
     logits_of(model, live_and_finished(live, 2))
-    assert any(not torch.equal(a, b) for a, b in zip(voting_pad, batch_costs(model), strict=True))
+    assert not all_close(voting_pad, batch_costs(model), 1e-3, 1e-4)
 
 
 def test_finished_tokens_auto_reads_the_generation_config():
