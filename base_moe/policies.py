@@ -200,7 +200,7 @@ class CostPolicy(Policy):
         if step.voting is None:
             return Selection(*route_select(step, self.cost, log_norms))
         if self.cost == Cost.BASE:  # the fused op still, on log-norms that make a non-voting slot's cost exactly 0
-            silenced = log_norms.masked_fill(~step.voting[:, None], SILENT_LOG_NORM)
+            silenced = torch.where(step.voting[:, None], log_norms, SILENT_LOG_NORM)  # (one kernel)
             return Selection(*route_select(step, self.cost, silenced))
         ids, weights, _ = route_cost(step, self.cost, log_norms)
         D = voting_batch_cost(step, ids, reference.slot_costs(ids, weights, log_norms, self.cost), self.cost)
