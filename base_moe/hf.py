@@ -125,7 +125,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     runs on the kept experts). ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the
     others go on, so with ``"auto"`` finished sequences stop taking budget from the live ones; pass the ids yourself
     where ``generate`` gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold. It needs the
-    model called with ``input_ids`` (not ``inputs_embeds``), and costs one elementwise kernel per block.
+    model called with ``input_ids`` (not ``inputs_embeds``); a step with the mask runs its selection as the router
+    GEMV, a masking kernel and ``route_select`` instead of one ``select_experts`` call.
     """
     if is_applied(model):
         raise ValueError(
@@ -700,9 +701,9 @@ class _BlockState:
         """``hidden [T, H]``: ``num_groups`` decode batches, group after group; or, with ``sequences``
         (group_by='position'), that many sequences in token order whose last ``num_groups`` positions are the decode
         batches (routed position after position) and whose earlier ones get the model's own routing. ``voting``: the
-        tokens that vote, in ``hidden``'s order (None: all). Returns every
-        token's fp32 logits in ``hidden``'s order (what HF's ``output_router_logits`` records: one ``[T, E]`` per
-        block call, in token order) and the :class:`_Routed` the block goes on with."""
+        tokens that vote, in ``hidden``'s order (None: all). Returns every token's fp32 logits in ``hidden``'s order
+        (what HF's ``output_router_logits`` records: one ``[T, E]`` per block call, in token order) and the
+        :class:`_Routed` the block goes on with."""
         if sequences is None:
             logits, log_norms, sel = self._route_groups(router, hidden, num_groups, voting)
             return logits, _Routed(hidden, logits, log_norms, sel, voting=voting)
