@@ -124,9 +124,11 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     iterable of token ids: a token whose input id is one of them adds nothing to the batch's expert costs (it still
     runs on the kept experts). ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the
     others go on, so with ``"auto"`` finished sequences stop taking budget from the live ones; pass the ids yourself
-    where ``generate`` gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold. It needs the
-    model called with ``input_ids`` (not ``inputs_embeds``); a step with the mask runs its selection as the router
-    GEMV, a masking kernel and ``route_select`` instead of one ``select_experts`` call.
+    where ``generate`` gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold (leave out a
+    tokenizer's None). It needs the model called with ``input_ids`` (not ``inputs_embeds``); a step with the mask runs
+    BASE-cost policies and ``router_sq`` as the router GEMV, a masking kernel and ``route_select`` instead of one
+    ``select_experts`` call, and ``router_sum``, ``frequency`` and ``top1_union`` with their batch sums in PyTorch (a
+    kernel per token).
     """
     if is_applied(model):
         raise ValueError(
@@ -177,7 +179,8 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
     """Change the budget, policy, fill rule, predictors or options of a patched model; returns ``model``.
 
     Only the arguments given change. No re-patching; a CUDA graph captured for one budget must be captured again
-    for another (the kept set's shape depends on it)."""
+    for another (the kept set's shape depends on it), and one captured before ``finished_tokens`` changes between None
+    and ids (the selection's code path depends on it)."""
     found = moe_layouts(model)
     state0 = found[0].block._base_moe
     if predictors is not _UNSET:
@@ -358,14 +361,15 @@ def _resolve_finished_tokens(model: nn.Module, options: dict) -> dict:
 
 def _stop_token_ids(model: nn.Module) -> list[int]:
     """The pad and EOS token ids that ``generate`` feeds a finished sequence: those of ``model.generation_config``,
-    or of ``model.config`` where the former names none."""
+    or of ``model.config`` where the former names none (a negative id, such as LLaMA's pad -1, names none)."""
     for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
         ids = []
         for name in ("pad_token_id", "eos_token_id"):
             value = getattr(config, name, None)
-            ids += [i for i in (value if isinstance(value, (list, tuple)) else [value]) if _integer(i) is not None]
+            ids += [_integer(i) for i in (value if isinstance(value, (list, tuple)) else [value])]
+        ids = [i for i in ids if i is not None and i >= 0]
         if ids:
-            return [_integer(i) for i in ids]
+            return ids
     return []
 
 
@@ -591,13 +595,14 @@ class _BaseMoEBlock:
         if s.group_by == "batch":
             if S != 1:
                 return super().forward(hidden_states)
-            y, scores = state.budgeted(hidden_states.reshape(B, H), num_groups=1, voting=state.voting(B, S))
+            y, scores = state.budgeted(hidden_states.reshape(B, H), num_groups=1,
+                                       voting=state.voting(B, S, hidden_states.device))
             return state.output(y.view(B, 1, H), scores)
         P = min(s.dense_positions, S)
         if P == S:
             return super().forward(hidden_states)
         y, scores = state.budgeted(hidden_states.reshape(B * S, H), num_groups=S - P, sequences=B,
-                                   voting=state.voting(B, S))
+                                   voting=state.voting(B, S, hidden_states.device))
         return state.output(y.view(B, S, H), scores)
 
 
@@ -683,8 +688,9 @@ class _BlockState:
             self._router_bias_fp32 = cached
         return cached[3]
 
-    def voting(self, B: int, S: int) -> torch.Tensor | None:
-        """``[B * S]`` bool in token order: the tokens that vote under ``finished_tokens`` (None: all)."""
+    def voting(self, B: int, S: int, device: torch.device) -> torch.Tensor | None:
+        """``[B * S]`` bool in token order on ``device`` (the block's, where a model spans devices): the tokens that
+        vote under ``finished_tokens`` (None: all)."""
         voting = self.inputs.voting
         if voting is None:
             return None
@@ -693,7 +699,7 @@ class _BlockState:
                 f"finished_tokens: the model was called with input_ids of shape {tuple(voting.shape)}, but MoE block "
                 f"'{self.layout.name}' got {B} x {S} tokens; it needs blocks that see the model's tokens one to one"
             )
-        return voting.reshape(B * S)
+        return voting.reshape(B * S).to(device, non_blocking=True)
 
     # -- stage 1, or stages 1-3 (called through the router module, so its hooks fire) -------------------------------
     def route(self, router: nn.Module, hidden: torch.Tensor, num_groups: int, sequences: int | None = None,

@@ -35,9 +35,10 @@ weight, to the kept expert most similar to the dropped one (:func:`substitute_dr
 ``similarity=True``).
 
 Where ``DecodeStep.voting`` is given (``apply``'s ``finished_tokens``), only its tokens choose the kept set: the
-cost policies sum their slot costs over them alone (BASE through ``route_select`` on log-norms of ``SILENT_LOG_NORM``
-for the others, which cost exactly 0; the other costs in PyTorch, :func:`voting_batch_cost`), OEA seeds A from them and
-Lynx counts them; every token is then filled from the kept set as before.
+cost policies sum their slot costs over them alone (BASE, and ROUTER_SQ as BASE at log-norm 0, through
+``route_select`` on log-norms of ``SILENT_LOG_NORM`` for the others, which cost exactly 0; the other costs in PyTorch,
+:func:`voting_batch_cost`), OEA seeds A from them and Lynx counts them; every token is then filled from the kept set as
+before.
 
 A name with options (``"oea:k0=2"``, ``"lynx:threshold=4:bins=3"``) builds an instance through the policy's factory
 (:func:`register_policy_factory`); ``apply``, ``configure`` and the ``eval`` command accept such names.
@@ -199,9 +200,13 @@ class CostPolicy(Policy):
         log_norms = self.batch_log_norms(step)
         if step.voting is None:
             return Selection(*route_select(step, self.cost, log_norms))
-        if self.cost == Cost.BASE:  # the fused op still, on log-norms that make a non-voting slot's cost exactly 0
-            silenced = torch.where(step.voting[:, None], log_norms, SILENT_LOG_NORM)  # (one kernel)
-            return Selection(*route_select(step, self.cost, silenced))
+        if self.cost in (Cost.BASE, Cost.ROUTER_SQ):
+            # the fused op still, on log-norms that make a non-voting slot's cost exactly 0 (one kernel); ROUTER_SQ's
+            # w^2 is BASE's w^2 exp(2 g) at g = 0, exactly
+            voting = step.voting[:, None]
+            silenced = (torch.where(voting, log_norms, SILENT_LOG_NORM) if self.cost == Cost.BASE
+                        else torch.where(voting.expand_as(step.logits), 0.0, SILENT_LOG_NORM))
+            return Selection(*route_select(step, Cost.BASE, silenced))
         ids, weights, _ = route_cost(step, self.cost, log_norms)
         D = voting_batch_cost(step, ids, reference.slot_costs(ids, weights, log_norms, self.cost), self.cost)
         return Selection(*select_fill(step, D, step.budget), D)
@@ -375,12 +380,21 @@ slot costs are exactly 0 and the batch sums are those of the voting tokens alone
 
 def voting_batch_cost(step: DecodeStep, ids: torch.Tensor, costs: torch.Tensor, cost: Cost) -> torch.Tensor:
     """``D [G, E]`` from the slots' ``ids`` and ``costs [T, k]``, summed over ``step.voting``'s tokens (all where it is
-    None) in token order: the other tokens' slots add nothing and seed no ``TOP1_UNION`` expert."""
-    E = step.logits.shape[1]
-    if step.voting is not None:
-        ids = torch.where(step.voting[:, None], ids, E)
-        costs = torch.where(step.voting[:, None], costs, 0.0)
-    return reference.batch_cost(ids, costs, step.num_groups, E, cost, step.routing)
+    None) in token order: the other tokens' slots add nothing and seed no ``TOP1_UNION`` expert, whose offset counts
+    the voting tokens only (so D is, bit for bit, that of the voting tokens alone). One kernel per token: for policies
+    without a fused op."""
+    E, G = step.logits.shape[1], step.num_groups
+    if step.voting is None:
+        return reference.batch_cost(ids, costs, G, E, cost, step.routing)
+    ids = torch.where(step.voting[:, None], ids, E)
+    costs = torch.where(step.voting[:, None], costs, 0.0)
+    D = reference.batch_cost(ids, costs, G, E, Cost.ROUTER_SUM if cost == Cost.TOP1_UNION else cost, step.routing)
+    if cost != Cost.TOP1_UNION:
+        return D
+    # top1_offset(voters, routing) per group, rounded to fp32 as the scalar a kernel adds
+    voters = step.voting.view(G, -1).sum(dim=1, dtype=torch.int64)
+    offset = ((voters * step.routing.top_k).double() * max(1.0, step.routing.scaling)).float()
+    return torch.where(reference.routed_union(ids[:, :1], G, E), D + offset[:, None], D)
 
 
 def select_fill(step: DecodeStep, batch_cost: torch.Tensor, budget: int):

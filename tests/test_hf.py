@@ -864,6 +864,9 @@ def test_finished_tokens_auto_reads_the_generation_config():
     base_moe.apply(model, budget=2, policy="router_sq", finished_tokens="auto")
     settings = lambda: moe_layouts(model)[0].block._base_moe.settings  # noqa: E731
     assert settings().finished_tokens == (0, 2, 7)
+    model.generation_config.pad_token_id = -1  # LLaMA's convention for "none"
+    base_moe.configure(model, finished_tokens="auto")
+    assert settings().finished_tokens == (2, 7)
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
     model.config.pad_token_id, model.config.eos_token_id = 5, 6
     base_moe.configure(model, finished_tokens="auto")  # the config's where the generation config names none
@@ -908,6 +911,23 @@ def test_finished_tokens_mask_lives_for_one_model_call():
     assert model._forward_pre_hooks and model._forward_hooks
     base_moe.restore(model)
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize("policy", ["base", "router_sq", "frequency", "oea"])
+def test_finished_tokens_under_torch_compile(policy):
+    """torch.compile(fullgraph) of the model's call traces the hooks and the masked selection: the same logits as the
+    eager masked call, which differ from those without the mask."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy=policy, finished_tokens=[0])
+    ids = live_and_finished(prompt_ids(batch=3, length=1, seed=5), 0)
+    eager = logits_of(model, ids)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        traced = compiled(ids).logits
+    assert torch.equal(traced, eager)
+    base_moe.configure(model, finished_tokens=None)
+    assert not torch.equal(logits_of(model, ids)[LIVE_ROWS], eager[LIVE_ROWS])
 
 
 def end_first_row():
