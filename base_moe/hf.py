@@ -122,7 +122,7 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     ``base_moe.hf.selections(model)`` (default False). ``finished_tokens``: ``None`` (default: every token of a decode
     batch votes), ``"auto"`` (the pad and EOS token ids of ``model.generation_config``, else ``model.config``) or an
     iterable of token ids: a token whose input id is one of them adds nothing to the batch's expert costs (it still
-    runs on the kept experts). ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the
+    runs on the kept experts; a batch without any other token votes as a whole). ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the
     others go on, so with ``"auto"`` finished sequences stop taking budget from the live ones; pass the ids yourself
     where ``generate`` gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold (leave out a
     tokenizer's None). It needs the model called with ``input_ids`` (not ``inputs_embeds``); a step with the mask runs
@@ -457,6 +457,9 @@ def _record_inputs(model: nn.Module, args, kwargs) -> None:
         voting = ids != finished[0]
         for token in finished[1:]:
             voting = voting & (ids != token)
+        # a decode batch (a position's tokens) without a live token, e.g. prompts of a lone BOS that is also the EOS,
+        # votes as a whole: its selection is the unmasked one, not experts by index at cost 0
+        voting = voting | ~voting.any(dim=0, keepdim=True)
     state.inputs.voting = voting
 
 

@@ -897,6 +897,10 @@ def test_finished_tokens_mask_lives_for_one_model_call():
     ids = torch.tensor([[0], [5], [0], [9]])
     logits_of(model, ids)
     assert torch.equal(seen[-1], ids != 0) and state.inputs.voting is None
+    logits_of(model, torch.zeros(4, 1, dtype=torch.long))  # no live token in the batch: every token votes
+    assert seen[-1].all()
+    logits_of(model, torch.tensor([[5, 0], [0, 0]]))  # per position (a decode batch under group_by='position')
+    assert seen[-1].tolist() == [[True, True], [False, True]]
     with torch.no_grad():
         model(inputs_embeds=model.get_input_embeddings()(ids))
     assert seen[-1] is None
