@@ -388,13 +388,8 @@ def voting_batch_cost(step: DecodeStep, ids: torch.Tensor, costs: torch.Tensor, 
         return reference.batch_cost(ids, costs, G, E, cost, step.routing)
     ids = torch.where(step.voting[:, None], ids, E)
     costs = torch.where(step.voting[:, None], costs, 0.0)
-    D = reference.batch_cost(ids, costs, G, E, Cost.ROUTER_SUM if cost == Cost.TOP1_UNION else cost, step.routing)
-    if cost != Cost.TOP1_UNION:
-        return D
-    # top1_offset(voters, routing) per group, rounded to fp32 as the scalar a kernel adds
-    voters = step.voting.view(G, -1).sum(dim=1, dtype=torch.int64)
-    offset = ((voters * step.routing.top_k).double() * max(1.0, step.routing.scaling)).float()
-    return torch.where(reference.routed_union(ids[:, :1], G, E), D + offset[:, None], D)
+    voters = step.voting.view(G, -1).sum(dim=1)
+    return reference.batch_cost(ids, costs, G, E, cost, step.routing, tokens_per_group=voters)
 
 
 def select_fill(step: DecodeStep, batch_cost: torch.Tensor, budget: int):

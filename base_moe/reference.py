@@ -148,16 +148,21 @@ def slot_costs(
     return weights.clone()  # ROUTER_SUM, TOP1_UNION
 
 
-def top1_offset(tokens_per_group: int, routing: Routing) -> float:
+def top1_offset(tokens_per_group: int | torch.Tensor, routing: Routing) -> float | torch.Tensor:
     """What TOP1_UNION adds to the cost of every expert that is some token's top-1: more than any sum of
-    routing weights in one group can reach, so seeded experts rank first."""
+    routing weights in one group can reach, so seeded experts rank first. ``tokens_per_group``: an int, or a ``[G]``
+    integer tensor (a count per group), whose offsets come back as ``[G, 1]`` fp32, the scalar's rounding."""
+    if isinstance(tokens_per_group, torch.Tensor):
+        return ((tokens_per_group.long() * routing.top_k).double() * max(1.0, routing.scaling)).float()[:, None]
     return float(tokens_per_group * routing.top_k * max(1.0, routing.scaling))
 
 
 def batch_cost(
-    ids: torch.Tensor, costs: torch.Tensor, num_groups: int, num_experts: int, cost: Cost, routing: Routing
+    ids: torch.Tensor, costs: torch.Tensor, num_groups: int, num_experts: int, cost: Cost, routing: Routing,
+    tokens_per_group: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``D [G, E]``: per group, the sum over its tokens (in token order, fp32) of each expert's slot cost."""
+    """``D [G, E]``: per group, the sum over its tokens (in token order, fp32) of each expert's slot cost.
+    ``tokens_per_group [G]``: the tokens TOP1_UNION's offset counts (default: all of the group's)."""
     T, k = ids.shape
     B = T // num_groups
     dense = torch.zeros(T, num_experts + 1, dtype=torch.float32, device=ids.device)
@@ -170,7 +175,7 @@ def batch_cost(
         is_top1 = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=ids.device)
         is_top1.scatter_(1, ids[:, :1].long(), True)
         seeded = is_top1[:, :num_experts].view(num_groups, B, num_experts).any(dim=1)
-        D = torch.where(seeded, D + top1_offset(B, routing), D)
+        D = torch.where(seeded, D + top1_offset(B if tokens_per_group is None else tokens_per_group, routing), D)
     return D
 
 
