@@ -119,16 +119,17 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     (the model's own experts module). ``norm``: ``"auto"`` (default: while the budget is on, base_moe's ``add_rms_norm``
     for a Llama-style decoder layer's residual add and norm before each block, or ``rms_norm`` for the norm alone) or
     ``"model"`` (the model's own modules always). ``record``: keep each block's last selection, read with
-    ``base_moe.hf.selections(model)`` (default False). ``finished_tokens``: ``None`` (default: every token of a decode
-    batch votes), ``"auto"`` (the pad and EOS token ids of ``model.generation_config``, else ``model.config``) or an
-    iterable of token ids: a token whose input id is one of them adds nothing to the batch's expert costs (it still
-    runs on the kept experts; a batch without any other token votes as a whole). ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the
-    others go on, so with ``"auto"`` finished sequences stop taking budget from the live ones; pass the ids yourself
-    where ``generate`` gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold (leave out a
-    tokenizer's None). It needs the model called with ``input_ids`` (not ``inputs_embeds``); a step with the mask runs
-    BASE-cost policies and ``router_sq`` as the router GEMV, a masking kernel and ``route_select`` instead of one
-    ``select_experts`` call, and ``router_sum``, ``frequency`` and ``top1_union`` with their batch sums in PyTorch (a
-    kernel per token).
+    ``base_moe.hf.selections(model)`` (default False). ``finished_tokens``: ``None`` (default: every token of a
+    decode batch votes), ``"auto"`` (the pad and EOS token ids of ``model.generation_config``, else
+    ``model.config``) or an iterable of token ids: a token whose input id is one of them adds nothing to the batch's
+    expert costs (it still runs on the kept experts; a decode batch with no live token votes as a whole).
+    ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the others go on, so with
+    ``"auto"`` finished sequences stop taking budget from the live ones; pass the ids yourself where ``generate``
+    gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold (leave out a tokenizer's None). It
+    needs the model called with ``input_ids`` (not ``inputs_embeds``); a step with the mask runs BASE-cost policies
+    and ``router_sq`` as the router GEMV, a masking kernel and ``route_select`` instead of one ``select_experts``
+    call, and ``router_sum``, ``frequency`` and ``top1_union`` with their batch sums in PyTorch (a kernel per
+    token).
     """
     if is_applied(model):
         raise ValueError(
@@ -269,11 +270,6 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
                 )
     if not isinstance(s.record, bool):
         raise ValueError(f"record must be a bool, got {s.record!r}")
-    if s.finished_tokens is not None and not (
-        isinstance(s.finished_tokens, tuple) and s.finished_tokens
-        and all(type(i) is int and i >= 0 for i in s.finished_tokens)
-    ):
-        raise ValueError(f"finished_tokens must be None, 'auto' or token ids (ints >= 0), got {s.finished_tokens!r}")
     if s.active:
         for layout in found:
             if layout.routing.top_k > MAX_TOP_K or layout.num_experts > MAX_EXPERTS:
