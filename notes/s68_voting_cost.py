@@ -18,7 +18,6 @@ config = Qwen3MoeConfig(vocab_size=1024, hidden_size=2048, intermediate_size=614
                         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
 with torch.device("cuda"):
     model = Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
-layout = None
 
 
 class Predictors:  # random predictor weights: the GEMV costs the same whatever they are
