@@ -727,8 +727,8 @@ class _BlockState:
         return token_logits.reshape(hidden.shape[0], -1), _Routed(x, logits, log_norms, sel, dense, voting)
 
     def _route_groups(self, router: nn.Module, hidden: torch.Tensor, num_groups: int, voting: torch.Tensor | None):
-        """Stage 1 on ``hidden`` (group after group), or stages 1-3 as one ``select_experts`` call where every token
-        votes: ``(logits [T, E] fp32, predicted log-norms [T, E] or [T, 0], Selection or None)``."""
+        """Stage 1 on ``hidden`` (group after group), or stages 1-3 as one ``select_experts`` call (only ``voting``'s
+        tokens choosing): ``(logits [T, E] fp32, predicted log-norms [T, E] or [T, 0], Selection or None)``."""
         weight = router.weight
         x = hidden.to(weight.dtype).contiguous()  # DeepSeek-V3 routes in fp32
         bias = self.router_bias_fp32()
@@ -737,11 +737,11 @@ class _BlockState:
             self._follow()
             pw, pb = self.predictor_weight, self.predictor_bias
         cost = s.policy.fused_cost
-        if cost is not None and s.budget is not None and voting is None and has_kernel("select_experts", x.device):
+        if cost is not None and s.budget is not None and has_kernel("select_experts", x.device):
             logits, log_norms, *selection = ops.select_experts(
                 x, weight, self.layout.routing, budget=s.budget, num_groups=num_groups, cost=cost, fill=s.op_fill,
                 router_bias=bias, predictor_weight=pw, predictor_bias=pb,
-                correction_bias=self.layout.correction_bias(),
+                correction_bias=self.layout.correction_bias(), voting=voting,
             )
             return logits, log_norms, Selection(*selection)
         if has_kernel("router_predict", x.device):

@@ -33,13 +33,18 @@ def route_cost(
     cost: Cost = Cost.BASE,
     log_norms: torch.Tensor | None = None,
     correction_bias: torch.Tensor | None = None,
+    voting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2: the model's routing ``(ids [T, k] int32, weights [T, k] fp32)`` and the per-group expert
     cost ``D [G, E]``. ``log_norms`` may broadcast its rows (``expand``) for static per-expert values.
 
+    ``voting [T]`` bool (None: every token): only these tokens' slots add to D, and ``Cost.TOP1_UNION``'s offset counts
+    them, so D is bit for bit that of the voting tokens alone (a finished sequence's pad tokens do not vote); the
+    routing is every token's.
+
     ``logits``, ``correction_bias`` and (for ``Cost.BASE``) ``log_norms`` must be finite (checked on CPU; on CUDA,
     where a check would synchronise, a NaN ranks arbitrarily)."""
-    return _ops.route_cost(logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost))
+    return _ops.route_cost(logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost), voting)
 
 
 def select_fill(
@@ -50,9 +55,12 @@ def select_fill(
     budget: int,
     fill: Fill = Fill.BACKFILL,
     correction_bias: torch.Tensor | None = None,
+    voting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 3: keep the ``budget`` routed experts of largest cost per group and fill every token's slots:
-    ``(ids [T, k], weights [T, k], kept [G, min(budget, E)], counts [G, E])``; sentinel id ``E``.
+    ``(ids [T, k], weights [T, k], kept [G, min(budget, E)], counts [G, E])``; sentinel id ``E``. With ``voting [T]``
+    bool only the experts its tokens route to are candidates (a group without a voting token keeps none); every token
+    is filled from the kept set.
 
     ``batch_cost [G, E]`` ranks as ``torch.sort(descending=True)`` ranks it: a NaN before every number, equal values
     (NaNs among them) to the lower expert index.
@@ -62,7 +70,7 @@ def select_fill(
     to rounding, except where backfill leaves a token only slots ~87 or more below its top logit. There the
     reference's and the CPU op's fp32 probabilities underflow (weights 0 or a few subnormal bits) and the CUDA
     weights stay exact."""
-    return _ops.select_fill(logits, batch_cost, correction_bias, *routing.op_args(), budget, int(fill))
+    return _ops.select_fill(logits, batch_cost, correction_bias, *routing.op_args(), budget, int(fill), voting)
 
 
 def route_select(
@@ -75,10 +83,13 @@ def route_select(
     fill: Fill = Fill.BACKFILL,
     log_norms: torch.Tensor | None = None,
     correction_bias: torch.Tensor | None = None,
+    voting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stages 2 and 3 in one call: ``(ids, weights, kept, counts, batch_cost)``; the weights as select_fill's."""
+    """Stages 2 and 3 in one call: ``(ids, weights, kept, counts, batch_cost)``; the weights as select_fill's,
+    ``voting`` as route_cost's and select_fill's: for the same logits, a group's voting tokens get bit for bit the
+    experts, weights, kept set and D they get as a group of their own."""
     return _ops.route_select(
-        logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost), budget, int(fill)
+        logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost), budget, int(fill), voting
     )
 
 
@@ -95,8 +106,9 @@ def select_experts(
     predictor_weight: torch.Tensor | None = None,
     predictor_bias: torch.Tensor | None = None,
     correction_bias: torch.Tensor | None = None,
+    voting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Stages 1-3 in one call: ``router_predict`` then ``route_select`` on its outputs:
+    """Stages 1-3 in one call: ``router_predict`` then ``route_select`` (with ``voting``) on its outputs:
     ``(logits, log_norms, ids, weights, kept, counts, batch_cost)``; on CUDA the two ops' kernels.
     ``Cost.BASE`` needs the predictor; the other costs ignore it.
 
@@ -106,7 +118,7 @@ def select_experts(
     biases are read after the wait."""
     return _ops.select_experts(
         hidden, router_weight, router_bias, predictor_weight, predictor_bias, correction_bias, num_groups,
-        *routing.op_args(), int(cost), budget, int(fill),
+        *routing.op_args(), int(cost), budget, int(fill), voting,
     )
 
 
@@ -193,9 +205,17 @@ def _routing_fakes(logits, top_k):
     return logits.new_empty(T, top_k, dtype=torch.int32), logits.new_empty(T, top_k, dtype=torch.float32)
 
 
+def _check_voting(logits, voting) -> None:
+    _check_same_device("logits", logits, voting=voting)
+    torch._check(voting is None or tuple(voting.shape) == (logits.shape[0],),
+                 lambda: f"voting must have shape [{logits.shape[0]}] (one flag per token), got {list(voting.shape)}")
+
+
 @torch.library.register_fake("base_moe::route_cost")
-def _route_cost_fake(logits, log_norms, correction_bias, num_groups, top_k, *_):
+def _route_cost_fake(logits, log_norms, correction_bias, num_groups, top_k, scoring, renormalize, n_group,
+                     topk_group, scaling, cost, voting=None):
     _check_same_device("logits", logits, log_norms=log_norms, correction_bias=correction_bias)
+    _check_voting(logits, voting)
     _check_selection_args(logits, num_groups, top_k)
     ids, weights = _routing_fakes(logits, top_k)
     return ids, weights, logits.new_empty(num_groups, logits.shape[1], dtype=torch.float32)
@@ -210,16 +230,18 @@ def _selection_fakes(logits, num_groups, top_k, budget):
 
 @torch.library.register_fake("base_moe::select_fill")
 def _select_fill_fake(logits, batch_cost, correction_bias, top_k, scoring, renormalize, n_group, topk_group,
-                      scaling, budget, fill):
+                      scaling, budget, fill, voting=None):
     _check_same_device("logits", logits, batch_cost=batch_cost, correction_bias=correction_bias)
+    _check_voting(logits, voting)
     _check_selection_args(logits, batch_cost.shape[0], top_k, budget)
     return _selection_fakes(logits, batch_cost.shape[0], top_k, budget)
 
 
 @torch.library.register_fake("base_moe::route_select")
 def _route_select_fake(logits, log_norms, correction_bias, num_groups, top_k, scoring, renormalize, n_group,
-                       topk_group, scaling, cost, budget, fill):
+                       topk_group, scaling, cost, budget, fill, voting=None):
     _check_same_device("logits", logits, log_norms=log_norms, correction_bias=correction_bias)
+    _check_voting(logits, voting)
     _check_selection_args(logits, num_groups, top_k, budget)
     D = logits.new_empty(num_groups, logits.shape[1], dtype=torch.float32)
     return (*_selection_fakes(logits, num_groups, top_k, budget), D)
@@ -227,10 +249,12 @@ def _route_select_fake(logits, log_norms, correction_bias, num_groups, top_k, sc
 
 @torch.library.register_fake("base_moe::select_experts")
 def _select_experts_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias, correction_bias,
-                         num_groups, top_k, scoring, renormalize, n_group, topk_group, scaling, cost, budget, fill):
+                         num_groups, top_k, scoring, renormalize, n_group, topk_group, scaling, cost, budget, fill,
+                         voting=None):
     logits, log_norms = _router_predict_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias)
     return logits, log_norms, *_route_select_fake(logits, None, correction_bias, num_groups, top_k, scoring,
-                                                  renormalize, n_group, topk_group, scaling, cost, budget, fill)
+                                                  renormalize, n_group, topk_group, scaling, cost, budget, fill,
+                                                  voting)
 
 
 @torch.library.register_fake("base_moe::rms_norm")

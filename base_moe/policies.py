@@ -35,10 +35,9 @@ weight, to the kept expert most similar to the dropped one (:func:`substitute_dr
 ``similarity=True``).
 
 Where ``DecodeStep.voting`` is given (``apply``'s ``finished_tokens``), only its tokens choose the kept set: the
-cost policies sum their slot costs over them alone (BASE, and ROUTER_SQ as BASE at log-norm 0, through
-``route_select`` on log-norms of ``SILENT_LOG_NORM`` for the others, which cost exactly 0; the other costs in PyTorch,
-:func:`voting_batch_cost`), OEA seeds A from them and Lynx counts them; every token is then filled from the kept set as
-before.
+cost policies pass it to ``route_select`` (their slot costs are summed over the voting tokens alone, and only the
+experts those route to are candidates), OEA seeds A from them and Lynx counts them; every token is then filled from
+the kept set as before.
 
 A name with options (``"oea:k0=2"``, ``"lynx:threshold=4:bins=3"``) builds an instance through the policy's factory
 (:func:`register_policy_factory`); ``apply``, ``configure`` and the ``eval`` command accept such names.
@@ -70,7 +69,6 @@ __all__ = [
     "register_policy",
     "register_policy_factory",
     "substitute_dropped",
-    "voting_batch_cost",
     "OEAPolicy",
     "LynxPolicy",
     "TopKReducePolicy",
@@ -197,19 +195,7 @@ class CostPolicy(Policy):
         return None
 
     def select(self, step: DecodeStep) -> Selection:
-        log_norms = self.batch_log_norms(step)
-        if step.voting is None:
-            return Selection(*route_select(step, self.cost, log_norms))
-        if self.cost in (Cost.BASE, Cost.ROUTER_SQ):
-            # the fused op still, on log-norms that make a non-voting slot's cost exactly 0 (one kernel); ROUTER_SQ's
-            # w^2 is BASE's w^2 exp(2 g) at g = 0, exactly
-            voting = step.voting[:, None]
-            silenced = (torch.where(voting, log_norms, SILENT_LOG_NORM) if self.cost == Cost.BASE
-                        else torch.where(voting.expand_as(step.logits), 0.0, SILENT_LOG_NORM))
-            return Selection(*route_select(step, Cost.BASE, silenced))
-        ids, weights, _ = route_cost(step, self.cost, log_norms)
-        D = voting_batch_cost(step, ids, reference.slot_costs(ids, weights, log_norms, self.cost), self.cost)
-        return Selection(*select_fill(step, D, step.budget), D)
+        return Selection(*route_select(step, self.cost, self.batch_log_norms(step)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,7 +328,8 @@ def has_kernel(op: str, device: torch.device) -> bool:
 
 
 def route_select(step: DecodeStep, cost: Cost, log_norms: torch.Tensor | None):
-    """``ops.route_select`` for the step: ``(ids, weights, kept, counts, batch_cost)``."""
+    """``ops.route_select`` for the step (only ``step.voting``'s tokens choose): ``(ids, weights, kept, counts,
+    batch_cost)``."""
     if has_kernel("route_select", step.logits.device):
         return ops.route_select(
             step.logits,
@@ -353,9 +340,11 @@ def route_select(step: DecodeStep, cost: Cost, log_norms: torch.Tensor | None):
             fill=step.fill,
             log_norms=log_norms,
             correction_bias=step.correction_bias,
+            voting=step.voting,
         )
     return reference.route_select(
-        step.logits, log_norms, step.correction_bias, step.num_groups, step.routing, cost, step.budget, step.fill
+        step.logits, log_norms, step.correction_bias, step.num_groups, step.routing, cost, step.budget, step.fill,
+        step.voting,
     )
 
 
@@ -373,32 +362,16 @@ def route_cost(step: DecodeStep, cost: Cost, log_norms: torch.Tensor | None):
     return reference.route_cost(step.logits, log_norms, step.correction_bias, step.num_groups, step.routing, cost)
 
 
-SILENT_LOG_NORM = -1e4
-"""The log-norm given to a non-voting token's experts: ``exp(2 g)`` is 0 in fp32 (and fp64), so its ``Cost.BASE``
-slot costs are exactly 0 and the batch sums are those of the voting tokens alone, bit for bit."""
-
-
-def voting_batch_cost(step: DecodeStep, ids: torch.Tensor, costs: torch.Tensor, cost: Cost) -> torch.Tensor:
-    """``D [G, E]`` from the slots' ``ids`` and ``costs [T, k]``, summed over ``step.voting``'s tokens (all where it is
-    None) in token order: the other tokens' slots add nothing and seed no ``TOP1_UNION`` expert, whose offset counts
-    the voting tokens only (so D is, bit for bit, that of the voting tokens alone). One kernel per token: for policies
-    without a fused op."""
-    E, G = step.logits.shape[1], step.num_groups
-    if step.voting is None:
-        return reference.batch_cost(ids, costs, G, E, cost, step.routing)
-    ids = torch.where(step.voting[:, None], ids, E)
-    costs = torch.where(step.voting[:, None], costs, 0.0)
-    voters = step.voting.view(G, -1).sum(dim=1)
-    return reference.batch_cost(ids, costs, G, E, cost, step.routing, tokens_per_group=voters)
-
-
 def select_fill(step: DecodeStep, batch_cost: torch.Tensor, budget: int):
-    """``ops.select_fill`` for the step and a given batch cost ``D [G, E]``: ``(ids, weights, kept, counts)``."""
+    """``ops.select_fill`` for the step and a given batch cost ``D [G, E]`` (candidates: the experts ``step.voting``'s
+    tokens route to): ``(ids, weights, kept, counts)``."""
     if has_kernel("select_fill", step.logits.device):
         return ops.select_fill(
-            step.logits, batch_cost, step.routing, budget=budget, fill=step.fill, correction_bias=step.correction_bias
+            step.logits, batch_cost, step.routing, budget=budget, fill=step.fill, correction_bias=step.correction_bias,
+            voting=step.voting,
         )
-    return reference.select_fill(step.logits, batch_cost, step.correction_bias, step.routing, budget, step.fill)
+    return reference.select_fill(step.logits, batch_cost, step.correction_bias, step.routing, budget, step.fill,
+                                 step.voting)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -524,7 +497,7 @@ class LynxPolicy(Policy):
         ratio = torch.where(valid & (weights > 0), torch.log(top / weights), math.inf)  # inf: the last bin
         bins = torch.floor(ratio / self.width).clamp(max=self.bins - 1)
         score = torch.where(valid, torch.pow(self.decay, bins), 0.0).float()
-        return voting_batch_cost(step, ids, score, Cost.FREQUENCY)
+        return reference.batch_cost(ids, score, step.num_groups, E, Cost.FREQUENCY, step.routing, step.voting)
 
     def select(self, step: DecodeStep) -> Selection:
         D = self.batch_scores(step)

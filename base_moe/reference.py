@@ -157,14 +157,21 @@ def top1_offset(tokens_per_group: int | torch.Tensor, routing: Routing) -> float
     return float(tokens_per_group * routing.top_k * max(1.0, routing.scaling))
 
 
+def voting_slots(ids: torch.Tensor, voting: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """``ids [T, k]`` with every slot of a non-voting token (``voting [T]`` False) made empty (the sentinel)."""
+    return ids if voting is None else torch.where(voting[:, None], ids, num_experts)
+
+
 def batch_cost(
     ids: torch.Tensor, costs: torch.Tensor, num_groups: int, num_experts: int, cost: Cost, routing: Routing,
-    tokens_per_group: torch.Tensor | None = None,
+    voting: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``D [G, E]``: per group, the sum over its tokens (in token order, fp32) of each expert's slot cost.
-    ``tokens_per_group [G]``: the tokens TOP1_UNION's offset counts (default: all of the group's)."""
+    ``voting [T]`` bool (None: every token): only these tokens' slots are summed and seed ``TOP1_UNION`` experts,
+    whose offset counts them, so D is bit for bit that of the voting tokens alone."""
     T, k = ids.shape
     B = T // num_groups
+    ids = voting_slots(ids, voting, num_experts)
     dense = torch.zeros(T, num_experts + 1, dtype=torch.float32, device=ids.device)
     dense.scatter_(1, ids.long(), costs.float())  # each token names an expert at most once
     dense = dense[:, :num_experts].view(num_groups, B, num_experts)
@@ -175,7 +182,8 @@ def batch_cost(
         is_top1 = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=ids.device)
         is_top1.scatter_(1, ids[:, :1].long(), True)
         seeded = is_top1[:, :num_experts].view(num_groups, B, num_experts).any(dim=1)
-        D = torch.where(seeded, D + top1_offset(B if tokens_per_group is None else tokens_per_group, routing), D)
+        voters = B if voting is None else voting.view(num_groups, B).sum(dim=1)
+        D = torch.where(seeded, D + top1_offset(voters, routing), D)
     return D
 
 
@@ -186,22 +194,26 @@ def route_cost(
     num_groups: int,
     routing: Routing,
     cost: Cost,
+    voting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage 2: the model's routing and the per-group expert costs: ``(ids, weights, D)``."""
+    """Stage 2: the model's routing and the per-group expert costs: ``(ids, weights, D)``; D summed over the
+    ``voting`` tokens (None: all)."""
     ids, weights = route(logits, routing, correction_bias)
     costs = slot_costs(ids, weights, log_norms, cost)
-    D = batch_cost(ids, costs, num_groups, logits.shape[1], cost, routing)
+    D = batch_cost(ids, costs, num_groups, logits.shape[1], cost, routing, voting)
     return ids, weights, D
 
 
 # ---------------------------------------------------------------------------------------------
 # Stage 3: top-budget selection and fill
 # ---------------------------------------------------------------------------------------------
-def routed_union(ids: torch.Tensor, num_groups: int, num_experts: int) -> torch.Tensor:
-    """Boolean ``[G, E]``: experts routed by at least one token of the group."""
+def routed_union(ids: torch.Tensor, num_groups: int, num_experts: int,
+                 voting: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean ``[G, E]``: experts routed by at least one (voting, where ``voting [T]`` is given) token of the
+    group."""
     T = ids.shape[0]
     hit = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=ids.device)
-    hit.scatter_(1, ids.long(), True)
+    hit.scatter_(1, voting_slots(ids, voting, num_experts).long(), True)
     return hit[:, :num_experts].view(num_groups, T // num_groups, num_experts).any(dim=1)
 
 
@@ -268,13 +280,15 @@ def select_fill(
     routing: Routing,
     budget: int,
     fill_rule: Fill,
+    voting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 3: keep the top-``budget`` routed experts of each group by ``batch_cost`` and fill every
-    token's slots from them: ``(ids, weights, kept, counts)``."""
+    token's slots from them: ``(ids, weights, kept, counts)``. With ``voting [T]`` bool, only the experts its tokens
+    route to are candidates (a group without a voting token keeps none); every token is filled."""
     E = logits.shape[1]
     G = batch_cost.shape[0]
     routed, _ = route(logits, routing, correction_bias)
-    kept = keep_experts(batch_cost, routed_union(routed, G, E), budget)
+    kept = keep_experts(batch_cost, routed_union(routed, G, E, voting), budget)
     ids, weights = fill(logits, correction_bias, routing, kept, fill_rule)
     return ids, weights, kept, expert_counts(ids, G, E)
 
@@ -288,10 +302,11 @@ def route_select(
     cost: Cost,
     budget: int,
     fill_rule: Fill,
+    voting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stages 2 and 3 fused: ``(ids, weights, kept, counts, D)``."""
-    _, _, D = route_cost(logits, log_norms, correction_bias, num_groups, routing, cost)
-    ids, weights, kept, counts = select_fill(logits, D, correction_bias, routing, budget, fill_rule)
+    """Stages 2 and 3 fused: ``(ids, weights, kept, counts, D)``; only the ``voting`` tokens (None: all) choose."""
+    _, _, D = route_cost(logits, log_norms, correction_bias, num_groups, routing, cost, voting)
+    ids, weights, kept, counts = select_fill(logits, D, correction_bias, routing, budget, fill_rule, voting)
     return ids, weights, kept, counts, D
 
 
@@ -307,12 +322,13 @@ def select_experts(
     cost: Cost,
     budget: int,
     fill_rule: Fill,
+    voting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Stages 1-3: ``(logits, log_norms, ids, weights, kept, counts, D)``; the log-norms feed only ``Cost.BASE``."""
     logits, log_norms = router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias)
     cost_log_norms = log_norms if cost == Cost.BASE else None
     return logits, log_norms, *route_select(logits, cost_log_norms, correction_bias, num_groups, routing, cost, budget,
-                                            fill_rule)
+                                            fill_rule, voting)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,6 +131,15 @@ void check_select_fill(const Tensor& logits, const Tensor& batch_cost, int64_t b
   check_budget_fill(budget, fill);
 }
 
+void check_voting(const OptTensor& voting, const Tensor& logits) {
+  if (!voting.has_value()) return;
+  BASE_MOE_CHECK(voting->dim() == 1 && voting->size(0) == logits.size(0), "voting must have shape [",
+                 logits.size(0), "] (one flag per token), got ", voting->sizes());
+  BASE_MOE_CHECK(voting->scalar_type() == at::kBool, "voting must be bool, got ", voting->scalar_type());
+  BASE_MOE_CHECK(voting->is_contiguous(), "voting must be contiguous");
+  check_same_device(*voting, logits, "voting", "logits");
+}
+
 void check_budget_fill(int64_t budget, int64_t fill) {
   BASE_MOE_CHECK(budget >= 1, "budget must be >= 1, got ", budget);
   BASE_MOE_CHECK(fill >= 0 && fill <= 2, "fill must be 0 (backfill), 1 (drop) or 2 (drop_renorm), got ", fill);

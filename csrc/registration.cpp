@@ -10,28 +10,32 @@ TORCH_LIBRARY(base_moe, m) {
   m.def(
       "router_predict(Tensor hidden, Tensor router_weight, Tensor? router_bias, Tensor? predictor_weight, "
       "Tensor? predictor_bias) -> (Tensor logits, Tensor log_norms)");
+  // voting [T] bool (stages 2-3, optional): only its tokens' slots add to D and make experts candidates for the kept
+  // set (TOP1_UNION's offset counts them); every token is still routed and filled. A finished sequence's pad tokens.
   // Stage 2: the model's routing (ids, weights [T, k]) and the per-group expert cost D [G, E].
   m.def(
       "route_cost(Tensor logits, Tensor? log_norms, Tensor? correction_bias, int num_groups, int top_k, "
-      "int scoring, bool renormalize, int n_group, int topk_group, float scaling, int cost) "
+      "int scoring, bool renormalize, int n_group, int topk_group, float scaling, int cost, Tensor? voting=None) "
       "-> (Tensor topk_ids, Tensor topk_weights, Tensor batch_cost)");
   // Stage 3: keep the top-budget experts of each group by D, fill each token's slots from them.
   m.def(
       "select_fill(Tensor logits, Tensor batch_cost, Tensor? correction_bias, int top_k, int scoring, "
-      "bool renormalize, int n_group, int topk_group, float scaling, int budget, int fill) "
+      "bool renormalize, int n_group, int topk_group, float scaling, int budget, int fill, Tensor? voting=None) "
       "-> (Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts)");
   // Stages 2 and 3 in one call.
   m.def(
       "route_select(Tensor logits, Tensor? log_norms, Tensor? correction_bias, int num_groups, int top_k, "
-      "int scoring, bool renormalize, int n_group, int topk_group, float scaling, int cost, int budget, int fill) "
-      "-> (Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, Tensor batch_cost)");
+      "int scoring, bool renormalize, int n_group, int topk_group, float scaling, int cost, int budget, int fill, "
+      "Tensor? voting=None) -> (Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, "
+      "Tensor batch_cost)");
   // Stages 1-3 in one call (router_predict, then route_select): the logits and log-norms of router_predict
   // and the outputs of route_select (log-norms are used only by the BASE cost; [T, 0] without a predictor).
   m.def(
       "select_experts(Tensor hidden, Tensor router_weight, Tensor? router_bias, Tensor? predictor_weight, "
       "Tensor? predictor_bias, Tensor? correction_bias, int num_groups, int top_k, int scoring, bool renormalize, "
-      "int n_group, int topk_group, float scaling, int cost, int budget, int fill) -> (Tensor logits, "
-      "Tensor log_norms, Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, Tensor batch_cost)");
+      "int n_group, int topk_group, float scaling, int cost, int budget, int fill, Tensor? voting=None) -> "
+      "(Tensor logits, Tensor log_norms, Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, "
+      "Tensor batch_cost)");
   // The decoder layer's RMSNorm before the MoE block (Llama-style, as HF writes it for Qwen3-MoE, OLMoE, Mixtral,
   // DeepSeek): weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), fp32 inside. On CUDA it lets the selection kernel
   // after it start (programmatic dependent launch), so select_experts stages its weights while the norm runs.

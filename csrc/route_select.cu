@@ -22,6 +22,8 @@
 // and every CTA, once all B k records are in, scatters them into an [E][tokens] table and adds each expert's row in
 // token order itself (every CTA the same values in the same order: the same bits). No cluster barrier after the
 // routing, no owners' sums, no key exchange.
+// With voting flags (a finished sequence's pad tokens do not vote), a non-voting token's slots add no cost and set no
+// flag, so its experts are no candidates, and TOP1_UNION's offset counts the voting tokens; it is still filled.
 // No float atomics, no host synchronisation, fixed output shapes.
 // The op wrappers (argument checks, outputs, registration) are in csrc/select_cuda.cpp.
 #include <ATen/cuda/CUDAContext.h>
@@ -138,10 +140,10 @@ __device__ __forceinline__ void scatter_records(const uint2* records, int n, int
 }
 
 // Plan::kBroadcast: D of every expert, a thread per expert adding its row's non-zero costs in token order (the
-// reference's sequential fp32 sum, bit for bit; 16 loads issued ahead of their adds), plus TOP1_UNION's offset; its
-// ranking key (0 where no token routed to it) and, where batch_cost is given (CTA 0), D.
+// reference's sequential fp32 sum, bit for bit; 16 loads issued ahead of their adds), plus TOP1_UNION's offset
+// (top1); its ranking key (0 where no token routed to it) and, where batch_cost is given (CTA 0), D.
 __device__ __forceinline__ void sum_every_expert(const SelectParams& p, const float* table, int stride,
-                                                 const int* flags, uint32_t* cost_key, float* batch_cost,
+                                                 const int* flags, float top1, uint32_t* cost_key, float* batch_cost,
                                                  int threads) {
   for (int u = static_cast<int>(threadIdx.x); u < p.E; u += threads) {
     const float* row = table + u * stride;
@@ -151,10 +153,24 @@ __device__ __forceinline__ void sum_every_expert(const SelectParams& p, const fl
       d = thread_add_nonzero_in_order<16>(d, row + first, min(16, p.B - first));
     }
     const int f = flags[u];
-    d = with_top1_offset(p, d, f);
+    d = with_top1_offset(p, d, f, top1);
     if (batch_cost != nullptr) batch_cost[u] = d;
     cost_key[u] = (f & 1) ? candidate_key(d) : 0u;
   }
+}
+
+// TOP1_UNION's offset for the group of tokens [first_token, first_token + B): B tokens' where every token votes, else
+// its voting tokens' (counted by the whole CTA, a barrier per kThreads tokens; each CTA of the cluster counts the
+// same). Called by every thread of the CTA, after the PDL wait (the flags may come from the previous kernel).
+template <int kThreads>
+__device__ __forceinline__ float group_top1_offset(const SelectParams& p, int64_t first_token) {
+  if (p.voting == nullptr || p.cost != Cost::kTop1Union || !p.compute_cost) return p.top1_offset;
+  int voters = 0;
+  for (int first = 0; first < p.B; first += kThreads) {
+    const int i = first + static_cast<int>(threadIdx.x);
+    voters += __syncthreads_count(i < p.B && p.voting[first_token + i]);
+  }
+  return top1_offset(voters, p.k, p.top1_scale);
 }
 
 // GENERIC = false: softmax routing without a group limit at budgets up to 32 (score_token), whose instance leaves the
@@ -242,6 +258,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   // kBroadcast has no cluster barrier before the fill: the zeros come before this CTA's pushes (this barrier), whose
   // complete_tx releases them to every receiver's inbox wait (an acquire); every CTA routes a token, so pushes to all.
   if constexpr (kBroadcast) __syncthreads();
+  const float top1 = group_top1_offset<kThreads>(p, first_token);
 
   const bool single_chunk = chunks <= 1;
   const bool base_cost = p.cost == Cost::kBase;
@@ -252,6 +269,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     const int local = chunk * per_chunk + column;
     if (local < B) {
       const int64_t t = first_token + local;
+      const bool votes = p.voting == nullptr || p.voting[t];  // a non-voting token's slots: no cost, no candidate
       load_token<EPL>(p, t, lane, s);
       score_token<EPL, GENERIC>(p, lane, my_row, my_group_scratch, s);
       float w, log_norm;
@@ -265,10 +283,10 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
 #pragma unroll 1
           for (int receiver = 0; receiver < C; ++receiver) {
             cuda::inbox_push(cell, static_cast<unsigned>(receiver),
-                             make_uint2(static_cast<uint32_t>(id), __float_as_uint(cost)), inbox);
+                             make_uint2(static_cast<uint32_t>(votes ? id : E), __float_as_uint(cost)), inbox);
           }
         }
-      } else if (id < E) {
+      } else if (id < E && votes) {
         const unsigned owner = static_cast<unsigned>(id >> owner_shift);
         const int e = id & (EPC - 1);
         if (p.compute_cost) {
@@ -317,7 +335,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
                     step_slots, kThreads);
     __syncthreads();
     float* batch_cost = rank == 0 ? p.batch_cost_out + static_cast<int64_t>(group) * E : nullptr;
-    sum_every_expert(p, own, stride, own_flags, cost_key, batch_cost, kThreads);
+    sum_every_expert(p, own, stride, own_flags, top1, cost_key, batch_cost, kThreads);
     __syncthreads();
   } else {
     __syncthreads();  // the last own_cost writes before other threads read them
@@ -329,7 +347,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       const int u = first_owned + e, f = own_flags[e];
       float d;
       if (p.compute_cost) {
-        d = with_top1_offset(p, own_cost[e], f);
+        d = with_top1_offset(p, own_cost[e], f, top1);
         if (receiver == 0) p.batch_cost_out[static_cast<int64_t>(group) * E + u] = d;
       } else {
         d = p.batch_cost_in[static_cast<int64_t>(group) * E + u];

@@ -153,9 +153,15 @@ void route_all(const Tensor& logits, const OptTensor& correction_bias, const Rou
   });
 }
 
-// D[g, u]: the group's slot costs summed in token order, plus the TOP1_UNION seed offset.
+// The voting flags' data, or null (every token votes).
+const bool* voting_data(const OptTensor& voting) {
+  return voting.has_value() ? voting->data_ptr<bool>() : nullptr;
+}
+
+// D[g, u]: the group's slot costs summed in token order, plus the TOP1_UNION seed offset; only the voting tokens' slots
+// (every token's where `voting` is null), and the offset counts them.
 Tensor batch_cost(const Tensor& ids, const Tensor& weights, const OptTensor& log_norms, int64_t num_groups,
-                  const RoutingParams& r, Cost cost) {
+                  const RoutingParams& r, Cost cost, const bool* voting) {
   const int64_t T = ids.size(0), E = r.num_experts, k = r.top_k, B = T / num_groups;
   Tensor D = at::zeros({num_groups, E}, weights.options());
   const int32_t* id = ids.data_ptr<int32_t>();
@@ -163,11 +169,13 @@ Tensor batch_cost(const Tensor& ids, const Tensor& weights, const OptTensor& log
   const float* g = cost == Cost::kBase ? log_norms->data_ptr<float>() : nullptr;
   const int64_t g_stride = cost == Cost::kBase ? log_norms->stride(0) : 0;
   float* d = D.data_ptr<float>();
-  const float offset = top1_offset(B, r);
   for (int64_t grp = 0; grp < num_groups; ++grp) {
     float* d_row = d + grp * E;
     std::vector<uint8_t> seeded(E, 0);
+    int64_t voters = 0;
     for (int64_t t = grp * B; t < (grp + 1) * B; ++t) {
+      if (voting != nullptr && !voting[t]) continue;
+      ++voters;
       for (int64_t j = 0; j < k; ++j) {
         const int32_t u = id[t * k + j];
         if (u == E) continue;
@@ -176,6 +184,7 @@ Tensor batch_cost(const Tensor& ids, const Tensor& weights, const OptTensor& log
       if (id[t * k] < E) seeded[id[t * k]] = 1;
     }
     if (cost != Cost::kTop1Union) continue;
+    const float offset = top1_offset(voters, r.top_k, top1_scale(r));
     for (int64_t u = 0; u < E; ++u) {
       if (seeded[u]) d_row[u] += offset;
     }
@@ -183,8 +192,10 @@ Tensor batch_cost(const Tensor& ids, const Tensor& weights, const OptTensor& log
   return D;
 }
 
-// kept[g, :]: the budget routed experts of largest D (ties to the lower index), padded with E.
-Tensor keep_experts(const Tensor& routed_ids, const Tensor& D, int64_t budget, const RoutingParams& r) {
+// kept[g, :]: the budget experts of largest D (ties to the lower index) that some (voting) token of the group routes
+// to, padded with E.
+Tensor keep_experts(const Tensor& routed_ids, const Tensor& D, int64_t budget, const RoutingParams& r,
+                    const bool* voting) {
   const int64_t G = D.size(0), E = r.num_experts, k = r.top_k, B = routed_ids.size(0) / G;
   const int64_t width = std::min(budget, E);
   Tensor kept = at::empty({G, width}, routed_ids.options());
@@ -194,7 +205,7 @@ Tensor keep_experts(const Tensor& routed_ids, const Tensor& D, int64_t budget, c
   for (int64_t grp = 0; grp < G; ++grp) {
     for (int64_t u = 0; u < E; ++u) candidates[u] = Candidate{false, true, d[grp * E + u], static_cast<int32_t>(u)};
     for (int64_t i = grp * B * k; i < (grp + 1) * B * k; ++i) {
-      if (id[i] < E) candidates[id[i]].eligible = true;
+      if (id[i] < E && (voting == nullptr || voting[i / k])) candidates[id[i]].eligible = true;
     }
     top_k_ids(candidates, width, static_cast<int32_t>(E), kept.data_ptr<int32_t>() + grp * width);
   }
@@ -278,8 +289,8 @@ std::tuple<Tensor, Tensor> route_tokens(const Tensor& logits, const OptTensor& c
 std::tuple<Tensor, Tensor, Tensor, Tensor> keep_and_fill(const Tensor& logits, const OptTensor& correction_bias,
                                                          const RoutingParams& r, const Tensor& routed,
                                                          const Tensor& routed_w, const Tensor& D, int64_t budget,
-                                                         int64_t fill) {
-  Tensor kept = keep_experts(routed, D, budget, r);
+                                                         int64_t fill, const bool* voting) {
+  Tensor kept = keep_experts(routed, D, budget, r, voting);
   Tensor ids = at::empty_like(routed);
   Tensor weights = at::empty_like(routed_w);
   fill_tokens(logits, correction_bias, r, routed, routed_w, kept, static_cast<Fill>(fill), ids, weights);
@@ -292,13 +303,14 @@ std::tuple<Tensor, Tensor, Tensor> route_cost_cpu(const Tensor& logits, const Op
                                                   const OptTensor& correction_bias, int64_t num_groups,
                                                   int64_t top_k, int64_t scoring, bool renormalize,
                                                   int64_t n_group, int64_t topk_group, double scaling,
-                                                  int64_t cost) {
+                                                  int64_t cost, const OptTensor& voting) {
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
+  check_voting(voting, logits);
   check_finite_inputs(logits, correction_bias, log_norms_read(log_norms, cost));
   auto [ids, weights] = route_tokens(logits, correction_bias, r);
-  Tensor D = batch_cost(ids, weights, log_norms, num_groups, r, static_cast<Cost>(cost));
+  Tensor D = batch_cost(ids, weights, log_norms, num_groups, r, static_cast<Cost>(cost), voting_data(voting));
   return {ids, weights, D};
 }
 
@@ -306,27 +318,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cpu(const Tensor& logits,
                                                            const OptTensor& correction_bias, int64_t top_k,
                                                            int64_t scoring, bool renormalize, int64_t n_group,
                                                            int64_t topk_group, double scaling, int64_t budget,
-                                                           int64_t fill) {
+                                                           int64_t fill, const OptTensor& voting) {
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_select_fill(logits, batch_cost, budget, fill);
+  check_voting(voting, logits);
   check_finite_inputs(logits, correction_bias, std::nullopt);
   auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
-  return keep_and_fill(logits, correction_bias, r, routed, routed_w, batch_cost, budget, fill);
+  return keep_and_fill(logits, correction_bias, r, routed, routed_w, batch_cost, budget, fill, voting_data(voting));
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cpu(
     const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
     int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
-    int64_t cost, int64_t budget, int64_t fill) {
+    int64_t cost, int64_t budget, int64_t fill, const OptTensor& voting) {
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
   check_budget_fill(budget, fill);
+  check_voting(voting, logits);
   check_finite_inputs(logits, correction_bias, log_norms_read(log_norms, cost));
   auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
-  Tensor D = batch_cost(routed, routed_w, log_norms, num_groups, r, static_cast<Cost>(cost));
-  auto [ids, weights, kept, counts] = keep_and_fill(logits, correction_bias, r, routed, routed_w, D, budget, fill);
+  const bool* votes = voting_data(voting);
+  Tensor D = batch_cost(routed, routed_w, log_norms, num_groups, r, static_cast<Cost>(cost), votes);
+  auto [ids, weights, kept, counts] =
+      keep_and_fill(logits, correction_bias, r, routed, routed_w, D, budget, fill, votes);
   return {ids, weights, kept, counts, D};
 }
 

@@ -72,11 +72,12 @@ std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tenso
   return {logits, log_norms};
 }
 
-SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias, const RoutingParams& r,
-                         int64_t num_groups) {
+SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias, const OptTensor& voting,
+                         const RoutingParams& r, int64_t num_groups) {
   SelectParams p{};
   p.logits = logits.data_ptr<float>();
   p.correction_bias = correction_bias.has_value() ? correction_bias->data_ptr<float>() : nullptr;
+  p.voting = voting.has_value() ? voting->data_ptr<bool>() : nullptr;
   p.B = static_cast<int>(logits.size(0) / num_groups);
   p.E = static_cast<int>(r.num_experts);
   p.k = static_cast<int>(r.top_k);
@@ -88,7 +89,8 @@ SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias,
   p.scaling = static_cast<float>(r.scaling);
   p.cost = Cost::kRouterSum;
   p.fill = static_cast<int>(Fill::kBackfill);
-  p.top1_offset = top1_offset(p.B, r);
+  p.top1_scale = top1_scale(r);
+  p.top1_offset = top1_offset(p.B, r.top_k, p.top1_scale);
   return p;
 }
 
@@ -153,13 +155,15 @@ void check_token_count(const Tensor& logits) {
 std::tuple<Tensor, Tensor, Tensor> route_cost_cuda(const Tensor& logits, const OptTensor& log_norms,
                                                    const OptTensor& correction_bias, int64_t num_groups,
                                                    int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group,
-                                                   int64_t topk_group, double scaling, int64_t cost) {
+                                                   int64_t topk_group, double scaling, int64_t cost,
+                                                   const OptTensor& voting) {
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
+  check_voting(voting, logits);
   check_token_count(logits);
   const c10::cuda::CUDAGuard guard(logits.device());
-  SelectParams p = make_params(logits, correction_bias, r, num_groups);
+  SelectParams p = make_params(logits, correction_bias, voting, r, num_groups);
   set_cost(p, log_norms, cost);
   auto [ids, weights] = routing_outputs(p, logits, top_k);
   Tensor D = batch_cost_output(p, logits, num_groups);
@@ -171,14 +175,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cuda(const Tensor& logits
                                                             const OptTensor& correction_bias, int64_t top_k,
                                                             int64_t scoring, bool renormalize, int64_t n_group,
                                                             int64_t topk_group, double scaling, int64_t budget,
-                                                            int64_t fill) {
+                                                            int64_t fill, const OptTensor& voting) {
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_select_fill(logits, batch_cost, budget, fill);
+  check_voting(voting, logits);
   check_token_count(logits);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t G = batch_cost.size(0);
-  SelectParams p = make_params(logits, correction_bias, r, G);
+  SelectParams p = make_params(logits, correction_bias, voting, r, G);
   p.compute_cost = false;
   p.batch_cost_in = batch_cost.data_ptr<float>();
   auto [ids, weights] = routing_outputs(p, logits, top_k);
@@ -197,13 +202,14 @@ struct CheckedSelection {
 CheckedSelection checked_route_select(const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias,
                                       int64_t num_groups, int64_t top_k, int64_t scoring, bool renormalize,
                                       int64_t n_group, int64_t topk_group, double scaling, int64_t cost, int64_t budget,
-                                      int64_t fill) {
+                                      int64_t fill, const OptTensor& voting) {
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
   check_budget_fill(budget, fill);
+  check_voting(voting, logits);
   check_token_count(logits);
-  CheckedSelection s{make_params(logits, correction_bias, r, num_groups), {}};
+  CheckedSelection s{make_params(logits, correction_bias, voting, r, num_groups), {}};
   set_cost(s.params, log_norms, cost);
   s.outputs = selection_outputs(s.params, logits, top_k, num_groups, budget, fill);
   return s;
@@ -212,9 +218,9 @@ CheckedSelection checked_route_select(const Tensor& logits, const OptTensor& log
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cuda(
     const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
     int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
-    int64_t cost, int64_t budget, int64_t fill) {
+    int64_t cost, int64_t budget, int64_t fill, const OptTensor& voting) {
   CheckedSelection s = checked_route_select(logits, log_norms, correction_bias, num_groups, top_k, scoring,
-                                            renormalize, n_group, topk_group, scaling, cost, budget, fill);
+                                            renormalize, n_group, topk_group, scaling, cost, budget, fill, voting);
   const c10::cuda::CUDAGuard guard(logits.device());
   route_select_launch(s.params, static_cast<int>(num_groups), logits.get_device());
   return s.outputs;
@@ -229,12 +235,13 @@ SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& rout
                                         const OptTensor& predictor_weight, const OptTensor& predictor_bias,
                                         const OptTensor& correction_bias, int64_t num_groups, int64_t top_k,
                                         int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
-                                        double scaling, int64_t cost, int64_t budget, int64_t fill) {
+                                        double scaling, int64_t cost, int64_t budget, int64_t fill,
+                                        const OptTensor& voting) {
   check_select_experts(predictor_weight, cost);
   auto [logits, log_norms] = checked_gemv_outputs(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
   const OptTensor cost_log_norms = cost == static_cast<int64_t>(Cost::kBase) ? OptTensor(log_norms) : std::nullopt;
   CheckedSelection s = checked_route_select(logits, cost_log_norms, correction_bias, num_groups, top_k, scoring,
-                                            renormalize, n_group, topk_group, scaling, cost, budget, fill);
+                                            renormalize, n_group, topk_group, scaling, cost, budget, fill, voting);
   const c10::cuda::CUDAGuard guard(hidden.device());  // after the checks: hidden may be on the CPU (refused there)
   launch_gemv(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms);
   route_select_launch(s.params, static_cast<int>(num_groups), hidden.get_device());

@@ -362,6 +362,115 @@ def test_add_rms_norm_matches_reference_on_cpu(dtype, T, H):
 
 
 # ---------------------------------------------------------------------------------------------
+# voting: only some tokens choose the kept set (a finished sequence's pad tokens do not)
+# ---------------------------------------------------------------------------------------------
+def random_voting(T: int, num_groups: int, device: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """About half the tokens vote, the first of every group always (so that no group is without a voter)."""
+    voting = torch.rand(T, generator=generator) < 0.5
+    voting[:: T // num_groups] = True
+    return voting.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k,routing", ROUTINGS)
+@pytest.mark.parametrize("cost", list(Cost))
+@pytest.mark.parametrize("fill", list(Fill))
+def test_voting_matches_reference(device, E, k, routing, cost, fill):
+    G, B, budget = 3, 11, max(1, E // 4)
+    logits = random_logits(G * B, E, device, ties=False)
+    log_norms = torch.randn(G * B, E, device=device)
+    bias = random_bias(routing, E, device)
+    voting = random_voting(G * B, G, device)
+    cpu_bias = None if bias is None else bias.cpu()
+    ids, weights, kept, counts, D = ops.route_select(logits, routing, budget=budget, num_groups=G, cost=cost,
+                                                     fill=fill, log_norms=log_norms, correction_bias=bias,
+                                                     voting=voting)
+    exp_D = ref.route_cost(logits.cpu(), log_norms.cpu(), cpu_bias, G, routing, cost, voting.cpu())[2]
+    exp_kept = ref.select_fill(logits.cpu(), exp_D, cpu_bias, routing, budget, fill, voting.cpu())[2]
+    torch.testing.assert_close(D.cpu(), exp_D, atol=1e-6, rtol=1e-5)
+    assert_kept_matches(kept, exp_kept, exp_D)
+    fill_ids, fill_w = ref.fill(logits.cpu(), cpu_bias, routing, kept.cpu(), fill)  # every token, from the kept set
+    assert torch.equal(ids.cpu(), fill_ids)
+    torch.testing.assert_close(weights.cpu(), fill_w, atol=1e-6, rtol=1e-5)
+    assert torch.equal(counts.cpu(), ref.expert_counts(ids.cpu(), G, E))
+    # the stages alone, with the same flags
+    staged_D = ops.route_cost(logits, routing, num_groups=G, cost=cost, log_norms=log_norms, correction_bias=bias,
+                              voting=voting)[2]
+    assert torch.equal(staged_D, D)
+    staged = ops.select_fill(logits, D, routing, budget=budget, fill=fill, correction_bias=bias, voting=voting)
+    for a, b in zip(staged, (ids, weights, kept, counts)):
+        assert torch.equal(a, b)
+
+
+# Tokens per group that reach each CUDA instance of the selection kernel (one chunk of up to 32 tokens, one chunk
+# of more, several chunks) for the expert counts of its instances (experts per lane 1, 2, 4, 8, 16).
+VOTING_SHAPES = [(E, B) for E in (32, 60, 128, 256, 512) for B in (1, 6, 40, 150, 700)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,B", VOTING_SHAPES)
+@pytest.mark.parametrize("cost,fill", [(Cost.BASE, Fill.BACKFILL), (Cost.ROUTER_SUM, Fill.DROP),
+                                       (Cost.ROUTER_SQ, Fill.DROP_RENORM), (Cost.FREQUENCY, Fill.BACKFILL),
+                                       (Cost.TOP1_UNION, Fill.BACKFILL)])
+def test_voting_tokens_get_what_they_get_alone(device, E, B, cost, fill):
+    """Per group, the voting tokens of a step get bit for bit the ids, weights, kept set and batch cost they get as a
+    group of their own (which the kernels may run on another instance); the others are filled from that kept set."""
+    G, k = 2, 8 if E >= 128 else 4
+    routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
+    gen = torch.Generator().manual_seed(E * 1000 + B)
+    logits = (torch.randn(G * B, E, generator=gen) * 2).to(device)
+    log_norms = torch.randn(G * B, E, generator=gen).to(device)
+    voting = random_voting(G * B, G, device, gen)
+    budget = 12
+    ids, weights, kept, counts, D = ops.route_select(logits, routing, budget=budget, num_groups=G, cost=cost,
+                                                     fill=fill, log_norms=log_norms, voting=voting)
+    for g in range(G):
+        rows = torch.arange(g * B, (g + 1) * B, device=device)
+        rows = rows[voting[rows]]
+        alone = ops.route_select(logits[rows], routing, budget=budget, num_groups=1, cost=cost, fill=fill,
+                                 log_norms=log_norms[rows])
+        assert torch.equal(ids[rows], alone[0]) and torch.equal(weights[rows], alone[1])
+        assert torch.equal(kept[g], alone[2][0]) and torch.equal(D[g], alone[4][0])
+    # select_experts' voting is route_select's on its own logits
+    H = 64
+    x = torch.randn(G * B, H, generator=gen).to(device, torch.bfloat16)
+    wr, wp = ((torch.randn(E, H, generator=gen) / H**0.5).to(device, torch.bfloat16) for _ in range(2))
+    bp = torch.randn(E, generator=gen).to(device)
+    out = ops.select_experts(x, wr, routing, budget=budget, num_groups=G, cost=cost, fill=fill, predictor_weight=wp,
+                             predictor_bias=bp, voting=voting)
+    staged = ops.route_select(out[0], routing, budget=budget, num_groups=G, cost=cost, fill=fill,
+                              log_norms=out[1] if cost == Cost.BASE else None, voting=voting)
+    for a, b in zip(out[2:], staged):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cost", list(Cost))
+def test_voting_all_true_is_no_flags_and_no_voter_keeps_nothing(device, cost):
+    """Flags that are all True give no flags' bits; a group without a voting token has no candidate: it keeps nothing,
+    costs nothing, and its tokens' slots are all empty (backfill) or dropped, while the other group is unchanged."""
+    G, B, E = 2, 20, 64
+    routing = Routing(4, Scoring.SOFTMAX, renormalize=True)
+    logits = torch.randn(G * B, E, device=device)
+    log_norms = torch.randn(G * B, E, device=device)
+    plain = ops.route_select(logits, routing, budget=8, num_groups=G, cost=cost, log_norms=log_norms)
+    every = ops.route_select(logits, routing, budget=8, num_groups=G, cost=cost, log_norms=log_norms,
+                             voting=torch.ones(G * B, dtype=torch.bool, device=device))
+    for a, b in zip(plain, every):
+        assert torch.equal(a, b)
+    voting = torch.ones(G * B, dtype=torch.bool, device=device)
+    voting[B:] = False
+    ids, weights, kept, counts, D = ops.route_select(logits, routing, budget=8, num_groups=G, cost=cost,
+                                                     log_norms=log_norms, voting=voting)
+    assert torch.equal(kept[1].cpu(), torch.full((8,), E, dtype=torch.int32))
+    assert torch.equal(D[1].cpu(), torch.zeros(E)) and torch.equal(counts[1].cpu(), torch.zeros(E, dtype=torch.int32))
+    assert (ids[B:] == E).all() and (weights[B:] == 0).all()
+    first_group = (ids[:B], weights[:B], kept[0], counts[0], D[0])
+    for a, b in zip(first_group, (plain[0][:B], plain[1][:B], plain[2][0], plain[3][0], plain[4][0])):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
 # opcheck: schema, fake tensor and autograd registration of every op
 # ---------------------------------------------------------------------------------------------
 def opcheck_cases(device):
@@ -380,8 +489,15 @@ def opcheck_cases(device):
     yield torch.ops.base_moe.select_fill.default, (logits, D, None, *args, 5, int(Fill.BACKFILL))
     yield torch.ops.base_moe.route_select.default, (logits, log_norms, None, 2, *args, int(Cost.BASE), 5,
                                                     int(Fill.DROP))
+    voting = torch.rand(8, device=device) < 0.5
+    yield torch.ops.base_moe.route_cost.default, (logits, None, None, 2, *args, int(Cost.TOP1_UNION), voting)
+    yield torch.ops.base_moe.select_fill.default, (logits, D, None, *args, 5, int(Fill.DROP), voting)
+    yield torch.ops.base_moe.route_select.default, (logits, log_norms, None, 2, *args, int(Cost.BASE), 5,
+                                                    int(Fill.BACKFILL), voting)
     bf16 = hidden.to(torch.bfloat16)
     wr, wp = (torch.randn(16, 64, device=device).to(torch.bfloat16) for _ in range(2))
+    yield torch.ops.base_moe.select_experts.default, (bf16, wr, None, wp, torch.randn(16, device=device), None, 2,
+                                                      *args, int(Cost.BASE), 5, int(Fill.BACKFILL), voting)
     yield torch.ops.base_moe.select_experts.default, (bf16, wr, None, wp, torch.randn(16, device=device), None, 2,
                                                       *args, int(Cost.BASE), 5, int(Fill.BACKFILL))
     yield torch.ops.base_moe.select_experts.default, (bf16, wr, None, None, None, None, 1, *args,
@@ -426,6 +542,13 @@ def test_bad_arguments_raise_clear_errors(device):
                                   cost=Cost.ROUTER_SUM), "multiple of n_group"),
         (lambda: ops.route_select(logits, routing, budget=4, cost=Cost.ROUTER_SUM,
                                   correction_bias=torch.zeros(16, device=device)), "correction_bias"),
+        (lambda: ops.route_select(logits, routing, budget=4, cost=Cost.ROUTER_SUM,
+                                  voting=torch.ones(8, dtype=torch.int32, device=device)), "voting must be bool"),
+        (lambda: ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM,
+                                voting=torch.ones(7, dtype=torch.bool, device=device)), "voting must have shape \\[8\\]"),
+        (lambda: ops.select_fill(logits, torch.rand(2, 16, device=device), routing, budget=4,
+                                 voting=torch.ones(8, 2, dtype=torch.bool, device=device)[:, 0]), "voting must be "
+         "contiguous"),
         (lambda: ops.router_predict(torch.randn(4, 32, device=device), torch.randn(16, 31, device=device)),
          "router_weight must have shape"),
         (lambda: ops.router_predict(torch.randn(4, 32, device=device), torch.randn(16, 32, device=device),
@@ -635,6 +758,11 @@ def test_fakes_check_devices_and_output_shapes():
         ops.route_select(logits, routing, budget=2, num_groups=3, cost=Cost.ROUTER_SUM)
     kept = ops.route_select(logits, routing, budget=3, num_groups=2, cost=Cost.ROUTER_SUM)[2]
     assert kept.shape == (2, 3) and kept.device.type == "meta"
+    with pytest.raises(RuntimeError, match="voting must be on the same device as logits"):
+        ops.route_select(logits, routing, budget=2, cost=Cost.ROUTER_SUM, voting=torch.ones(4, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="voting must have shape \\[4\\]"):
+        ops.select_fill(logits, torch.rand(1, 8, device="meta"), routing, budget=2,
+                        voting=torch.ones(5, dtype=torch.bool, device="meta"))
 
 
 def test_add_rms_norm_fake_checks_the_residual_shape():

@@ -10,10 +10,10 @@ int main() {
   auto op = c10::Dispatcher::singleton().findSchemaOrThrow("base_moe::route_select", "").typed<
       std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
           const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, int64_t,
-          int64_t, bool, int64_t, int64_t, double, int64_t, int64_t, int64_t)>();
+          int64_t, bool, int64_t, int64_t, double, int64_t, int64_t, int64_t, const std::optional<at::Tensor>&)>();
   // softmax scoring, renormalised, no groups; cost router_sum (1); fill backfill (0)
   auto [ids, weights, kept, counts, cost] =
-      op.call(logits, std::nullopt, std::nullopt, groups, top_k, 0, true, 1, 1, 1.0, 1, budget, 0);
+      op.call(logits, std::nullopt, std::nullopt, groups, top_k, 0, true, 1, 1, 1.0, 1, budget, 0, std::nullopt);
   std::cout << "kept experts per group:\n" << kept << "\n";
   TORCH_CHECK(kept.size(1) == budget, "expected ", budget, " kept slots");
   TORCH_CHECK(counts.sum().item<int64_t>() == ids.lt(experts).sum().item<int64_t>(),

@@ -26,6 +26,9 @@ void check_route_cost(const Tensor& logits, const OptTensor& log_norms, int64_t 
 
 void check_select_fill(const Tensor& logits, const Tensor& batch_cost, int64_t budget, int64_t fill);
 
+// voting (route_cost, select_fill, route_select, select_experts): None, or [T] bool on logits' device, contiguous.
+void check_voting(const OptTensor& voting, const Tensor& logits);
+
 // The budget and fill arguments alone (route_select, which computes its batch cost itself).
 void check_budget_fill(int64_t budget, int64_t fill);
 

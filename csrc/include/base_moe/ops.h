@@ -17,18 +17,18 @@ std::tuple<Tensor, Tensor, Tensor> route_cost_cpu(const Tensor& logits, const Op
                                                   const OptTensor& correction_bias, int64_t num_groups,
                                                   int64_t top_k, int64_t scoring, bool renormalize,
                                                   int64_t n_group, int64_t topk_group, double scaling,
-                                                  int64_t cost);
+                                                  int64_t cost, const OptTensor& voting);
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cpu(const Tensor& logits, const Tensor& batch_cost,
                                                            const OptTensor& correction_bias, int64_t top_k,
                                                            int64_t scoring, bool renormalize, int64_t n_group,
                                                            int64_t topk_group, double scaling, int64_t budget,
-                                                           int64_t fill);
+                                                           int64_t fill, const OptTensor& voting);
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cpu(
     const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
     int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
-    int64_t cost, int64_t budget, int64_t fill);
+    int64_t cost, int64_t budget, int64_t fill, const OptTensor& voting);
 
 using SelectExpertsResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
@@ -36,7 +36,8 @@ SelectExpertsResult select_experts_cpu(const Tensor& hidden, const Tensor& route
                                        const OptTensor& predictor_weight, const OptTensor& predictor_bias,
                                        const OptTensor& correction_bias, int64_t num_groups, int64_t top_k,
                                        int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
-                                       double scaling, int64_t cost, int64_t budget, int64_t fill);
+                                       double scaling, int64_t cost, int64_t budget, int64_t fill,
+                                       const OptTensor& voting);
 
 Tensor rms_norm_cpu(const Tensor& hidden, const Tensor& weight, double eps);
 std::tuple<Tensor, Tensor> add_rms_norm_cpu(const Tensor& hidden, const Tensor& residual, const Tensor& weight,

@@ -32,10 +32,15 @@ struct RoutingParams {
   double scaling;      // multiplies the final weights (routed_scaling_factor)
 };
 
-// What TOP1_UNION adds to every expert that is some token's top-1 (see reference.top1_offset).
-inline float top1_offset(int64_t tokens_per_group, const RoutingParams& routing) {
-  const double scale = routing.scaling > 1.0 ? routing.scaling : 1.0;
-  return static_cast<float>(static_cast<double>(tokens_per_group * routing.top_k) * scale);
+// TOP1_UNION's offset per seeding slot, max(1, scaling): the offset then exceeds any group's sum of routing weights.
+inline double top1_scale(const RoutingParams& routing) {
+  return routing.scaling > 1.0 ? routing.scaling : 1.0;
+}
+
+// What TOP1_UNION adds to every expert that is some (voting) token's top-1, for `tokens` tokens that vote: rounded once
+// from double (reference.top1_offset). On the device too: the kernels count a group's voting tokens themselves.
+BASE_MOE_HOST_DEVICE inline float top1_offset(int64_t tokens, int64_t top_k, double scale) {
+  return static_cast<float>(static_cast<double>(tokens * top_k) * scale);
 }
 
 // The fp32 sigmoid that scores and weights SIGMOID routing (reference.sigmoid): through double and rounded once, so

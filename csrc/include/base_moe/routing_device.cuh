@@ -194,8 +194,8 @@ __device__ __forceinline__ uint32_t candidate_key(float d) {
 
 // The batch-cost tables flag each expert: bit 0, some token of the group routed to it; bit 1, it is some token's top-1.
 // D of an expert from the sum of its slot costs: TOP1_UNION adds its offset where the expert is some token's top-1.
-__device__ __forceinline__ float with_top1_offset(const SelectParams& p, float d, int flags) {
-  if (p.cost == Cost::kTop1Union && (flags & 2)) d = d + p.top1_offset;
+__device__ __forceinline__ float with_top1_offset(const SelectParams& p, float d, int flags, float offset) {
+  if (p.cost == Cost::kTop1Union && (flags & 2)) d = d + offset;
   return d;
 }
 

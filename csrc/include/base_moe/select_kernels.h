@@ -29,6 +29,7 @@ struct SelectParams {
   int64_t ln_stride;
   const float* correction_bias;  // [E] or null (sigmoid only)
   const float* batch_cost_in;    // [G, E] (select_fill)
+  const bool* voting;            // [G * B]: the tokens whose slots add to D and make candidates; null: every token
   int32_t* ids;                  // [G * B, k]: routed ids (route_cost), final ids (select_fill / route_select)
   float* weights;                // [G * B, k]
   int32_t* kept;                 // [G, W]
@@ -43,7 +44,8 @@ struct SelectParams {
   int fill;                      // Fill
   bool compute_cost;             // route_cost / route_select
   bool select;                   // select_fill / route_select
-  float top1_offset;
+  double top1_scale;             // TOP1_UNION's offset per seeding slot (top1_scale)
+  float top1_offset;             // TOP1_UNION's offset where every token votes (B tokens)
   int cluster;                   // CTAs per group; set by the launcher
   int experts_per_cta;           // experts each CTA of the cluster reduces (owned_experts_per_cta); set by the launcher
 };
