@@ -669,10 +669,18 @@ def _sanitize(small: bool = False):
                                        predictor_bias=bp, correction_bias=b)
                 ids, w, D = ops.route_cost(logits, routing, num_groups=G, cost=Cost.TOP1_UNION, correction_bias=b)
                 ops.select_fill(logits, D, routing, budget=20, fill=Fill.DROP_RENORM, correction_bias=b)
+                # voting flags: TOP1_UNION counts the voters (a CTA-wide count), BASE through every plan
+                voting = torch.rand(T, device="cuda") < 0.5
+                ops.route_select(logits, routing, budget=6, num_groups=G, cost=Cost.TOP1_UNION, correction_bias=b,
+                                 voting=voting)
+                ops.select_experts(hidden, Wr, routing, budget=6, num_groups=G, predictor_weight=Wp, predictor_bias=bp,
+                                   correction_bias=b, voting=voting)
+                ops.select_fill(logits, D, routing, budget=20, correction_bias=b, voting=voting)
     # route_select on its largest cluster (one token per warp over 256 tokens), once: racecheck is slow there
     logits = torch.randn(256, 128, device="cuda")
     softmax = Routing(8, Scoring.SOFTMAX, renormalize=True)
     ops.route_select(logits, softmax, budget=16, log_norms=torch.randn_like(logits))
+    ops.route_select(logits, softmax, budget=16, cost=Cost.TOP1_UNION, voting=torch.rand(256, device="cuda") < 0.5)
     if not small:
         big = torch.randn(2 * 700, 512, device="cuda")
         ops.route_select(big, Routing(16, Scoring.SOFTMAX), budget=40, num_groups=2, cost=Cost.FREQUENCY)
