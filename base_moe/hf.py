@@ -122,14 +122,13 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     ``base_moe.hf.selections(model)`` (default False). ``finished_tokens``: ``None`` (default: every token of a
     decode batch votes), ``"auto"`` (the pad and EOS token ids of ``model.generation_config``, else
     ``model.config``) or an iterable of token ids: a token whose input id is one of them adds nothing to the batch's
-    expert costs (it still runs on the kept experts; a decode batch with no live token votes as a whole).
+    expert costs and routes no expert into the candidates for the kept set (it still runs on the kept experts; a
+    decode batch with no live token votes as a whole).
     ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the others go on, so with
     ``"auto"`` finished sequences stop taking budget from the live ones; pass the ids yourself where ``generate``
     gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold (leave out a tokenizer's None). It
-    needs the model called with ``input_ids`` (not ``inputs_embeds``); a step with the mask runs BASE-cost policies
-    and ``router_sq`` as the router GEMV, a masking kernel and ``route_select`` instead of one ``select_experts``
-    call, and ``router_sum``, ``frequency`` and ``top1_union`` with their batch sums in PyTorch (a kernel per
-    token).
+    needs the model called with ``input_ids`` (not ``inputs_embeds``); the selection ops take the mask as their
+    ``voting`` flags, so a step with it runs the same kernels as one without.
     """
     if is_applied(model):
         raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import pickle
 import subprocess
@@ -917,10 +918,29 @@ def test_finished_tokens_mask_lives_for_one_model_call():
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
+@functools.cache
+def why_no_one_graph_without_the_mask(policy: str) -> str | None:
+    """None where torch.compile(fullgraph) traces the patched Qwen3-MoE test model's call without finished_tokens,
+    else why not (on torch 2.11 dynamo fails inside transformers 5.17's output capturing: 'frozenset' & 'dict_keys')."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy=policy)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend="aot_eager", fullgraph=True)(prompt_ids(batch=2, length=1))
+    except torch._dynamo.exc.TorchDynamoException as error:
+        return str(error).splitlines()[0]
+    return None
+
+
 @pytest.mark.parametrize("policy", ["base", "router_sq", "frequency", "oea"])
 def test_finished_tokens_under_torch_compile(policy):
     """torch.compile(fullgraph) of the model's call traces the hooks and the masked selection: the same logits as the
     eager masked call, which differ from those without the mask."""
+    reason = why_no_one_graph_without_the_mask(policy)
+    if reason is not None:
+        pytest.skip(f"torch {torch.__version__} with transformers {transformers.__version__} cannot trace the patched "
+                    f"model in one graph even without finished_tokens: {reason}")
     model = fresh("qwen3_moe")
     base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy=policy, finished_tokens=[0])
     ids = live_and_finished(prompt_ids(batch=3, length=1, seed=5), 0)
