@@ -453,7 +453,7 @@ def _record_inputs(model: nn.Module, args, kwargs) -> None:
         for token in finished[1:]:
             voting = voting & (ids != token)
         # a decode batch (a position's tokens) without a live token, e.g. prompts of a lone BOS that is also the EOS,
-        # votes as a whole: its selection is the unmasked one, not experts by index at cost 0
+        # votes as a whole: its selection is the unmasked one (a group without a voter would keep no expert at all)
         voting = voting | ~voting.any(dim=0, keepdim=True)
     state.inputs.voting = voting
 

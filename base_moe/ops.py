@@ -209,6 +209,7 @@ def _check_voting(logits, voting) -> None:
     _check_same_device("logits", logits, voting=voting)
     torch._check(voting is None or tuple(voting.shape) == (logits.shape[0],),
                  lambda: f"voting must have shape [{logits.shape[0]}] (one flag per token), got {list(voting.shape)}")
+    torch._check(voting is None or voting.dtype == torch.bool, lambda: f"voting must be bool, got {voting.dtype}")
 
 
 @torch.library.register_fake("base_moe::route_cost")

@@ -365,9 +365,12 @@ def test_add_rms_norm_matches_reference_on_cpu(dtype, T, H):
 # voting: only some tokens choose the kept set (a finished sequence's pad tokens do not)
 # ---------------------------------------------------------------------------------------------
 def random_voting(T: int, num_groups: int, device: str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """About half the tokens vote, the first of every group always (so that no group is without a voter)."""
+    """About half the tokens vote; in every group of more than one token the first votes and the last does not."""
     voting = torch.rand(T, generator=generator) < 0.5
-    voting[:: T // num_groups] = True
+    B = T // num_groups
+    voting[::B] = True
+    if B > 1:
+        voting[B - 1 :: B] = False
     return voting.to(device)
 
 
@@ -402,9 +405,10 @@ def test_voting_matches_reference(device, E, k, routing, cost, fill):
         assert torch.equal(a, b)
 
 
-# Tokens per group that reach each CUDA instance of the selection kernel (one chunk of up to 32 tokens, one chunk
-# of more, several chunks) for the expert counts of its instances (experts per lane 1, 2, 4, 8, 16).
-VOTING_SHAPES = [(E, B) for E in (32, 60, 128, 256, 512) for B in (1, 6, 40, 150, 700)]
+# Tokens per group that reach each CUDA instance of the selection kernel for the expert counts of its instances
+# (experts per lane 1, 2, 4, 8, 8 with E >= 256, 16; CTAs of 4 warps at 9-64 tokens, 8 at 65-128 and 16 else for E
+# 65-256, 8 for E > 256), with each plan (one chunk of up to 32 tokens, one chunk of more, several chunks).
+VOTING_SHAPES = [(E, B) for E in (32, 60, 128, 200, 256, 512) for B in (5, 24, 50, 100, 200, 700)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -414,7 +418,8 @@ VOTING_SHAPES = [(E, B) for E in (32, 60, 128, 256, 512) for B in (1, 6, 40, 150
                                        (Cost.TOP1_UNION, Fill.BACKFILL)])
 def test_voting_tokens_get_what_they_get_alone(device, E, B, cost, fill):
     """Per group, the voting tokens of a step get bit for bit the ids, weights, kept set and batch cost they get as a
-    group of their own (which the kernels may run on another instance); the others are filled from that kept set."""
+    group of their own (which the kernels run on another instance); the others are filled from that kept set. The
+    stages with the flags (route_cost, then select_fill) give the fused op's outputs."""
     G, k = 2, 8 if E >= 128 else 4
     routing = Routing(k, Scoring.SOFTMAX, renormalize=True)
     gen = torch.Generator().manual_seed(E * 1000 + B)
@@ -431,6 +436,11 @@ def test_voting_tokens_get_what_they_get_alone(device, E, B, cost, fill):
                                  log_norms=log_norms[rows])
         assert torch.equal(ids[rows], alone[0]) and torch.equal(weights[rows], alone[1])
         assert torch.equal(kept[g], alone[2][0]) and torch.equal(D[g], alone[4][0])
+    staged_D = ops.route_cost(logits, routing, num_groups=G, cost=cost, log_norms=log_norms, voting=voting)[2]
+    assert torch.equal(staged_D, D)
+    for a, b in zip(ops.select_fill(logits, D, routing, budget=budget, fill=fill, voting=voting),
+                    (ids, weights, kept, counts)):
+        assert torch.equal(a, b)
     # select_experts' voting is route_select's on its own logits
     H = 64
     x = torch.randn(G * B, H, generator=gen).to(device, torch.bfloat16)
@@ -760,6 +770,8 @@ def test_fakes_check_devices_and_output_shapes():
     assert kept.shape == (2, 3) and kept.device.type == "meta"
     with pytest.raises(RuntimeError, match="voting must be on the same device as logits"):
         ops.route_select(logits, routing, budget=2, cost=Cost.ROUTER_SUM, voting=torch.ones(4, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="voting must be bool"):
+        ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM, voting=torch.ones(4, device="meta"))
     with pytest.raises(RuntimeError, match="voting must have shape \\[4\\]"):
         ops.select_fill(logits, torch.rand(1, 8, device="meta"), routing, budget=2,
                         voting=torch.ones(5, dtype=torch.bool, device="meta"))
