@@ -17,7 +17,8 @@ What a patched block does with a call:
   with empty slots pointed at a kept expert with weight 0, for others such as GPT-OSS) -> plus shared experts.
   No host synchronisation: a decode step can be captured in a CUDA graph. With ``finished_tokens``, tokens whose
   input id is a pad or EOS id (finished sequences under ``generate``) add nothing to the batch's expert costs (the
-  model's forward pre-hook reads the call's ``input_ids``; ``DecodeStep.voting``).
+  model's forward pre-hook reads the call's ``input_ids``; ``DecodeStep.voting``; :func:`voting_tokens` for loops
+  that call the layers themselves).
 * ``group_by="position"`` (the evaluation harness, base_moe.evaluate): every call is budgeted, each sequence
   position of ``[B, S, H]`` is one decode batch of B tokens (``num_groups = S``), except the first
   ``dense_positions`` positions, which get what the block's own forward computes in eval mode (the router's own
@@ -36,6 +37,7 @@ one of those families' (by class name), it is re-classed as well, so that its re
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import os
@@ -51,7 +53,8 @@ from .policies import (SUBSTITUTE, DecodeStep, FillRule, Policy, Selection, get_
                        substitute_dropped)
 from .routing import MAX_EXPERTS, MAX_TOP_K, Fill
 
-__all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections", "post_attention"]
+__all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections", "post_attention",
+           "voting_tokens"]
 
 _UNSET = object()
 _GROUP_BY = ("batch", "position")
@@ -127,8 +130,9 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the others go on, so with
     ``"auto"`` finished sequences stop taking budget from the live ones; pass the ids yourself where ``generate``
     gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold (leave out a tokenizer's None). It
-    needs the model called with ``input_ids`` (not ``inputs_embeds``); the selection ops take the mask as their
-    ``voting`` flags, so a step with it runs the same kernels as one without.
+    needs the model called with ``input_ids`` (not ``inputs_embeds``; a loop that calls the layers itself sets the
+    mask with :func:`voting_tokens`); the selection ops take the mask as their ``voting`` flags, so a step with it
+    runs the same kernels as one without.
     """
     if is_applied(model):
         raise ValueError(
@@ -436,10 +440,12 @@ def _new_patched(mixin: type, cls: type) -> nn.Module:
 
 class _ModelInputs:
     """What a patched model's forward call tells its blocks: ``voting [B, S]`` bool, the tokens whose input id is
-    none of ``finished_tokens`` (None outside a call, without ``finished_tokens``, or without ``input_ids``)."""
+    none of ``finished_tokens`` (None without ``finished_tokens`` or without ``input_ids``); outside a model call,
+    ``outside``: the mask of an enclosing :func:`voting_tokens` (None elsewhere). Class-level defaults, so that an
+    instance pickled before an attribute existed reads None."""
 
-    def __init__(self):
-        self.voting: torch.Tensor | None = None
+    voting: torch.Tensor | None = None
+    outside: torch.Tensor | None = None
 
 
 def _record_inputs(model: nn.Module, args, kwargs) -> None:
@@ -459,8 +465,31 @@ def _record_inputs(model: nn.Module, args, kwargs) -> None:
 
 
 def _forget_inputs(model: nn.Module, args, output) -> None:
-    """Forward hook of a patched model (also after an exception): a later call of its layers alone sees no mask."""
-    model._base_moe_layouts[0].block._base_moe.inputs.voting = None
+    """Forward hook of a patched model (also after an exception): a later call of its layers alone sees no mask, or
+    that of an enclosing :func:`voting_tokens`."""
+    inputs = model._base_moe_layouts[0].block._base_moe.inputs
+    inputs.voting = inputs.outside
+
+
+@contextlib.contextmanager
+def voting_tokens(model: nn.Module, voting: torch.Tensor):
+    """For decode loops that call a patched model's layers themselves, where no model call reads ``input_ids`` for
+    ``finished_tokens``: inside the ``with`` block only the tokens that ``voting`` (``[B, S]`` bool, over the batch's
+    sequences and positions as the MoE blocks get them) marks True choose the kept experts of the budgeted blocks,
+    as with ``finished_tokens`` (a decode batch with no True keeps no expert: mark such a batch all True, as
+    ``finished_tokens`` does). The blocks read the tensor at each call, so a CUDA graph captured inside reads its
+    memory at each replay: update it in place. A model call inside the block uses its own ``input_ids``' mask (or
+    none), then this one again."""
+    inputs = moe_layouts(model)[0].block._base_moe.inputs
+    if not isinstance(voting, torch.Tensor) or voting.dtype != torch.bool or voting.dim() != 2:
+        shown = f"{voting.dtype} tensor of shape {tuple(voting.shape)}" if isinstance(voting, torch.Tensor) else voting
+        raise ValueError(f"voting must be a [batch, positions] bool tensor, got {shown!r}")
+    previous = inputs.outside, inputs.voting
+    inputs.outside = inputs.voting = voting
+    try:
+        yield
+    finally:
+        inputs.outside, inputs.voting = previous
 
 
 class _BaseMoERouter:
@@ -694,8 +723,9 @@ class _BlockState:
             return None
         if tuple(voting.shape) != (B, S):
             raise ValueError(
-                f"finished_tokens: the model was called with input_ids of shape {tuple(voting.shape)}, but MoE block "
-                f"'{self.layout.name}' got {B} x {S} tokens; it needs blocks that see the model's tokens one to one"
+                f"the voting mask (finished_tokens' from the model call's input_ids, or voting_tokens') has shape "
+                f"{tuple(voting.shape)}, but MoE block '{self.layout.name}' got {B} x {S} tokens; it needs blocks that "
+                f"see the mask's tokens one to one"
             )
         return voting.reshape(B * S).to(device, non_blocking=True)
 

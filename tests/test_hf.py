@@ -918,6 +918,56 @@ def test_finished_tokens_mask_lives_for_one_model_call():
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_voting_tokens_masks_a_loop_over_the_blocks(family):
+    """voting_tokens gives blocks called without a model call the mask finished_tokens gives a model call: what the
+    non-voting rows hold changes nothing for the others' outputs and the batch costs (bit for bit), where without it
+    the costs change; a model call inside uses its own mask and leaves this one; on exit the blocks see none."""
+    model = fresh(family)
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2, policy="base", finished_tokens=[0],
+                   record=True)
+    cost = lambda: selections(model)[layout.layer_index][0].batch_cost  # noqa: E731
+    layout = moe_layouts(model)[0]
+    state = layout.block._base_moe
+    hidden = block_input(layout, batch=6)
+    other = hidden.clone()
+    other[[1, 3]] = block_input(layout, batch=2, seed=11)
+    voting = torch.tensor([[True], [False], [True], [False], [True], [True]])
+    live = [0, 2, 4, 5]
+    with base_moe.hf.voting_tokens(model, voting):
+        masked, masked_cost = run_block(layout, hidden), cost()
+        masked_other, masked_other_cost = run_block(layout, other), cost()
+        ids = torch.tensor([[0], [5]])
+        seen = []
+        spy = layout.block.register_forward_pre_hook(lambda module, args: seen.append(state.inputs.voting))
+        logits_of(model, ids)
+        spy.remove()
+        assert torch.equal(seen[-1], ids != 0) and state.inputs.voting is voting
+    assert state.inputs.voting is None and state.inputs.outside is None
+    assert torch.equal(masked[live], masked_other[live]) and torch.equal(masked_cost, masked_other_cost)
+    run_block(layout, hidden)
+    unmasked_cost = cost()
+    run_block(layout, other)
+    assert not torch.equal(unmasked_cost, cost())
+
+
+def test_voting_tokens_checks_its_arguments():
+    model = fresh("qwen3_moe")
+    with pytest.raises(ValueError, match="not patched"):
+        with base_moe.hf.voting_tokens(model, torch.ones(2, 1, dtype=torch.bool)):
+            pass
+    base_moe.apply(model, budget=2, policy="router_sq")
+    for bad in (torch.ones(2, 1), torch.ones(2, dtype=torch.bool), [[True]]):
+        with pytest.raises(ValueError, match="voting must be a \\[batch, positions\\] bool tensor"):
+            with base_moe.hf.voting_tokens(model, bad):
+                pass
+    layout = moe_layouts(model)[0]
+    with base_moe.hf.voting_tokens(model, torch.ones(2, 1, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="voting mask .* has shape \\(2, 1\\), but MoE block .* got 6 x 1"):
+            run_block(layout, block_input(layout))
+    assert layout.block._base_moe.inputs.voting is None
+
+
 @functools.cache
 def why_no_one_graph_without_the_mask(policy: str) -> str | None:
     """None where torch.compile(fullgraph) traces the patched Qwen3-MoE test model's call without finished_tokens,
