@@ -455,9 +455,7 @@ class OEAPolicy(Policy):
     def select(self, step: DecodeStep) -> Selection:
         routing, E = step.routing, step.logits.shape[1]
         seeds, _ = reference.route(step.logits, replace(routing, top_k=min(self.k0, routing.top_k)), step.correction_bias)
-        if step.voting is not None:
-            seeds = torch.where(step.voting[:, None], seeds, E)
-        return _fill_from_mask(step, reference.routed_union(seeds, step.num_groups, E))
+        return _fill_from_mask(step, reference.routed_union(seeds, step.num_groups, E, step.voting))
 
 
 class LynxPolicy(Policy):
