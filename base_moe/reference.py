@@ -148,13 +148,12 @@ def slot_costs(
     return weights.clone()  # ROUTER_SUM, TOP1_UNION
 
 
-def top1_offset(tokens_per_group: int | torch.Tensor, routing: Routing) -> float | torch.Tensor:
+def top1_offset(tokens_per_group: int | torch.Tensor, routing: Routing) -> torch.Tensor:
     """What TOP1_UNION adds to the cost of every expert that is some token's top-1: more than any sum of
-    routing weights in one group can reach, so seeded experts rank first. ``tokens_per_group``: an int, or a ``[G]``
-    integer tensor (a count per group), whose offsets come back as ``[G, 1]`` fp32, the scalar's rounding."""
-    if isinstance(tokens_per_group, torch.Tensor):
-        return ((tokens_per_group.long() * routing.top_k).double() * max(1.0, routing.scaling)).float()[:, None]
-    return float(tokens_per_group * routing.top_k * max(1.0, routing.scaling))
+    routing weights in one group can reach, so seeded experts rank first. ``tokens_per_group``: the tokens that seed
+    (an int, or a count per group); fp32 of its shape, rounded once from double as the kernels round it."""
+    tokens = torch.as_tensor(tokens_per_group, dtype=torch.long)
+    return ((tokens * routing.top_k).double() * max(1.0, routing.scaling)).float()
 
 
 def voting_slots(ids: torch.Tensor, voting: torch.Tensor | None, num_experts: int) -> torch.Tensor:
@@ -182,8 +181,8 @@ def batch_cost(
         is_top1 = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=ids.device)
         is_top1.scatter_(1, ids[:, :1].long(), True)
         seeded = is_top1[:, :num_experts].view(num_groups, B, num_experts).any(dim=1)
-        voters = B if voting is None else voting.view(num_groups, B).sum(dim=1)
-        D = torch.where(seeded, D + top1_offset(voters, routing), D)
+        voters = B if voting is None else voting.view(num_groups, B).sum(dim=1, keepdim=True)
+        D = torch.where(seeded, D + top1_offset(voters, routing).to(D.device), D)
     return D
 
 
