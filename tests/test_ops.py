@@ -220,16 +220,23 @@ def test_base_cost_of_tiny_weights_on_huge_log_norms(device, tokens_per_group, s
             assert torch.equal(kept.cpu(), expected_kept)
 
 
+def assert_stages_give_route_select(logits, routing, budget, num_groups, cost, fill, log_norms, bias, voting):
+    """route_cost, then select_fill on its batch cost, with the same flags: route_select's outputs bit for bit."""
+    fused = ops.route_select(logits, routing, budget=budget, num_groups=num_groups, cost=cost, fill=fill,
+                             log_norms=log_norms, correction_bias=bias, voting=voting)
+    D = ops.route_cost(logits, routing, num_groups=num_groups, cost=cost, log_norms=log_norms, correction_bias=bias,
+                       voting=voting)[2]
+    staged = ops.select_fill(logits, D, routing, budget=budget, fill=fill, correction_bias=bias, voting=voting)
+    for a, b in zip((*staged, D), fused):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_route_select_equals_its_stages(device):
     routing = Routing(8, Scoring.SOFTMAX, renormalize=True)
     logits = torch.randn(32, 128, device=device)
     log_norms = torch.randn(32, 128, device=device)
-    fused = ops.route_select(logits, routing, budget=16, num_groups=2, log_norms=log_norms)
-    _, _, D = ops.route_cost(logits, routing, num_groups=2, log_norms=log_norms)
-    staged = ops.select_fill(logits, D, routing, budget=16)
-    for a, b in zip(fused, (*staged, D)):
-        assert torch.equal(a, b)
+    assert_stages_give_route_select(logits, routing, 16, 2, Cost.BASE, Fill.BACKFILL, log_norms, None, None)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -396,13 +403,7 @@ def test_voting_matches_reference(device, E, k, routing, cost, fill):
     assert torch.equal(ids.cpu(), fill_ids)
     torch.testing.assert_close(weights.cpu(), fill_w, atol=1e-6, rtol=1e-5)
     assert torch.equal(counts.cpu(), ref.expert_counts(ids.cpu(), G, E))
-    # the stages alone, with the same flags
-    staged_D = ops.route_cost(logits, routing, num_groups=G, cost=cost, log_norms=log_norms, correction_bias=bias,
-                              voting=voting)[2]
-    assert torch.equal(staged_D, D)
-    staged = ops.select_fill(logits, D, routing, budget=budget, fill=fill, correction_bias=bias, voting=voting)
-    for a, b in zip(staged, (ids, weights, kept, counts)):
-        assert torch.equal(a, b)
+    assert_stages_give_route_select(logits, routing, budget, G, cost, fill, log_norms, bias, voting)
 
 
 # Tokens per group that reach each CUDA instance of the selection kernel for the expert counts of its instances
@@ -436,11 +437,7 @@ def test_voting_tokens_get_what_they_get_alone(device, E, B, cost, fill):
                                  log_norms=log_norms[rows])
         assert torch.equal(ids[rows], alone[0]) and torch.equal(weights[rows], alone[1])
         assert torch.equal(kept[g], alone[2][0]) and torch.equal(D[g], alone[4][0])
-    staged_D = ops.route_cost(logits, routing, num_groups=G, cost=cost, log_norms=log_norms, voting=voting)[2]
-    assert torch.equal(staged_D, D)
-    for a, b in zip(ops.select_fill(logits, D, routing, budget=budget, fill=fill, voting=voting),
-                    (ids, weights, kept, counts)):
-        assert torch.equal(a, b)
+    assert_stages_give_route_select(logits, routing, budget, G, cost, fill, log_norms, None, voting)
     # select_experts' voting is route_select's on its own logits
     H = 64
     x = torch.randn(G * B, H, generator=gen).to(device, torch.bfloat16)
