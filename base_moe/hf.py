@@ -184,7 +184,7 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
 
     Only the arguments given change. No re-patching; a CUDA graph captured for one budget must be captured again
     for another (the kept set's shape depends on it), and one captured before ``finished_tokens`` changes between None
-    and ids (the selection's code path depends on it)."""
+    and ids (the selection kernels then take the mask as an argument)."""
     found = moe_layouts(model)
     state0 = found[0].block._base_moe
     if predictors is not _UNSET:

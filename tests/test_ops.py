@@ -552,7 +552,8 @@ def test_bad_arguments_raise_clear_errors(device):
         (lambda: ops.route_select(logits, routing, budget=4, cost=Cost.ROUTER_SUM,
                                   voting=torch.ones(8, dtype=torch.int32, device=device)), "voting must be bool"),
         (lambda: ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM,
-                                voting=torch.ones(7, dtype=torch.bool, device=device)), "voting must have shape \\[8\\]"),
+                                voting=torch.ones(7, dtype=torch.bool, device=device)),
+         "voting must have shape \\[8\\]"),
         (lambda: ops.select_fill(logits, torch.rand(2, 16, device=device), routing, budget=4,
                                  voting=torch.ones(8, 2, dtype=torch.bool, device=device)[:, 0]), "voting must be "
          "contiguous"),
