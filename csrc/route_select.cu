@@ -161,10 +161,11 @@ __device__ __forceinline__ void sum_every_expert(const SelectParams& p, const fl
 
 // TOP1_UNION's offset for the group of tokens [first_token, first_token + B): B tokens' where every token votes, else
 // its voting tokens' (counted by the whole CTA, a barrier per kThreads tokens; each CTA of the cluster counts the
-// same). Called by every thread of the CTA, after the PDL wait (the flags may come from the previous kernel).
-template <int kThreads>
+// same). Called by every thread of the CTA, after the PDL wait (the flags may come from the previous kernel). Flags
+// come only to the GENERIC instances (needs_generic_routing).
+template <int kThreads, bool GENERIC>
 __device__ __forceinline__ float group_top1_offset(const SelectParams& p, int64_t first_token) {
-  if (p.voting == nullptr || p.cost != Cost::kTop1Union || !p.compute_cost) return p.top1_offset;
+  if (!GENERIC || p.voting == nullptr || p.cost != Cost::kTop1Union || !p.compute_cost) return p.top1_offset;
   int voters = 0;
   for (int first = 0; first < p.B; first += kThreads) {
     const int i = first + static_cast<int>(threadIdx.x);
@@ -173,8 +174,8 @@ __device__ __forceinline__ float group_top1_offset(const SelectParams& p, int64_
   return top1_offset(voters, p.k, p.top1_scale);
 }
 
-// GENERIC = false: softmax routing without a group limit at budgets up to 32 (score_token), whose instance leaves the
-// other modes' code out (Qwen3's instance 4728 -> 3032 SASS instructions; route_select alone
+// GENERIC = false: softmax routing without a group limit at budgets up to 32 (score_token) and without voting flags,
+// whose instance leaves the other modes' code out (Qwen3's instance 4728 -> 3032 SASS instructions; route_select alone
 // at Qwen3's T = 1 / 16 / 64 / 256 4.84 / 6.80 / 7.74 / 9.51 -> 4.64 / 6.18 / 6.97 / 8.60 us, the two-kernel selection
 // at T = 256 15.63 -> 14.73; the generic instances' SASS is unchanged; device_runs/session47.txt, call 3).
 // Plan::kOneChunk: the launcher guarantees one chunk of more than 32 tokens (B <= C * NW, C * NW > 32: a T = 256 decode
@@ -258,7 +259,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   // kBroadcast has no cluster barrier before the fill: the zeros come before this CTA's pushes (this barrier), whose
   // complete_tx releases them to every receiver's inbox wait (an acquire); every CTA routes a token, so pushes to all.
   if constexpr (kBroadcast) __syncthreads();
-  const float top1 = group_top1_offset<kThreads>(p, first_token);
+  const float top1 = group_top1_offset<kThreads, GENERIC>(p, first_token);
 
   const bool single_chunk = chunks <= 1;
   const bool base_cost = p.cost == Cost::kBase;
@@ -269,7 +270,8 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     const int local = chunk * per_chunk + column;
     if (local < B) {
       const int64_t t = first_token + local;
-      const bool votes = p.voting == nullptr || p.voting[t];  // a non-voting token's slots: no cost, no candidate
+      // a non-voting token's slots: no cost, no candidate (flags come only to the GENERIC instances)
+      const bool votes = !GENERIC || p.voting == nullptr || p.voting[t];
       load_token<EPL>(p, t, lane, s);
       score_token<EPL, GENERIC>(p, lane, my_row, my_group_scratch, s);
       float w, log_norm;
