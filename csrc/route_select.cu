@@ -58,6 +58,11 @@ enum class Plan {
   kBroadcast,  // route_select on one chunk: every slot's record to every CTA, which sums every expert itself
 };
 
+// Which routing code an instance carries: softmax without a group limit at budgets up to 32, without (kSoftmax) or with
+// (kSoftmaxVoting) the voting flags' code, or every scoring mode, group limit and budget with the flags' code (kGeneric:
+// needs_generic_routing).
+enum class Variant { kSoftmax, kSoftmaxVoting, kGeneric };
+
 // The ranking reads the keys 16 bytes at a time: ceil(E / 4) of them, the keys past E zero (no candidate).
 __host__ __device__ inline int key_quads(int E) {
   return (E + 3) / 4;
@@ -162,9 +167,9 @@ __device__ __forceinline__ void sum_every_expert(const SelectParams& p, const fl
 // TOP1_UNION's offset for the group of tokens [first_token, first_token + B): B tokens' where every token votes, else
 // its voting tokens' (counted by the whole CTA, a barrier per kThreads tokens; each CTA of the cluster counts the
 // same). Called by every thread of the CTA, after the PDL wait (the flags may come from the previous kernel).
-template <int kThreads>
+template <int kThreads, bool VOTING>
 __device__ __forceinline__ float group_top1_offset(const SelectParams& p, int64_t first_token) {
-  if (p.voting == nullptr || p.cost != Cost::kTop1Union || !p.compute_cost) return p.top1_offset;
+  if (!VOTING || p.voting == nullptr || p.cost != Cost::kTop1Union || !p.compute_cost) return p.top1_offset;
   int voters = 0;
   for (int first = 0; first < p.B; first += kThreads) {
     const int i = first + static_cast<int>(threadIdx.x);
@@ -173,17 +178,20 @@ __device__ __forceinline__ float group_top1_offset(const SelectParams& p, int64_
   return top1_offset(voters, p.k, p.top1_scale);
 }
 
-// GENERIC = false: softmax routing without a group limit at budgets up to 32 (score_token), whose instance leaves the
-// other modes' code out (Qwen3's instance 4728 -> 3032 SASS instructions; route_select alone
-// at Qwen3's T = 1 / 16 / 64 / 256 4.84 / 6.80 / 7.74 / 9.51 -> 4.64 / 6.18 / 6.97 / 8.60 us, the two-kernel selection
-// at T = 256 15.63 -> 14.73; the generic instances' SASS is unchanged; device_runs/session47.txt, call 3).
+// Variant::kSoftmax(Voting): softmax routing without a group limit at budgets up to 32 (score_token), whose instances
+// leave the other modes' code out (Qwen3's instance 4728 -> 3032 SASS instructions; route_select alone at Qwen3's T = 1
+// / 16 / 64 / 256 4.84 / 6.80 / 7.74 / 9.51 -> 4.64 / 6.18 / 6.97 / 8.60 us, the two-kernel selection at T = 256 15.63
+// -> 14.73; the generic instances' SASS is unchanged; device_runs/session47.txt, call 3). kSoftmax also leaves the
+// voting flags' code out (it cost route_select alone up to 0.2 us: device_runs/session70.txt), and a softmax call with
+// flags takes kSoftmaxVoting rather than the generic instance (~1 us more per Qwen3 block, same record).
 // Plan::kOneChunk: the launcher guarantees one chunk of more than 32 tokens (B <= C * NW, C * NW > 32: a T = 256 decode
 // batch on 16 CTAs), and the instance leaves the other chunk shapes' code out (Qwen3's T = 256 instance 3264 -> 2728
 // SASS instructions; route_select alone at T = 64 / 256 6.80 / 7.47 -> 6.52 / 7.01 us; device_runs/session48.txt,
 // call 1). Plan::kBroadcast: route_select (costs and selection) on one chunk, each CTA routing at least one token.
-template <int EPL, int NW, bool GENERIC, Plan kPlan>
+template <int EPL, int NW, Variant V, Plan kPlan>
 __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectParams p) {
   static_assert(NW % 2 == 0, "own_stride is odd only for an even NW");
+  constexpr bool GENERIC = V == Variant::kGeneric, VOTING = V != Variant::kSoftmax;
   constexpr bool kBroadcast = kPlan == Plan::kBroadcast;
   extern __shared__ __align__(16) float smem[];
   const int E = p.E, k = p.k, B = p.B, C = p.cluster, EPC = p.experts_per_cta;
@@ -258,7 +266,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
   // kBroadcast has no cluster barrier before the fill: the zeros come before this CTA's pushes (this barrier), whose
   // complete_tx releases them to every receiver's inbox wait (an acquire); every CTA routes a token, so pushes to all.
   if constexpr (kBroadcast) __syncthreads();
-  const float top1 = group_top1_offset<kThreads>(p, first_token);
+  const float top1 = group_top1_offset<kThreads, VOTING>(p, first_token);
 
   const bool single_chunk = chunks <= 1;
   const bool base_cost = p.cost == Cost::kBase;
@@ -269,7 +277,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     const int local = chunk * per_chunk + column;
     if (local < B) {
       const int64_t t = first_token + local;
-      const bool votes = p.voting == nullptr || p.voting[t];  // a non-voting token's slots: no cost, no candidate
+      const bool votes = !VOTING || p.voting == nullptr || p.voting[t];  // a non-voting token: no cost, no candidate
       load_token<EPL>(p, t, lane, s);
       score_token<EPL, GENERIC>(p, lane, my_row, my_group_scratch, s);
       float w, log_norm;
@@ -465,11 +473,11 @@ void allow_smem(Kernel kernel, size_t smem) {
 // owned experts' power of two rounds 18 up to 32; ~92 KB with as many groups as experts), far below an SM's, so
 // whether 16 CTAs fit depends on the device's GPCs, not on the call, and the answer holds for every call.
 // Plan::kBroadcast instances take up to broadcast_smem_limit and are asked with it.
-template <int EPL, int NW, bool GENERIC, Plan kPlan>
+template <int EPL, int NW, Variant V, Plan kPlan>
 int max_select_cluster(size_t smem, int device) {
   static std::atomic<int> memo[cuda::kMaxDevices];
   return cuda::once_per_device(memo, device, 8, [&] {
-    auto kernel = route_select_kernel<EPL, NW, GENERIC, kPlan>;
+    auto kernel = route_select_kernel<EPL, NW, V, kPlan>;
     allow_smem(kernel, smem);
     return cuda::cluster_fits(kernel, kMaxCluster, NW * 32, smem) ? kMaxCluster : 8;
   });
@@ -477,12 +485,12 @@ int max_select_cluster(size_t smem, int device) {
 
 // C is final here: for C > 8 the caller has asked this instance's max_select_cluster, which also allows its
 // non-portable cluster size.
-template <int EPL, int NW, bool GENERIC, Plan kPlan>
+template <int EPL, int NW, Variant V, Plan kPlan>
 void launch_instance(SelectParams p, int groups, int C, bool clusters, int device, cudaStream_t stream) {
   p.cluster = C;
   p.experts_per_cta = owned_experts_per_cta(p.E, C);
   const size_t smem = select_smem(p, NW, C, kPlan);
-  auto kernel = route_select_kernel<EPL, NW, GENERIC, kPlan>;
+  auto kernel = route_select_kernel<EPL, NW, V, kPlan>;
   allow_smem(kernel, smem);
   cuda::launch({dim3(groups * C), dim3(NW * 32), smem, stream, clusters ? C : 0, clusters && cuda::selection_pdl()},
                kernel, p);
@@ -491,35 +499,35 @@ void launch_instance(SelectParams p, int groups, int C, bool clusters, int devic
 // CTAs per group on CTAs of NW warps: one token per warp per chunk, as many CTAs as the group's tokens need (routing
 // and fill are issue-bound, so 16 warps per SM on 16 SMs beat 32 on 8: Qwen3 shape, T = 256, 26.1 -> 23.1 us, session
 // 39), within the device's cluster limit.
-template <int EPL, int NW, bool GENERIC>
+template <int EPL, int NW, Variant V>
 int select_cluster(const SelectParams& p, bool clusters, int device) {
   const int C = clusters ? std::clamp((p.B + NW - 1) / NW, 1, kMaxCluster) : 1;
-  return C > 8 ? std::min(C, max_select_cluster<EPL, NW, GENERIC, Plan::kChunks>(select_smem(p, NW, C), device)) : C;
+  return C > 8 ? std::min(C, max_select_cluster<EPL, NW, V, Plan::kChunks>(select_smem(p, NW, C), device)) : C;
 }
 
-template <int EPL, int NW, bool GENERIC>
+template <int EPL, int NW, Variant V>
 void launch_select(SelectParams p, int groups, bool clusters, int device, cudaStream_t stream) {
-  const int C = select_cluster<EPL, NW, GENERIC>(p, clusters, device);
+  const int C = select_cluster<EPL, NW, V>(p, clusters, device);
   // The one-chunk instances only where their own cluster limit also holds C (they route tokens [0, C * NW) only).
   // One chunk means C = ceil(B / NW) (no cluster limit cut it), so every CTA routes a token, as kBroadcast needs.
   const bool one_chunk = p.B <= C * NW;
   const size_t broadcast_limit = broadcast_smem_limit(device);
   if (one_chunk && p.compute_cost && p.select && broadcast_wins(p) &&
       select_smem(p, NW, C, Plan::kBroadcast) <= broadcast_limit &&
-      (C <= 8 || max_select_cluster<EPL, NW, GENERIC, Plan::kBroadcast>(broadcast_limit, device) >= C)) {
-    launch_instance<EPL, NW, GENERIC, Plan::kBroadcast>(p, groups, C, clusters, device, stream);
+      (C <= 8 || max_select_cluster<EPL, NW, V, Plan::kBroadcast>(broadcast_limit, device) >= C)) {
+    launch_instance<EPL, NW, V, Plan::kBroadcast>(p, groups, C, clusters, device, stream);
   } else if (one_chunk && C * NW > 32 &&
-             (C <= 8 || max_select_cluster<EPL, NW, GENERIC, Plan::kOneChunk>(select_smem(p, NW, C), device) >= C)) {
-    launch_instance<EPL, NW, GENERIC, Plan::kOneChunk>(p, groups, C, clusters, device, stream);
+             (C <= 8 || max_select_cluster<EPL, NW, V, Plan::kOneChunk>(select_smem(p, NW, C), device) >= C)) {
+    launch_instance<EPL, NW, V, Plan::kOneChunk>(p, groups, C, clusters, device, stream);
   } else {
-    launch_instance<EPL, NW, GENERIC, Plan::kChunks>(p, groups, C, clusters, device, stream);
+    launch_instance<EPL, NW, V, Plan::kChunks>(p, groups, C, clusters, device, stream);
   }
 }
 
 // Whether CTAs of NW warps hold the whole batch in one pass on a cluster this device allows.
-template <int EPL, int NW, bool GENERIC>
+template <int EPL, int NW, Variant V>
 bool one_pass(const SelectParams& p, bool clusters, int device) {
-  return clusters && p.B <= kMaxCluster * NW && p.B <= select_cluster<EPL, NW, GENERIC>(p, clusters, device) * NW;
+  return clusters && p.B <= kMaxCluster * NW && p.B <= select_cluster<EPL, NW, V>(p, clusters, device) * NW;
 }
 
 // Batches of more than 8 tokens with E 65-256 run on CTAs of the fewest warps (4, else 8) that hold the batch in one
@@ -530,31 +538,31 @@ bool one_pass(const SelectParams& p, bool clusters, int device) {
 // Up to 4 tokens the batch is on one CTA either way: 4 warps lost there for DeepSeek-like (T = 1 / 4 8.66 / 10.63 ->
 // 10.19 / 11.88), gained 0.1-0.2 us for Qwen3; device_runs/session48.txt, call 4 (5-8 tokens, two CTAs, not
 // measured: they keep 16 warps).
-template <int EPL, bool GENERIC>
+template <int EPL, Variant V>
 void launch_by_tokens(const SelectParams& p, int groups, bool clusters, int device, cudaStream_t stream) {
-  if (p.B > 8 && one_pass<EPL, 4, GENERIC>(p, clusters, device)) {
-    launch_select<EPL, 4, GENERIC>(p, groups, clusters, device, stream);
-  } else if (p.B > 8 && one_pass<EPL, 8, GENERIC>(p, clusters, device)) {
-    launch_select<EPL, 8, GENERIC>(p, groups, clusters, device, stream);
+  if (p.B > 8 && one_pass<EPL, 4, V>(p, clusters, device)) {
+    launch_select<EPL, 4, V>(p, groups, clusters, device, stream);
+  } else if (p.B > 8 && one_pass<EPL, 8, V>(p, clusters, device)) {
+    launch_select<EPL, 8, V>(p, groups, clusters, device, stream);
   } else {
-    launch_select<EPL, 16, GENERIC>(p, groups, clusters, device, stream);
+    launch_select<EPL, 16, V>(p, groups, clusters, device, stream);
   }
 }
 
-// One instance per (experts per lane, GENERIC), and for E 65-256 one per warps per CTA.
-template <bool GENERIC>
+// One instance per (experts per lane, variant), and for E 65-256 one per warps per CTA.
+template <Variant V>
 void launch_by_experts(const SelectParams& p, int groups, bool clusters, int device, cudaStream_t stream) {
   const int epl = (p.E + 31) / 32;
   if (epl <= 1) {
-    launch_select<1, 16, GENERIC>(p, groups, clusters, device, stream);
+    launch_select<1, 16, V>(p, groups, clusters, device, stream);
   } else if (epl <= 2) {
-    launch_select<2, 16, GENERIC>(p, groups, clusters, device, stream);
+    launch_select<2, 16, V>(p, groups, clusters, device, stream);
   } else if (epl <= 4) {
-    launch_by_tokens<4, GENERIC>(p, groups, clusters, device, stream);
+    launch_by_tokens<4, V>(p, groups, clusters, device, stream);
   } else if (epl <= 8) {
-    launch_by_tokens<8, GENERIC>(p, groups, clusters, device, stream);
+    launch_by_tokens<8, V>(p, groups, clusters, device, stream);
   } else {
-    launch_select<16, 8, GENERIC>(p, groups, clusters, device, stream);
+    launch_select<16, 8, V>(p, groups, clusters, device, stream);
   }
 }
 
@@ -564,9 +572,11 @@ void route_select_launch(SelectParams p, int groups, int device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   const bool clusters = cuda::device_has_clusters(device);
   if (needs_generic_routing(p)) {
-    launch_by_experts<true>(p, groups, clusters, device, stream);
+    launch_by_experts<Variant::kGeneric>(p, groups, clusters, device, stream);
+  } else if (p.voting != nullptr) {
+    launch_by_experts<Variant::kSoftmaxVoting>(p, groups, clusters, device, stream);
   } else {
-    launch_by_experts<false>(p, groups, clusters, device, stream);
+    launch_by_experts<Variant::kSoftmax>(p, groups, clusters, device, stream);
   }
 }
 
