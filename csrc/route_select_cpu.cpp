@@ -144,18 +144,13 @@ void route_all(const Tensor& logits, const OptTensor& correction_bias, const Rou
                Tensor& weights) {
   const int64_t T = logits.size(0), E = r.num_experts, k = r.top_k;
   const float* l = logits.data_ptr<float>();
-  const float* bias = correction_bias.has_value() ? correction_bias->data_ptr<float>() : nullptr;
+  const float* bias = optional_data<float>(correction_bias);
   int32_t* id = ids.data_ptr<int32_t>();
   float* w = weights.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     TokenScratch scratch(E);
     for (int64_t t = begin; t < end; ++t) route_token(l + t * E, bias, r, scratch, id + t * k, w + t * k);
   });
-}
-
-// The voting flags' data, or null (every token votes).
-const bool* voting_data(const OptTensor& voting) {
-  return voting.has_value() ? voting->data_ptr<bool>() : nullptr;
 }
 
 // D[g, u]: the group's slot costs summed in token order, plus the TOP1_UNION seed offset; only the voting tokens' slots
@@ -218,7 +213,7 @@ void fill_tokens(const Tensor& logits, const OptTensor& correction_bias, const R
                  Tensor& ids, Tensor& weights) {
   const int64_t T = logits.size(0), E = r.num_experts, k = r.top_k, G = kept.size(0), B = T / G;
   const float* l = logits.data_ptr<float>();
-  const float* bias = correction_bias.has_value() ? correction_bias->data_ptr<float>() : nullptr;
+  const float* bias = optional_data<float>(correction_bias);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     TokenScratch s(E);
     std::vector<uint8_t> in_kept(E + 1);
@@ -310,7 +305,7 @@ std::tuple<Tensor, Tensor, Tensor> route_cost_cpu(const Tensor& logits, const Op
   check_voting(voting, logits);
   check_finite_inputs(logits, correction_bias, log_norms_read(log_norms, cost));
   auto [ids, weights] = route_tokens(logits, correction_bias, r);
-  Tensor D = batch_cost(ids, weights, log_norms, num_groups, r, static_cast<Cost>(cost), voting_data(voting));
+  Tensor D = batch_cost(ids, weights, log_norms, num_groups, r, static_cast<Cost>(cost), optional_data<bool>(voting));
   return {ids, weights, D};
 }
 
@@ -325,7 +320,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cpu(const Tensor& logits,
   check_voting(voting, logits);
   check_finite_inputs(logits, correction_bias, std::nullopt);
   auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
-  return keep_and_fill(logits, correction_bias, r, routed, routed_w, batch_cost, budget, fill, voting_data(voting));
+  return keep_and_fill(logits, correction_bias, r, routed, routed_w, batch_cost, budget, fill,
+                       optional_data<bool>(voting));
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cpu(
@@ -339,7 +335,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cpu(
   check_voting(voting, logits);
   check_finite_inputs(logits, correction_bias, log_norms_read(log_norms, cost));
   auto [routed, routed_w] = route_tokens(logits, correction_bias, r);
-  const bool* votes = voting_data(voting);
+  const bool* votes = optional_data<bool>(voting);
   Tensor D = batch_cost(routed, routed_w, log_norms, num_groups, r, static_cast<Cost>(cost), votes);
   auto [ids, weights, kept, counts] =
       keep_and_fill(logits, correction_bias, r, routed, routed_w, D, budget, fill, votes);

@@ -26,7 +26,7 @@ GemvParams make_gemv_params(const Tensor& hidden, const Tensor& router_weight, c
   p.hidden = hidden.data_ptr();
   p.router_weight = router_weight.data_ptr();
   p.predictor_weight = predict ? predictor_weight->data_ptr() : nullptr;
-  p.router_bias = router_bias.has_value() ? router_bias->data_ptr<float>() : nullptr;
+  p.router_bias = optional_data<float>(router_bias);
   p.predictor_bias = predict ? predictor_bias->data_ptr<float>() : nullptr;
   p.logits = logits.data_ptr<float>();
   p.log_norms = log_norms.data_ptr<float>();
@@ -76,8 +76,8 @@ SelectParams make_params(const Tensor& logits, const OptTensor& correction_bias,
                          const RoutingParams& r, int64_t num_groups) {
   SelectParams p{};
   p.logits = logits.data_ptr<float>();
-  p.correction_bias = correction_bias.has_value() ? correction_bias->data_ptr<float>() : nullptr;
-  p.voting = voting.has_value() ? voting->data_ptr<bool>() : nullptr;
+  p.correction_bias = optional_data<float>(correction_bias);
+  p.voting = optional_data<bool>(voting);
   p.B = static_cast<int>(logits.size(0) / num_groups);
   p.E = static_cast<int>(r.num_experts);
   p.k = static_cast<int>(r.top_k);

@@ -14,6 +14,12 @@ namespace base_moe {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
+// An optional operand's data, or null where it is not given (how the kernels and CPU loops read "absent").
+template <typename T>
+T* optional_data(const OptTensor& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
 void check_router_predict(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
                           const OptTensor& predictor_weight, const OptTensor& predictor_bias);
 
