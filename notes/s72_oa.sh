@@ -1,4 +1,5 @@
 #!/bin/bash
+# (notes/offset_addresses.patch was removed after this ran; it is in git at 54fb5e1: notes/PATCHES.md)
 # session 72: notes/offset_addresses.patch (csrc/experts.cu's k loops on one moving base pointer with 32-bit offsets)
 # against main in the reverse order of call 2 (which had main first: 0.2-0.3 us faster at batch <= 16), with the
 # expert suite on the patched build; then, with SAN_TOO=1, memcheck and racecheck of experts.cu's configurations
