@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .inputs import check_token_ids, vocab_size, warn_past_context
 from .layouts import LOG_NORM_FLOOR, cosine_similarity_from_gram, expert_log_norms, expert_output_gram
 from .predictors import FORMAT, Predictors, model_type
 
@@ -172,7 +173,7 @@ def held_out_sequences(first: int, count: int, holdout: float) -> torch.Tensor:
 
 
 def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int,
-             vocab_size: int | None = None) -> Iterator[torch.Tensor]:
+             vocab: int | None = None) -> Iterator[torch.Tensor]:
     items = [input_ids] if isinstance(input_ids, torch.Tensor) else input_ids
     for item in items:
         if not isinstance(item, torch.Tensor):
@@ -182,22 +183,19 @@ def _batches(input_ids: torch.Tensor | Iterable[torch.Tensor], batch_size: int,
             item = item[None]
         if item.dim() != 2:
             raise ValueError(f"input_ids batches must be [N, S], got shape {tuple(item.shape)}")
-        if item.is_floating_point() or item.is_complex() or item.dtype == torch.bool:
-            raise TypeError(f"input_ids must hold integer token ids, got dtype {item.dtype}")
         if item.numel() == 0:
             raise ValueError(f"input_ids batches must hold tokens, got shape {tuple(item.shape)}")
-        low, high = int(item.min()), int(item.max())  # (the embedding's own error names no id)
-        if low < 0 or (vocab_size is not None and high >= vocab_size):
-            raise ValueError(f"input_ids must be token ids in [0, {vocab_size or 'vocabulary size'}), got ids from "
-                             f"{low} to {high}")
+        check_token_ids(item, vocab)
         for batch in item.split(batch_size):
             yield batch.long()  # any integer dtype (bytes from torch.frombuffer are uint8)
 
 
 def _total_tokens(input_ids: Any) -> int | None:
+    """The progress bar's total, where it is known before the run (a tensor, or a list or tuple of them; anything
+    else reaches _batches' type check)."""
     if isinstance(input_ids, torch.Tensor):
         return input_ids.numel()
-    if isinstance(input_ids, (list, tuple)):
+    if isinstance(input_ids, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in input_ids):
         return sum(t.numel() for t in input_ids)
     return None
 
@@ -218,7 +216,7 @@ def calibrate(
     holdout: float = 0.1,
     progress: bool = True,
     device: torch.device | str | None = None,
-    ridge_sweep: Iterable[float] = (),
+    ridge_sweep: Iterable[float] | float = (),
     similarity: bool = False,
 ) -> Predictors:
     """Fit BASE's removal-cost predictors for every MoE layer of ``model``.
@@ -236,9 +234,9 @@ def calibrate(
         progress: show a tqdm progress bar (tokens).
         device: where input ids are sent; defaults to the device of the model's input embeddings. The sums
             of each layer live on the device of that layer's inputs.
-        ridge_sweep: other ridge values to fit from the same sums, for choosing ``ridge``: their held-out R^2
-            per layer go to ``.stats["r2_by_ridge"]`` (not saved; NaN where that ridge's system is singular);
-            the predictors use ``ridge``.
+        ridge_sweep: other ridge values (one, or an iterable of them) to fit from the same sums, for choosing
+            ``ridge``: their held-out R^2 per layer go to ``.stats["r2_by_ridge"]`` (not saved; NaN where that
+            ridge's system is singular); the predictors use ``ridge``.
         similarity: also measure every two experts' output similarity (cosine over all calibration tokens, per
             layer: ``Predictors.similarity``), which the ``substitute`` fill rule needs. It runs every expert a
             second time, on token chunks whose outputs of all experts take at most 256 MB (fp32).
@@ -268,7 +266,7 @@ def calibrate_layouts(
     holdout: float = 0.1,
     progress: bool = True,
     device: torch.device | str | None = None,
-    ridge_sweep: Iterable[float] = (),
+    ridge_sweep: Iterable[float] | float = (),
     similarity: bool = False,
 ) -> Predictors:
     """:func:`calibrate` on explicitly given MoE layouts (objects with ``layer_index``, ``block``,
@@ -278,6 +276,8 @@ def calibrate_layouts(
     check_holdout(holdout)
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(ridge_sweep, numbers.Real):  # one value: a sweep of one
+        ridge_sweep = [ridge_sweep]
     ridge_sweep = [float(r) for r in ridge_sweep]
     if not all(math.isfinite(r) and r >= 0 for r in [ridge, *ridge_sweep]):
         raise ValueError(f"ridge must be finite and >= 0, got {ridge} (sweep: {ridge_sweep})")
@@ -327,13 +327,15 @@ def calibrate_layouts(
         for i, layout in enumerate(layouts)
     ]
     sequences, tokens_fed, seq_lens = 0, 0, set()
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    vocab = vocab_size(model)
     try:
         with torch.no_grad(), tqdm(
             total=_total_tokens(input_ids), unit="tok", unit_scale=True, desc="calibrate", disable=not progress
         ) as bar:
-            for batch in _batches(input_ids, batch_size, vocab_size):
+            for batch in _batches(input_ids, batch_size, vocab):
                 b, s = batch.shape
+                if s not in seq_lens:
+                    warn_past_context(model, s, stacklevel=3)  # calibrate's caller
                 held_seq = held_out_sequences(sequences, b, holdout)
                 current["held_rows"] = held_seq.repeat_interleave(s).to(device)
                 try:

@@ -60,7 +60,7 @@ def check_input_file(path: str, flag: str) -> None:
 def check_output_file(path: str, flag: str) -> None:
     """Before the work, not after it: the file's folder must exist and be writable (and the file, if it exists)."""
     folder = os.path.dirname(os.path.abspath(path))
-    if not path or os.path.isdir(path):
+    if not path or os.path.isdir(path) or path.endswith(tuple(filter(None, (os.sep, os.altsep)))):
         raise SystemExit(f"error: {flag} {path!r} is a directory or empty; give a file name")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise SystemExit(f"error: {flag} {path!r} exists and is not writable")
@@ -407,6 +407,23 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_eval)
 
 
+def load_predictors(path: str, fill: str):
+    """``--predictors``, read before the model loads: a file that is not one, or ``--fill substitute`` with
+    predictors that hold no expert similarity, is an error before any work."""
+    from .predictors import Predictors
+
+    check_input_file(path, "--predictors")
+    try:
+        predictors = Predictors.load(path)
+    except ValueError as err:
+        raise SystemExit(f"error: --predictors {err}") from None
+    if fill == "substitute" and set(predictors.similarity) != set(predictors.layers):
+        raise SystemExit(f"error: --fill substitute needs predictors calibrated with --similarity; {path} holds "
+                         f"the expert similarity of {len(predictors.similarity)} of its {len(predictors.layers)} "
+                         "MoE layers")
+    return predictors
+
+
 def run_eval(args: argparse.Namespace) -> int:
     import json
 
@@ -432,8 +449,9 @@ def run_eval(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --prefill {args.prefill} leaves no scored decode position in --seq {args.seq} "
                          "(at most --seq - 2)") from None
     check_input_file(args.text, "--text")
-    if args.predictors:
-        check_input_file(args.predictors, "--predictors")
+    predictors = load_predictors(args.predictors, args.fill) if args.predictors else None
+    if args.fill == "substitute" and predictors is None:
+        raise SystemExit("error: --fill substitute needs --predictors FILE calibrated with --similarity")
     check_output_file(args.json, "--json")
     if args.plot:
         check_plot_output(args.plot)
@@ -447,7 +465,9 @@ def run_eval(args: argparse.Namespace) -> int:
     ids, model = load_ids_and_model(args, device, args.batches * args.batch * args.seq, check_ids=enough_tokens)
     budgets = args.budgets
     try:
-        check_policies_fit(policies, find_moe_layouts(model))  # before the dense-union pass
+        if predictors is not None:  # before the dense-union pass, like the policies' fit
+            predictors.check_compatible(model)
+        check_policies_fit(policies, find_moe_layouts(model))
         if budgets is None and not any(p.needs_budget for p in policies):
             budgets = []  # no budget to choose: no dense-union pass
         elif budgets is None:
@@ -456,7 +476,7 @@ def run_eval(args: argparse.Namespace) -> int:
             budgets = budgets_between(union)
             print(f"dense union {union:.2f} experts per layer and decode batch: budgets {budgets}")
         result = evaluate(
-            model, ids, predictors=args.predictors, policies=policies, budgets=budgets, batch=args.batch,
+            model, ids, predictors=predictors, policies=policies, budgets=budgets, batch=args.batch,
             seq=args.seq, prefill=args.prefill, batches=args.batches, fill=args.fill, device=device,
             progress=not args.no_progress, energy=not args.no_energy, byte_level=args.bytes,
         )

@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import hf, reference
+from .inputs import check_token_ids, vocab_size, warn_past_context
 from .policies import SUBSTITUTE, Policy, fill_name, get_policy, parse_fill
 
 __all__ = [
@@ -52,9 +53,11 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
-def make_batches(input_ids: torch.Tensor, batch: int, seq: int, batches: int) -> torch.Tensor:
+def make_batches(input_ids: torch.Tensor, batch: int, seq: int, batches: int,
+                 vocab_size: int | None = None) -> torch.Tensor:
     """``[batches, batch, seq]`` consecutive, non-overlapping sequences from the start of ``input_ids`` (a 1-D
-    token stream, or ``[N, L]`` rows that are flattened in order)."""
+    token stream, or ``[N, L]`` rows that are flattened in order) of integer token ids, each in ``[0, vocab_size)``
+    (without ``vocab_size``: ``>= 0``)."""
     for name, value in (("batch", batch), ("seq", seq), ("batches", batches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -66,6 +69,7 @@ def make_batches(input_ids: torch.Tensor, batch: int, seq: int, batches: int) ->
             f"{batches} batches of {batch} x {seq} tokens need {need} tokens, the text gives {ids.numel()} "
             f"(enough for {have} batches): use a longer text or fewer --batches"
         )
+    check_token_ids(ids[:need], vocab_size)
     return ids[:need].reshape(batches, batch, seq).long()
 
 
@@ -98,7 +102,7 @@ def dense_union(model, input_ids, *, batch: int, seq: int, prefill: int, batches
     if hf.is_applied(model) and hf.moe_layouts(model)[0].block._base_moe.settings.active:
         raise ValueError("dense_union needs the model's own routing: configure(model, policy='dense') first")
     device = torch.device(device) if device is not None else _device_of(model)
-    data = make_batches(input_ids, batch, seq, batches)
+    data = make_batches(input_ids, batch, seq, batches, vocab_size(model))
     capture = _Capture(layouts, prefill)
     total, count = 0.0, 0
     try:
@@ -250,8 +254,11 @@ def check_prefill(prefill: int, seq: int) -> None:
         raise ValueError(f"prefill must be in [0, seq - 2] (at least one scored decode position), got {prefill}")
 
 
-def _budgets(budgets: Sequence[int]) -> list[int]:
-    """Sorted distinct budgets, each as ``apply`` takes one (2.9 is refused, not run as 2)."""
+def _budgets(budgets: Sequence[int] | int) -> list[int]:
+    """Sorted distinct budgets, each as ``apply`` takes one (2.9 is refused, not run as 2); one value is a list of
+    one."""
+    if not isinstance(budgets, Iterable):
+        budgets = [budgets]
     try:
         return sorted({hf._budget(b) for b in budgets})
     except ValueError:
@@ -270,7 +277,9 @@ def json_ready(value: Any) -> Any:
     return value
 
 
-def _resolve_policies(policies: Sequence[str | Policy]) -> list[Policy]:
+def _resolve_policies(policies: Sequence[str | Policy] | str | Policy) -> list[Policy]:
+    if isinstance(policies, (str, Policy)):  # one policy, not its name's letters
+        policies = [policies]
     out = []
     for p in policies:
         pol = get_policy(p)
@@ -291,8 +300,8 @@ def evaluate(
     input_ids: torch.Tensor,
     *,
     predictors=None,
-    policies: Sequence[str | Policy] = ("base", "router_sum", "oracle"),
-    budgets: Sequence[int] = (),
+    policies: Sequence[str | Policy] | str | Policy = ("base", "router_sum", "oracle"),
+    budgets: Sequence[int] | int = (),
     batch: int = 16,
     seq: int = 256,
     prefill: int = 32,
@@ -310,13 +319,13 @@ def evaluate(
     Args:
         model: a Hugging Face MoE causal LM (patched by ``base_moe.apply`` or not: it is patched for the run and
             left as it was found).
-        input_ids: held-out tokens, a 1-D stream or ``[N, L]`` rows (read in order); the first
-            ``batches * batch * seq`` are used.
+        input_ids: held-out token ids (integers in ``[0, vocab_size)``), a 1-D stream or ``[N, L]`` rows (read in
+            order); the first ``batches * batch * seq`` are used.
         predictors: a ``base_moe.Predictors`` or its file (needed by ``base`` and ``static_energy``).
         policies: policy names (``"oea:k0=2"`` style options allowed) or :class:`~base_moe.policies.Policy`
-            instances; ``dense`` is always measured as the reference. Policies with their own size rule (``oea``,
-            ``lynx:threshold=X``, ``topk_reduce``) run once, whatever the budgets.
-        budgets: experts kept per layer and decode batch, for the budgeted policies.
+            instances, or one of them; ``dense`` is always measured as the reference. Policies with their own size
+            rule (``oea``, ``lynx:threshold=X``, ``topk_reduce``) run once, whatever the budgets.
+        budgets: experts kept per layer and decode batch (one or several), for the budgeted policies.
         batch, seq, prefill, batches: ``B`` sequences of ``S`` tokens per batch, ``P`` dense prefill positions,
             number of batches.
         fill: ``backfill`` (default), ``drop``, ``drop_renorm`` or ``substitute`` (predictors calibrated with
@@ -333,10 +342,7 @@ def evaluate(
     """
     start = time.perf_counter()
     check_prefill(prefill, seq)
-    context = _context(model)
-    if context is not None and seq > context:
-        warnings.warn(f"seq={seq} is longer than the model's context (max_position_embeddings {context}): positions "
-                      "past it are off the model's distribution, and every figure of the run with them", stacklevel=2)
+    warn_past_context(model, seq, stacklevel=2)
     fill_rule = parse_fill(fill)
     pols = [p for p in _resolve_policies(policies) if p.budgeted]
     budgets = _budgets(budgets)
@@ -350,7 +356,7 @@ def evaluate(
     timing = device.type == "cuda" if timing is None else bool(timing)
     if timing and device.type != "cuda":
         raise ValueError(f"timing=True needs a CUDA device, the run is on {device}")
-    data = make_batches(input_ids, batch, seq, batches)
+    data = make_batches(input_ids, batch, seq, batches, vocab_size(model))
 
     patched_here = not hf.is_applied(model)
     has_predictors = predictors is not None or (
@@ -433,14 +439,6 @@ def evaluate(
     return _report(model, layouts, dense, results, runs, used_predictors, locals_=dict(
         batch=batch, seq=seq, prefill=prefill, batches=batches, fill=fill_name(fill_rule), device=str(device),
         timing=timing, energy=energy, repeats=repeats, byte_level=byte_level, seconds=time.perf_counter() - start))
-
-
-def _context(model: torch.nn.Module) -> int | None:
-    """The model's context (its text config's ``max_position_embeddings``), where it says."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    value = getattr(text, "max_position_embeddings", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _layer_means(d: dict[int, list[float]]) -> dict[str, float]:

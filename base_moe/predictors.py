@@ -178,6 +178,8 @@ class Predictors:
         from safetensors import SafetensorError, safe_open
 
         device = torch.device(device)  # a bad device is the caller's error, not the file's
+        if os.path.isdir(path):  # (safetensors' own error names no path)
+            raise ValueError(f"{path}: a directory, not a predictors file")
         try:
             with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
                 raw = f.metadata() or {}

@@ -318,6 +318,29 @@ def test_calibrate_rejects_bad_options():
     for empty in ([], iter(())):
         with pytest.raises(ValueError, match="input_ids holds no sequences"):
             calibrate_layouts(model, layouts, empty, progress=False)
+    for lists in ([[1, 2, 3], [4, 5, 6]], ([1, 2, 3],)):  # the progress bar's total must not fail first
+        with pytest.raises(TypeError, match="an integer tensor \\[N, S\\] or an iterable of them, got list"):
+            calibrate_layouts(model, layouts, lists, progress=False)
+
+
+def test_one_ridge_sweep_value_is_a_sweep_of_one():
+    model, layouts = planted_setup()
+    ids = torch.randint(0, 256, (10, 8), generator=torch.Generator().manual_seed(3))
+    one = calibrate_layouts(model, layouts, ids, ridge_sweep=0.5, progress=False)
+    listed = calibrate_layouts(model, layouts, ids, ridge_sweep=[0.5], progress=False)
+    assert list(one.stats["r2_by_ridge"]) == [0.5] and one.stats["r2_by_ridge"] == listed.stats["r2_by_ridge"]
+
+
+def test_sequences_past_the_context_warn_once_per_length():
+    """The tiny model's context is 256 tokens: sequences of 300 warn (once, however many batches), 256 do not."""
+    model = tiny_qwen3_moe(layers=1)
+    ids = torch.randint(0, 256, (4, 300), generator=torch.Generator().manual_seed(4))
+    with pytest.warns(UserWarning, match="seq=300 is longer than the model's context") as caught:
+        base_moe.calibrate(model, ids, batch_size=2, holdout=0, progress=False)
+    assert sum("longer than the model's context" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        base_moe.calibrate(model, ids[:, :256], batch_size=2, holdout=0, progress=False)
 
 
 def test_a_singular_ridge_sweep_value_does_not_abort_the_calibration():

@@ -82,8 +82,20 @@ def test_similarity_and_the_substitute_fill(checkpoint, tmp_path):
     assert main([*argv, "--predictors", str(with_sim)]) == 0
     with open(tmp_path / "o.json") as f:
         assert json.load(f)["protocol"]["fill"] == "substitute"
-    with pytest.raises(SystemExit, match="fill='substitute' needs predictors calibrated with similarity=True"):
+    with pytest.raises(SystemExit, match="--fill substitute needs predictors calibrated with --similarity; .* holds "
+                       "the expert similarity of 0 of its 2 MoE layers"):
         main([*argv, "--predictors", str(plain)])
+
+
+def test_eval_checks_the_predictors_against_the_model_before_the_dense_pass(checkpoint, tmp_path, no_dense_pass):
+    """Predictors of another model (here one of its two MoE layers) stop eval before the dense-union pass, and eval
+    uses the file it read."""
+    E, H = 8, 32
+    one_layer = Predictors({0: torch.zeros(E, H)}, {0: torch.zeros(E)}, {0: torch.zeros(E)})
+    path = tmp_path / "one.safetensors"
+    one_layer.save(path)
+    with pytest.raises(SystemExit, match="predictors do not match this model"):
+        main(eval_args(checkpoint, tmp_path, "--policies", "base", "--predictors", str(path)))
 
 
 def eval_args(root, tmp_path, *extra):
@@ -255,6 +267,12 @@ def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, messa
         (["calibrate", "--text", "{missing}", "--out", "{tmp}/p"], "--text .* is not a file"),
         (["calibrate", "--text", "{text}", "--out", "{tmp}/no/p"], "--out .* does not exist"),
         (["calibrate", "--text", "{text}", "--out", "{tmp}"], "--out .* is a directory"),
+        (["calibrate", "--text", "{text}", "--out", "{tmp}/no/"], "--out .* is a directory or empty"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/no/", "--policies", "router_sq"], "--json .* is a directory"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--predictors", "{garbage}"],
+         "--predictors .*garbage.bin: not a readable safetensors file"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--policies", "router_sum", "--fill", "substitute"],
+         "--fill substitute needs --predictors FILE calibrated with --similarity"),
         (["eval", "--text", "{text}", "--json", "{tmp}/no/o.json", "--policies", "router_sq"],
          "--json .* does not exist"),
         (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--predictors", "{missing}"],
@@ -279,8 +297,9 @@ def test_paths_checked_before_loading(tmp_path, argv, message):
     text.write_text(TEXT)
     empty_checkpoint(tmp_path / "model")
     (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "garbage.bin").write_bytes(b"garbage, not safetensors")
     paths = {"tmp": str(tmp_path), "text": str(text), "missing": str(tmp_path / "missing"),
-             "empty": str(tmp_path / "empty.txt")}
+             "empty": str(tmp_path / "empty.txt"), "garbage": str(tmp_path / "garbage.bin")}
     command, *rest = [arg.format(**paths) for arg in argv]
     argv = [command, "--model", str(tmp_path / "model"), *rest, "--device", "cpu"]  # a later --model wins
     with pytest.raises(SystemExit, match=message):

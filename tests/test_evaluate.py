@@ -86,6 +86,43 @@ def test_make_batches_and_budgets():
     assert json_ready({"a": [1.0, math.nan, {"b": math.inf}], "c": "x"}) == {"a": [1.0, None, {"b": None}], "c": "x"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool])
+def test_make_batches_refuses_ids_that_are_not_integers(dtype):
+    """Float ids would be truncated to other tokens without a word."""
+    with pytest.raises(TypeError, match=f"integer token ids, got dtype {dtype}"):
+        make_batches(torch.full((64,), 1.5).to(dtype), 2, 8, 2)
+
+
+def test_evaluate_and_dense_union_name_ids_outside_the_vocabulary():
+    """An id past the vocabulary (64) or below 0 is refused with the ids' range, not the embedding's bare
+    IndexError; ids past the ones used are not looked at."""
+    model, ids = model_and_ids()
+    used = N * B * S
+    for bad in (64, -1):
+        wrong = ids.clone()
+        wrong[int(torch.randint(0, used, (1,), generator=torch.Generator().manual_seed(bad + 2)))] = bad
+        low, high = int(wrong[:used].min()), int(wrong[:used].max())
+        message = f"token ids in \\[0, 64\\), got ids from {low} to {high}"
+        with pytest.raises(ValueError, match=message):
+            evaluate(model, wrong, policies=["router_sum"], budgets=[2], batch=B, seq=S, prefill=P, batches=N)
+        with pytest.raises(ValueError, match=message):
+            dense_union(model, wrong, batch=B, seq=S, prefill=P, batches=N)
+    tail = ids.clone()
+    tail[used:] = 1000
+    dense_union(model, tail, batch=B, seq=S, prefill=P, batches=N)
+
+
+def test_one_policy_or_one_budget_is_a_list_of_one():
+    """``policies="router_sum"`` is that policy, not its name's letters; ``budgets=2`` is ``[2]``."""
+    model, ids = model_and_ids()
+    kwargs = dict(batch=2, seq=6, prefill=2, batches=1, progress=False, energy=False)
+    one = evaluate(model, ids, policies="router_sum", budgets=2, **kwargs)
+    listed = evaluate(model, ids, policies=["router_sum"], budgets=[2], **kwargs)
+    assert [(r["policy"], r["budget"]) for r in one["results"]] == [("router_sum", 2)]
+    assert one["results"][0]["bits"] == listed["results"][0]["bits"]
+    assert evaluate(model, ids, policies=get_policy("oea"), **kwargs)["results"][0]["policy"] == "oea"
+
+
 def test_budgets_between_is_exact_at_decimal_fractions():
     """Products like 0.7 x 90 round below 63 in binary floating point; the budgets are those of the exact decimal
     fractions."""

@@ -150,6 +150,8 @@ def test_load_rejects_other_files(tmp_path):
     save_file({"weight": torch.zeros(2)}, tmp_path / "other.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="not a base_moe predictors file"):
         Predictors.load(tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match=f"{tmp_path}: a directory, not a predictors file"):
+        Predictors.load(tmp_path)
 
 
 def test_broken_predictor_files_are_clear_errors(tmp_path):
