@@ -90,7 +90,7 @@ class Predictors:
             if i in similarity and (similarity[i].shape != (E, E) or not bool(torch.isfinite(similarity[i]).all())):
                 raise ValueError(f"layer {i}: similarity must be a finite [{E}, {E}] matrix, got "
                                  f"{tuple(similarity[i].shape)}")
-        for name, extra in (("expert_r2", expert_r2), ("similarity", similarity)):
+        for name, extra in (("r2", r2 or {}), ("expert_r2", expert_r2), ("similarity", similarity)):
             if not set(extra) <= set(layers):
                 raise ValueError(f"{name} names layers {sorted(set(extra) - set(layers))} that have no predictor")
         self.weight = {i: weight[i].float().contiguous() for i in layers}
@@ -135,6 +135,8 @@ class Predictors:
             if dtype is not None:
                 raise TypeError("to() got a dtype both positionally and as dtype=")
             device, dtype = None, device
+        if dtype is not None and not dtype.is_floating_point:  # an int cast would truncate the fit
+            raise TypeError(f"predictors hold real-valued fits: to() takes a floating dtype, got {dtype}")
 
         def move(d: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
             return {i: t.to(device=device, dtype=dtype) for i, t in d.items()}

@@ -196,6 +196,8 @@ def test_broken_predictor_files_are_clear_errors(tmp_path):
 
 
 def test_inconsistent_shapes_are_refused():
+    with pytest.raises(ValueError, match="r2 names layers \\[1, 2\\] that have no predictor"):
+        Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(4)}, {0: torch.zeros(4)}, r2={0: 0.5, 1: 0.4, 2: 0.3})
     with pytest.raises(ValueError, match="expert_r2 names layers \\[1\\]"):
         Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(4)}, {0: torch.zeros(4)}, expert_r2={1: torch.zeros(4)})
     with pytest.raises(ValueError, match="same layers"):
@@ -276,6 +278,14 @@ def test_to_converts_every_tensor(positional):
 def test_to_refuses_two_dtypes():
     with pytest.raises(TypeError, match="dtype both positionally and as dtype="):
         make_predictors().to(torch.float64, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.complex64])
+def test_to_refuses_a_dtype_that_is_not_floating(dtype):
+    with pytest.raises(TypeError, match=f"to\\(\\) takes a floating dtype, got {dtype}"):
+        make_predictors().to(dtype)
+    with pytest.raises(TypeError, match="takes a floating dtype"):
+        make_predictors().to(dtype=dtype)
 
 
 def test_layers_without_r2_have_nan(tmp_path):
