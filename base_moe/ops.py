@@ -1,16 +1,36 @@
 """Typed wrappers of ``torch.ops.base_moe.*`` and their fake (meta) implementations for torch.compile.
 
 Nothing else lives here: each wrapper only turns the Python-side description (:class:`Routing`, the
-enums) into the op's schema arguments. See ``base_moe/reference.py`` for what each op computes.
+enums, or the enums' lowercase names) into the op's schema arguments. See ``base_moe/reference.py`` for what each op
+computes. The ops are not differentiable: their outputs carry no autograd history (decode-time inference).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
 from .routing import MAX_TOP_K, Cost, Fill, Routing
 
 _ops = torch.ops.base_moe
+
+
+def _enum_arg(name: str, cls: type, value) -> int:
+    """``value`` as the op's int: a member of ``cls`` or an int (the op checks its range), or the member's lowercase
+    name (``fill="drop"``, as ``apply`` takes it)."""
+    try:
+        return int(cls[value.upper()]) if isinstance(value, str) else operator.index(value)
+    except (KeyError, TypeError):
+        choices = ", ".join(member.name.lower() for member in cls)
+        got = repr(value) if isinstance(value, str) else type(value).__name__
+        raise ValueError(f"{name} must be a base_moe.{cls.__name__} or one of {choices}, got {got}") from None
+
+
+def _routing_args(routing: Routing) -> tuple:
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a base_moe.Routing, got {type(routing).__name__}")
+    return routing.op_args()
 
 
 def router_predict(
@@ -30,7 +50,7 @@ def route_cost(
     routing: Routing,
     *,
     num_groups: int = 1,
-    cost: Cost = Cost.BASE,
+    cost: Cost | str = Cost.BASE,
     log_norms: torch.Tensor | None = None,
     correction_bias: torch.Tensor | None = None,
     voting: torch.Tensor | None = None,
@@ -44,7 +64,8 @@ def route_cost(
 
     ``logits``, ``correction_bias`` and (for ``Cost.BASE``) ``log_norms`` must be finite (checked on CPU; on CUDA,
     where a check would synchronise, a NaN ranks arbitrarily)."""
-    return _ops.route_cost(logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost), voting)
+    return _ops.route_cost(logits, log_norms, correction_bias, num_groups, *_routing_args(routing),
+                           _enum_arg("cost", Cost, cost), voting)
 
 
 def select_fill(
@@ -53,7 +74,7 @@ def select_fill(
     routing: Routing,
     *,
     budget: int,
-    fill: Fill = Fill.BACKFILL,
+    fill: Fill | str = Fill.BACKFILL,
     correction_bias: torch.Tensor | None = None,
     voting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,7 +91,8 @@ def select_fill(
     to rounding, except where backfill leaves a token only slots ~87 or more below its top logit. There the
     reference's and the CPU op's fp32 probabilities underflow (weights 0 or a few subnormal bits) and the CUDA
     weights stay exact."""
-    return _ops.select_fill(logits, batch_cost, correction_bias, *routing.op_args(), budget, int(fill), voting)
+    return _ops.select_fill(logits, batch_cost, correction_bias, *_routing_args(routing), budget,
+                            _enum_arg("fill", Fill, fill), voting)
 
 
 def route_select(
@@ -79,8 +101,8 @@ def route_select(
     *,
     budget: int,
     num_groups: int = 1,
-    cost: Cost = Cost.BASE,
-    fill: Fill = Fill.BACKFILL,
+    cost: Cost | str = Cost.BASE,
+    fill: Fill | str = Fill.BACKFILL,
     log_norms: torch.Tensor | None = None,
     correction_bias: torch.Tensor | None = None,
     voting: torch.Tensor | None = None,
@@ -89,7 +111,8 @@ def route_select(
     ``voting`` as route_cost's and select_fill's: for the same logits, a group's voting tokens get bit for bit the
     experts, weights, kept set and D they get as a group of their own."""
     return _ops.route_select(
-        logits, log_norms, correction_bias, num_groups, *routing.op_args(), int(cost), budget, int(fill), voting
+        logits, log_norms, correction_bias, num_groups, *_routing_args(routing), _enum_arg("cost", Cost, cost),
+        budget, _enum_arg("fill", Fill, fill), voting,
     )
 
 
@@ -100,8 +123,8 @@ def select_experts(
     *,
     budget: int,
     num_groups: int = 1,
-    cost: Cost = Cost.BASE,
-    fill: Fill = Fill.BACKFILL,
+    cost: Cost | str = Cost.BASE,
+    fill: Fill | str = Fill.BACKFILL,
     router_bias: torch.Tensor | None = None,
     predictor_weight: torch.Tensor | None = None,
     predictor_bias: torch.Tensor | None = None,
@@ -118,7 +141,7 @@ def select_experts(
     biases are read after the wait."""
     return _ops.select_experts(
         hidden, router_weight, router_bias, predictor_weight, predictor_bias, correction_bias, num_groups,
-        *routing.op_args(), int(cost), budget, int(fill), voting,
+        *_routing_args(routing), _enum_arg("cost", Cost, cost), budget, _enum_arg("fill", Fill, fill), voting,
     )
 
 

@@ -931,6 +931,17 @@ def test_bad_routing_and_shape_arguments_raise_clear_errors(device):
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
+    named = [  # the wrappers' own checks: names as apply takes them, and a routing that is not a Routing
+        (lambda: ops.route_select(logits, Routing(2), budget=2, cost="router_sum", fill="dropped"), ValueError,
+         "fill must be a base_moe.Fill or one of backfill, drop, drop_renorm, got 'dropped'"),
+        (lambda: ops.route_cost(logits, Routing(2), cost="base_cost"), ValueError,
+         "cost must be a base_moe.Cost or one of base, router_sum, router_sq, frequency, top1_union, got 'base_cost'"),
+        (lambda: ops.route_cost(logits, Routing(2), cost=1.0), ValueError, "cost must be .*, got float"),
+        (lambda: ops.route_select(logits, (2, 0), budget=2), TypeError, "routing must be a base_moe.Routing, got tuple"),
+    ]
+    for call, error, message in named:
+        with pytest.raises(error, match=message):
+            call()
     ops.route_cost(torch.randn(4, MAX_EXPERTS, device=device), Routing(2), cost=Cost.ROUTER_SUM)  # the limit runs
 
 
@@ -941,3 +952,17 @@ def test_experts_rejects_out_of_range_ids_on_cpu():
         bad_ids[2, 1] = bad
         with pytest.raises(RuntimeError, match="expert_ids must be in \\[0, 4\\]"):
             ops.experts(x, bad_ids, weights, gate_up, down)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cost_and_fill_by_name_are_the_enums(device):
+    """``cost="router_sum"``, ``fill="drop"`` (any case, as apply takes fills) and the plain ints give the enums'
+    outputs bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(12, 32, generator=g).to(device)
+    routing = Routing(4, Scoring.SOFTMAX, renormalize=True)
+    for cost, fill in itertools.product(list(Cost)[1:], list(Fill)):
+        want = ops.route_select(logits, routing, budget=5, num_groups=2, cost=cost, fill=fill)
+        for c, f in ((cost.name.lower(), fill.name.lower()), (cost.name, fill.name.title()), (int(cost), int(fill))):
+            got = ops.route_select(logits, routing, budget=5, num_groups=2, cost=c, fill=f)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (c, f)
