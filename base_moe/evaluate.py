@@ -431,7 +431,7 @@ def evaluate(
             hf.restore(model)
         else:
             with warnings.catch_warnings():  # the user's own settings back (a budget kept for a later policy)
-                warnings.simplefilter("ignore", hf.BudgetNotAppliedWarning)
+                warnings.simplefilter("ignore", hf.SettingNotAppliedWarning)
                 hf.configure(model, budget=old.budget, policy=old.policy, fill=old.fill, group_by=old.group_by,
                              dense_positions=old.dense_positions, experts=old.experts, record=old.record,
                              predictors=old_predictors)

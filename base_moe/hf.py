@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import operator
 import os
 import warnings
 from dataclasses import dataclass, replace
@@ -49,8 +48,8 @@ from torch import nn
 
 from . import ops, reference
 from .layouts import MoELayout, find_moe_layouts
-from .policies import (SUBSTITUTE, DecodeStep, FillRule, Policy, Selection, get_policy, has_kernel, parse_fill,
-                       substitute_dropped)
+from .policies import (SUBSTITUTE, DecodeStep, FillRule, Policy, Selection, _integer, get_policy, has_kernel,
+                       parse_fill, substitute_dropped)
 from .routing import MAX_EXPERTS, MAX_TOP_K, Fill
 
 __all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections", "post_attention",
@@ -240,7 +239,11 @@ def selections(model: nn.Module) -> dict[int, tuple[Selection, int]]:
 # ---------------------------------------------------------------------------------------------------------------
 # Settings and predictors
 # ---------------------------------------------------------------------------------------------------------------
-class BudgetNotAppliedWarning(UserWarning):
+class SettingNotAppliedWarning(UserWarning):
+    """An option given where the other settings do not use it (it stays set for later settings that do)."""
+
+
+class BudgetNotAppliedWarning(SettingNotAppliedWarning):
     """A budget given with a policy that sets its own number of experts (the budget stays set for a later policy)."""
 
 
@@ -258,8 +261,10 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
     s = replace(current, **changes)
     if s.group_by not in _GROUP_BY:
         raise ValueError(f"group_by must be one of {_GROUP_BY}, got {s.group_by!r}")
-    if isinstance(s.dense_positions, bool) or not isinstance(s.dense_positions, int) or s.dense_positions < 0:
+    dense_positions = _integer(s.dense_positions)
+    if dense_positions is None or dense_positions < 0:
         raise ValueError(f"dense_positions must be an int >= 0, got {s.dense_positions!r}")
+    s = replace(s, dense_positions=dense_positions)
     if s.experts not in _EXPERTS:
         raise ValueError(f"experts must be one of {_EXPERTS}, got {s.experts!r}")
     if s.norm not in _NORMS:
@@ -286,6 +291,12 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
             f"policy '{s.policy.name}' sets its own number of experts and takes no budget: budget={s.budget} is not "
             "applied (it stays set for a later policy that takes one)", BudgetNotAppliedWarning, stacklevel=3,
         )
+    if changes.get("dense_positions") and s.group_by == "batch":
+        warnings.warn(
+            f"dense_positions={s.dense_positions} applies with group_by='position' only: with group_by='batch' only "
+            "single-token decode steps run the policy (it stays set for a later group_by='position')",
+            SettingNotAppliedWarning, stacklevel=3,
+        )
     if s.active and s.policy.needs_predictors and predictors is None:
         raise ValueError(
             f"policy '{s.policy.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path "
@@ -311,16 +322,6 @@ def _require_similarity(predictors, layouts: list[MoELayout]) -> None:
             "similarity of every MoE layer (base_moe.calibrate(..., similarity=True) or "
             "`python -m base_moe calibrate --similarity`)"
         )
-
-
-def _integer(value) -> int | None:
-    """``value`` as an int where ``operator.index`` takes it (int, numpy or torch integers) and it is no bool."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _budget(budget) -> int:
@@ -353,8 +354,8 @@ def _resolve_finished_tokens(model: nn.Module, options: dict) -> dict:
             ids = [_integer(i) for i in given]
         except TypeError:
             ids = [None]
-        if not ids or any(i is None or i < 0 for i in ids):
-            raise ValueError(f"finished_tokens must be None, 'auto' or token ids (ints >= 0), got {value!r}")
+        if not ids or any(i is None or not 0 <= i < 2**63 for i in ids):  # int64: the ids' tensor
+            raise ValueError(f"finished_tokens must be None, 'auto' or token ids (ints in [0, 2^63)), got {value!r}")
     return {**options, "finished_tokens": tuple(dict.fromkeys(ids))}
 
 
@@ -568,6 +569,7 @@ def post_attention(layer: nn.Module, residual: torch.Tensor, attention_output: t
     state = getattr(layer, "_base_moe", None)
     norm = layer.post_attention_layernorm
     if (state is None or not _runs_base_moe_norm(state, attention_output, norm)
+            or (torch.is_grad_enabled() and residual.requires_grad)  # the op would drop the residual's history
             or residual.dtype != attention_output.dtype or residual.shape != attention_output.shape):
         total = residual + attention_output
         return norm(total), total

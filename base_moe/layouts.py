@@ -219,7 +219,21 @@ def find_moe_layouts(model: nn.Module) -> list[MoELayout]:
         if experts_name is None:
             continue
         layouts.append(_describe(name, module, experts_name, ordinal=len(layouts)))
+    _check_distinct_layer_indices(layouts)
     return layouts
+
+
+def _check_distinct_layer_indices(layouts: list[MoELayout]) -> None:
+    """The layer index keys predictors, selections and calibration: two blocks sharing one (a model with two
+    decoder stacks, each counting its layers from 0) would silently share or lose them."""
+    seen: dict[int, str] = {}
+    for layout in layouts:
+        first = seen.setdefault(layout.layer_index, layout.name)
+        if first != layout.name:
+            raise MoELayoutError(
+                f"MoE blocks '{first}' and '{layout.name}' both have layer index {layout.layer_index}: base_moe "
+                "supports models with one stack of MoE decoder layers"
+            )
 
 
 def _experts_child(module: nn.Module) -> str | None:

@@ -46,6 +46,8 @@ A name with options (``"oea:k0=2"``, ``"lynx:threshold=4:bins=3"``) builds an in
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -272,6 +274,8 @@ def policy_from_spec(spec: str) -> Policy:
         key, sep, value = option.partition("=")
         if not sep or not key:
             raise ValueError(f"policy {spec!r}: options are written key=value, got {option!r}")
+        if key in kwargs:
+            raise ValueError(f"policy {spec!r}: option {key!r} given twice")
         kwargs[key] = _parse_value(value)
     try:
         return factory(**kwargs)
@@ -416,10 +420,21 @@ def _fill_from_mask(step: DecodeStep, mask: torch.Tensor, batch_cost: torch.Tens
     return Selection(ids, weights, kept, counts, batch_cost)
 
 
+def _integer(value) -> int | None:
+    """``value`` as an int where ``operator.index`` takes it (int, numpy or torch integers) and it is no bool."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    number = _integer(value)
+    if number is None or number < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
+    return number
 
 
 def _number(value: float) -> str:
@@ -471,15 +486,17 @@ class LynxPolicy(Policy):
         if not width > 0 or not 0 < decay <= 1:
             raise ValueError(f"lynx needs width > 0 and 0 < decay <= 1, got width={width!r}, decay={decay!r}")
         if threshold is not None and (
-            isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf
+            isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold < math.inf
         ):
             raise ValueError(f"lynx threshold must be a number > 0 (a discounted count of tokens) or None, "
                              f"got {threshold!r}")
+        if threshold is not None:
+            threshold = int(threshold) if _integer(threshold) is not None else float(threshold)
         self.threshold, self.width, self.decay = threshold, float(width), float(decay)
         self.needs_budget = threshold is None
         # options as exact numbers: the name parses back to the same policy (and two policies never share a name)
         options = [f"threshold={_number(threshold)}"] if threshold is not None else []
-        options += [f"bins={bins}"] if bins != 4 else []
+        options += [f"bins={self.bins}"] if self.bins != 4 else []
         options += [f"width={_number(width)}"] if width != math.log(2.0) else []
         options += [f"decay={_number(decay)}"] if decay != 0.5 else []
         self.name = ":".join(["lynx", *options])

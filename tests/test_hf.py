@@ -18,7 +18,7 @@ import transformers
 from hf_models import FAMILIES, NUM_EXPERTS, VOCAB, StandInPredictors, selection_output, tiny_model
 
 import base_moe
-from base_moe import ops, reference
+from base_moe import hf, ops, reference
 from base_moe.hf import moe_layouts, selections
 from base_moe.layouts import find_moe_layouts
 from base_moe.policies import CostPolicy, Policy, available_policies, get_policy, parse_fill
@@ -641,6 +641,18 @@ def test_a_budget_for_a_policy_without_one_warns(policy):
         assert all(layout.block._base_moe.settings.budget == 3 for layout in moe_layouts(model))
 
 
+def test_dense_positions_without_position_groups_warn():
+    """dense_positions counts positions of group_by='position': given with 'batch' it is not applied, and says so;
+    it applies once group_by='position' comes."""
+    with pytest.warns(hf.SettingNotAppliedWarning, match="dense_positions=2 applies with group_by='position' only"):
+        model = base_moe.apply(fresh("qwen3_moe"), budget=2, policy="router_sum", dense_positions=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        base_moe.configure(model, group_by="position")
+        base_moe.configure(model, dense_positions=0, group_by="batch")
+    assert moe_layouts(model)[0].block._base_moe.settings.dense_positions == 0
+
+
 def test_budget_takes_any_integer_type():
     model = base_moe.apply(fresh("qwen3_moe"), budget=np.int64(3), policy="router_sum")
     states = [layout.block._base_moe for layout in moe_layouts(model)]
@@ -879,7 +891,7 @@ def test_finished_tokens_auto_reads_the_generation_config():
     assert settings().finished_tokens == (4,)
     base_moe.configure(model, finished_tokens=torch.tensor([4, 4, 3]))
     assert settings().finished_tokens == (4, 3)
-    for bad in ("eos", -1, [True], torch.tensor([True]), [], [1.5], 2.0, [None], [3, -2]):
+    for bad in ("eos", -1, [True], torch.tensor([True]), [], [1.5], 2.0, [None], [3, -2], [2**63], 10**30):
         with pytest.raises(ValueError, match="finished_tokens must be"):
             base_moe.configure(model, finished_tokens=bad)
     assert settings().finished_tokens == (4, 3)
@@ -1112,6 +1124,16 @@ def test_option_types_are_checked(kwargs, message):
         base_moe.apply(fresh("qwen3_moe"), budget=2, policy="router_sum", **kwargs)
 
 
+def test_numpy_and_torch_integers_are_ints():
+    """A sweep over np.arange passes numpy integers: dense_positions takes them as budget does, as plain ints."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, budget=np.int64(2), policy="router_sum", group_by="position", dense_positions=np.int64(3))
+    settings = moe_layouts(model)[0].block._base_moe.settings
+    assert (settings.budget, settings.dense_positions) == (2, 3) and type(settings.dense_positions) is int
+    base_moe.configure(model, dense_positions=torch.tensor(1))
+    assert moe_layouts(model)[0].block._base_moe.settings.dense_positions == 1
+
+
 def test_bfloat16_block_returns_router_scores_in_its_dtype():
     """GPT-OSS's block returns its router scores in the hidden states' dtype; the budgeted block does the same."""
     model = fresh("gpt_oss", dtype=torch.bfloat16)
@@ -1178,6 +1200,25 @@ def test_post_attention_of_another_shape_or_dtype_runs_the_models_modules(attent
         assert torch.equal(total, residual + attention) and torch.equal(normed, own.forward(norm, total))
         fused = base_moe.hf.post_attention(layer, residual.float(), attention.expand(4, 1, 32))  # the op's case
         assert op.call_count == 1 and torch.equal(fused[1], residual.float() + attention)
+
+
+def test_post_attention_keeps_a_residual_that_needs_gradients():
+    """The ops have no backward: a residual stream with autograd history (frozen weights, attention output without
+    one) gets the model's own add and norm, so its history survives; under no_grad the op runs."""
+    model = base_moe.apply(fresh("qwen3_moe"), budget=2, policy="router_sum")
+    model.requires_grad_(False)
+    layer = model.model.layers[0]
+    g = torch.Generator().manual_seed(5)
+    residual = torch.randn(4, 1, 32, generator=g).requires_grad_()
+    attention = torch.randn(4, 1, 32, generator=g)
+    with mock.patch.object(base_moe.ops, "add_rms_norm", wraps=base_moe.ops.add_rms_norm) as op:
+        normed, total = base_moe.hf.post_attention(layer, residual, attention)
+        assert op.call_count == 0 and total.requires_grad and normed.requires_grad
+        (normed.sum() + total.sum()).backward()
+        assert residual.grad is not None
+        with torch.no_grad():
+            base_moe.hf.post_attention(layer, residual, attention)
+        assert op.call_count == 1
 
 
 def test_block_called_with_more_arguments_runs_its_own_forward():

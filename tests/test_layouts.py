@@ -100,6 +100,17 @@ def test_dense_model_has_no_moe_blocks():
     assert find_moe_layouts(transformers.LlamaForCausalLM(cfg)) == []
 
 
+def test_two_moe_stacks_sharing_layer_indices_are_refused():
+    """Two decoder stacks (as a thinker and a talker) each count their layers from 0: the blocks would share the
+    layer indices that key predictors and selections."""
+    pair = nn.Module()
+    pair.thinker, pair.talker = tiny_model("qwen3_moe").model, tiny_model("qwen3_moe").model
+    with pytest.raises(MoELayoutError, match="'thinker.layers.0.mlp' and 'talker.layers.0.mlp' both have layer "
+                       "index 0"):
+        find_moe_layouts(pair)
+    assert [layout.layer_index for layout in find_moe_layouts(pair.thinker)] == [0, 1]
+
+
 def test_hybrid_models_convolutions_are_not_experts():
     """A hybrid model (Jamba's Mamba mixers, Qwen3-Next's linear attention) has 3-D convolution weights beside its
     MoE blocks: only the MoE blocks are found."""

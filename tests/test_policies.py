@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hf_models import FAMILIES, StandInPredictors, random_similarity, tiny_model
@@ -367,10 +368,24 @@ def test_policy_specs(spec, cls, attrs):
     ("lynx:threshold=-5", "threshold must be a number > 0"),
     ("lynx:threshold=nan", "threshold must be a number > 0"),
     ("lynx:threshold=inf", "threshold must be a number > 0"),
+    ("oea:k0=2:k0=3", "option 'k0' given twice"),
+    ("lynx:bins=2:decay=0.5:bins=3", "option 'bins' given twice"),
 ])
 def test_bad_policy_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         get_policy(spec)
+
+
+def test_numpy_scalars_are_numbers():
+    """Policies built in a sweep over numpy values take them as the plain numbers, and their names parse back."""
+    assert OEAPolicy(k0=np.int64(2)).k0 == 2 and TopKReducePolicy(k=np.int32(2)).k == 2
+    lynx = LynxPolicy(threshold=np.float32(4.0), bins=np.int64(3))
+    assert (lynx.threshold, lynx.bins, lynx.name) == (4.0, 3, "lynx:threshold=4.0:bins=3")
+    assert type(lynx.threshold) is float and get_policy(lynx.name).name == lynx.name
+    assert LynxPolicy(threshold=np.int64(5)).name == "lynx:threshold=5"
+    for bad in (np.float64(1.5), True, np.bool_(True)):
+        with pytest.raises(ValueError, match="k0 must be an int >= 1"):
+            OEAPolicy(k0=bad)
 
 
 @pytest.mark.parametrize("spec", ["oea:k0=3", "topk_reduce:k=3"])
