@@ -36,7 +36,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import median, positive_ints, require_cuda, run_metadata, write_json
+from common import median, positive_int, positive_ints, require_cuda, run_metadata, write_json
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 import base_moe
@@ -220,9 +220,10 @@ def parse_base_variant(name: str) -> tuple[int, str] | None:
     if name in VARIANTS:
         return None
     budget, _, suffix = name.removeprefix("base_M").partition("_")
-    if not name.startswith("base_M") or not budget.isdigit() or suffix not in ("", "model_norm"):
+    if not name.startswith("base_M") or not budget.isdigit() or int(budget) < 1 or suffix not in ("", "model_norm"):
         raise ValueError(
-            f"unknown variant {name!r}: {', '.join(VARIANTS)}, base_M<budget> or base_M<budget>_model_norm"
+            f"unknown variant {name!r}: {', '.join(VARIANTS)}, base_M<budget> or base_M<budget>_model_norm "
+            "(budget >= 1)"
         )
     return int(budget), "model" if suffix else "auto"
 
@@ -252,23 +253,26 @@ def configure_variant(model, name: str, predictors) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--layers", type=positive_int, default=48)
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--budgets", default="10,16,32")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="baselines to run, and BASE rows such as base_M16_model_norm (BASE rows: --budgets)")
     parser.add_argument("--non-moe", choices=("compiled", "eager"), default="compiled",
                         help="run the non-MoE part of each decode step through torch.compile, or eagerly")
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--decode", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt", type=positive_int, default=128)
+    parser.add_argument("--decode", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--json", default="benchmarks/results/bench_e2e.json")
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 64  # one graph per batch size and per first/other layer
     budgets = positive_ints(args.budgets, "--budgets") if args.budgets else []  # (empty: no BASE rows)
     variants = [v for v in args.variants.split(",") if v] + [f"base_M{m}" for m in budgets]
     for name in variants:
-        parse_base_variant(name)  # a misspelt name fails here, not after building the model
+        try:  # a misspelt name fails here, not after building the model
+            parse_base_variant(name)
+        except ValueError as err:
+            parser.error(str(err))
     batches = positive_ints(args.batches, "--batches")
     require_cuda("bench_e2e.py")
 

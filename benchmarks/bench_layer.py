@@ -184,6 +184,9 @@ def main():
                     help="time the variants on the acceptance points of issue 8, or on every (batch, budget)")
     args = ap.parse_args()
     models = names_from(args.models, MODELS, "--models")
+    if args.variants_only and (args.no_variants or "qwen3-30b-a3b" not in models):
+        ap.error("--variants-only times the Qwen3 configuration variants alone: it needs qwen3-30b-a3b in --models "
+                 "and no --no-variants (as given, nothing would be timed)")
     for var in args.variants.split(","):  # a bad variant fails here, not after every model's rows
         try:
             variant_knobs(var)

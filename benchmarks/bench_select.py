@@ -36,8 +36,8 @@ import os
 
 import torch
 import torch.nn.functional as F
-from common import (copy_bandwidth, graph_time_us, median, names_from, positive_ints, require_cuda, run_metadata,
-                    write_json)
+from common import (copy_bandwidth, graph_time_us, median, names_from, positive_int, positive_ints, require_cuda,
+                    run_metadata, write_json)
 
 import base_moe
 from base_moe import Cost, Fill, Routing, Scoring, ops
@@ -259,7 +259,7 @@ def main():
     parser.add_argument("--out", default=None,
                         help="JSON path (default: benchmarks/results/bench_select.json, or bench_select_hot.json when "
                              "--hidden or --weights is hot)")
-    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--replays", type=positive_int, default=50)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)),
                         help="tokens per call, comma-separated (the issue's table: %(default)s)")

@@ -64,19 +64,30 @@ def main() -> None:
     parser.add_argument("model", help="a model directory or Hugging Face id (transformers >= 5 MoE model)")
     parser.add_argument("--predictors", help="predictors file from base_moe.calibrate (needed by policy 'base')")
     parser.add_argument("--budget", type=int, help="experts kept per MoE layer and decode step (default: dense)")
-    parser.add_argument("--policy", default="base", help=f"one of {', '.join(base_moe.policies.available_policies())}")
-    parser.add_argument("--fill", default="backfill", choices=["backfill", "drop", "drop_renorm"])
+    parser.add_argument("--policy", help=f"one of {', '.join(base_moe.policies.available_policies())} "
+                        "(default: base)")
+    parser.add_argument("--fill", choices=["backfill", "drop", "drop_renorm"], help="default: backfill")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
     try:  # before the model loads (minutes for a large one)
-        policy = base_moe.policies.get_policy(args.policy)
+        policy = base_moe.policies.get_policy(args.policy or "base")
     except ValueError as err:
         parser.error(str(err))
     if args.budget is not None and args.budget < 1:
         parser.error(f"--budget must be >= 1, got {args.budget}")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.predictors and not os.path.isfile(args.predictors):
+        parser.error(f"--predictors {args.predictors!r} is not a file")
     active = base_moe.hf.Settings(budget=args.budget, policy=policy).active
     if active and (policy.needs_predictors or policy.needs_statistics) and not args.predictors:
         parser.error(f"policy '{policy.name}' needs --predictors FILE (from python -m base_moe calibrate)")
+    ignored = [flag for flag, value in (("--budget", args.budget), ("--fill", args.fill), ("--predictors",
+               args.predictors)) if value is not None]
+    if not active and (ignored or (args.policy and policy.name != "dense")):
+        parser.error(f"{', '.join(ignored or ['--policy'])} given, but this setting runs the model dense: give "
+                     "--budget with a budgeted policy, or a policy that sizes its own sets (oea, topk_reduce, "
+                     "lynx:threshold=X)")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -86,7 +97,7 @@ def main() -> None:
     # one call: every MoE block now applies the budget to each decode step (prefill stays dense)
     # finished_tokens: once a sequence has ended, the EOS and pad tokens generate feeds it no longer vote for the
     # experts the other sequences get
-    base_moe.apply(model, predictors=args.predictors, budget=args.budget, policy=args.policy, fill=args.fill,
+    base_moe.apply(model, predictors=args.predictors, budget=args.budget, policy=policy, fill=args.fill or "backfill",
                    finished_tokens=stop_token_ids(model, tokenizer))
 
     inputs = {k: v.to(device) for k, v in tokenizer(PROMPTS, return_tensors="pt", padding=True).items()}
@@ -100,8 +111,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
     for prompt, tokens in zip(PROMPTS, out[:, inputs["input_ids"].shape[1] :]):
         print(f"--- {prompt}{tokenizer.decode(tokens, skip_special_tokens=True)}")
-    size = f"budget {args.budget}" if args.budget is not None else "no budget"
-    setting = f"{size}, policy {policy.name}, fill {args.fill}" if active else "dense"
+    size = f"budget {args.budget}" if args.budget is not None and policy.needs_budget else "no budget"
+    setting = f"{size}, policy {policy.name}, fill {args.fill or 'backfill'}" if active else "dense"
     print(f"\n{len(PROMPTS)} x {args.max_new_tokens} tokens in {seconds:.2f} s ({setting})")
 
     # base_moe.configure(model, budget=8) changes the budget in place; base_moe.restore(model) undoes apply

@@ -68,6 +68,11 @@ def main() -> None:
         check_prefill(args.prefill, args.seq)
     except ValueError:
         parser.error(f"--prefill must be in [0, --seq - 2], got {args.prefill}")
+    heldout_bytes = os.path.getsize(os.path.join(TESTBED, "heldout.txt"))
+    if args.batches * args.batch * args.seq > heldout_bytes:
+        parser.error(f"--batches {args.batches} of --batch {args.batch} x --seq {args.seq} bytes need "
+                     f"{args.batches * args.batch * args.seq} held-out bytes; the testbed's held-out text has "
+                     f"{heldout_bytes}")
     policies = [name for name in args.policies.split(",") if name]
     try:  # before calibration and the dense-union pass
         [base_moe.policies.get_policy(name) for name in policies]

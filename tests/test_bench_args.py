@@ -56,3 +56,36 @@ def test_bench_layer_variants_restore_the_users_knobs(monkeypatch):
         with bench_layer.variant("T64x"):
             pass
     assert os.environ["BASE_MOE_EXPERTS_CONFIG"] == "W128"
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("bench_layer", ["--variants-only", "--no-variants"], "--variants-only times the Qwen3 configuration variants"),
+    ("bench_layer", ["--variants-only", "--models", "olmoe-1b-7b"], "it needs qwen3-30b-a3b in --models"),
+    ("bench_select", ["--replays", "0"], "--replays: expected an integer >= 1, got '0'"),
+    ("bench_e2e", ["--variants", "foo"], "unknown variant 'foo'"),
+    ("bench_e2e", ["--variants", "base_M0"], "unknown variant 'base_M0'"),
+    ("bench_e2e", ["--repeats", "0"], "--repeats: expected an integer >= 1, got '0'"),
+    ("bench_e2e", ["--decode", "-1"], "--decode: expected an integer >= 1"),
+    ("bench_e2e", ["--layers", "x"], "--layers: expected an integer >= 1, got 'x'"),
+])
+def test_bad_arguments_are_usage_errors_before_the_gpu(monkeypatch, capsys, script, argv, message):
+    """Counts below 1, unknown or empty variants and contradictory flags stop the script as usage errors (argparse's
+    exit 2), not as a traceback or a run that times nothing on the GPU."""
+    module = __import__(script)
+    monkeypatch.setattr(module, "require_cuda", lambda name: sys.exit("stop before the GPU"))
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as info:
+        module.main()
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("bench_layer", ["--variants-only"]), ("bench_select", ["--replays", "3"]),
+    ("bench_e2e", ["--variants", "base_M1,hf_grouped_mm", "--repeats", "1", "--decode", "2"]),
+])
+def test_good_arguments_reach_the_gpu_check(monkeypatch, script, argv):
+    module = __import__(script)
+    monkeypatch.setattr(module, "require_cuda", lambda name: sys.exit("stop before the GPU"))
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit, match="stop before the GPU"):
+        module.main()

@@ -90,3 +90,22 @@ def test_generate_under_a_budget(policy, testbed_predictors):
 def test_generate_needs_predictors_for_base():
     done = run_example("generate.py", TESTBED, "--policy", "base", "--budget", "2")
     assert done.returncode == 2 and "needs --predictors" in done.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "2", "--predictors", "{tmp}/none.safetensors"], "--predictors .*none.safetensors' is not a file"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--policy", "router_sq"], "--policy given, but this setting runs the model dense"),
+    (["--fill", "drop"], "--fill given, but this setting runs the model dense"),
+    (["--policy", "dense", "--budget", "4"], "--budget given, but this setting runs the model dense"),
+])
+def test_generate_refuses_arguments_before_the_model_loads(tmp_path, flags, message):
+    """A missing file, a bad count, or options that a dense run would ignore stop the script at once (usage error)."""
+    done = run_example("generate.py", TESTBED, *[f.format(tmp=tmp_path) for f in flags])
+    assert done.returncode == 2 and re.search(message, done.stderr), done.stderr
+
+
+def test_quickstart_refuses_more_batches_than_the_held_out_text_holds():
+    done = run_example("quickstart.py", "--device", "cpu", "--batches", "65")
+    assert done.returncode == 2 and "need 266240 held-out bytes; the testbed's held-out text has" in done.stderr
+    assert "calibrat" not in done.stdout
