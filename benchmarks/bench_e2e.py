@@ -36,10 +36,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import median, positive_int, positive_ints, require_cuda, run_metadata, write_json
+from common import median, positive_ints, require_cuda, run_metadata, write_json
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 import base_moe
+from base_moe.cli import positive_int
 
 
 def qwen3_30b_config(layers: int):

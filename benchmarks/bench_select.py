@@ -36,11 +36,12 @@ import os
 
 import torch
 import torch.nn.functional as F
-from common import (copy_bandwidth, graph_time_us, median, names_from, positive_int, positive_ints, require_cuda,
-                    run_metadata, write_json)
+from common import (copy_bandwidth, graph_time_us, median, names_from, positive_ints, require_cuda, run_metadata,
+                    write_json)
 
 import base_moe
 from base_moe import Cost, Fill, Routing, Scoring, ops
+from base_moe.cli import positive_int
 
 MODELS = {
     "qwen3-30b-a3b": dict(H=2048, E=128, routing=Routing(8, Scoring.SOFTMAX, renormalize=True), bias=False),

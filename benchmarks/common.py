@@ -3,7 +3,6 @@ run metadata every results JSON carries (machine, versions, commit, command, dat
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -32,17 +31,6 @@ def names_from(text: str, known, option: str) -> list[str]:
     if not names or unknown:
         sys.exit(f"{option}: unknown {unknown or 'empty list'}; known: {', '.join(known)}")
     return names
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type``: one integer >= 1 (a usage error otherwise, before any work)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def positive_ints(text: str, option: str) -> list[int]:
