@@ -490,8 +490,9 @@ class LynxPolicy(Policy):
         ):
             raise ValueError(f"lynx threshold must be a number > 0 (a discounted count of tokens) or None, "
                              f"got {threshold!r}")
-        if threshold is not None:
-            threshold = int(threshold) if _integer(threshold) is not None else float(threshold)
+        if threshold is not None:  # a plain int or float (numpy scalars too), so that the name parses back to it
+            integer = _integer(threshold)
+            threshold = float(threshold) if integer is None else integer
         self.threshold, self.width, self.decay = threshold, float(width), float(decay)
         self.needs_budget = threshold is None
         # options as exact numbers: the name parses back to the same policy (and two policies never share a name)
