@@ -447,7 +447,7 @@ def _layer_means(d: dict[int, list[float]]) -> dict[str, float]:
 
 def _report(model, layouts, dense: _Run, results: list[_Run], runs, predictors, locals_) -> dict[str, Any]:
     config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
+    vocab = vocab_size(model)
     byte_level = vocab == 256 if locals_["byte_level"] is None else locals_["byte_level"]
     dense_bits_batches = [n / t for n, t in zip(dense.nll_bits, dense.tokens)]
     dense_bits = sum(dense.nll_bits) / sum(dense.tokens)
