@@ -2,6 +2,8 @@
 
 ``tiny_model(family)`` returns a fresh fp32 model in eval mode with ``experts_implementation="eager"`` (the
 bit-exact HF reference). Sizes are chosen for speed: hidden 32, 8 experts, top-2, two decoder layers.
+``tiny_model(family, **KERNEL_SIZES)`` has hidden and expert intermediate sizes of 64, the smallest the CUDA expert
+kernel takes (smaller blocks run the model's own experts on the GPU).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ _COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+# hidden and expert intermediate sizes the CUDA expert kernel takes (multiples of 64); a family's config has either
+# moe_intermediate_size (its experts') or only intermediate_size
+KERNEL_SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64)
 
 
 def tiny_config(family: str, **overrides):
