@@ -182,7 +182,8 @@ def test_router_predict_deterministic():
 # Stages 2 and 3
 # ---------------------------------------------------------------------------------------------
 def _select_cases(count: int, seed: int) -> list[tuple]:
-    """A fixed random sample of (G, B, E, k, routing name, logits kind): every E, k, scoring and tie kind occur."""
+    """A fixed random sample of (G, B, E, k, routing name, logits kind): every E, k, scoring and tie kind occur, and
+    every E with every tie kind (the i-th case of an E takes kind (E's index + i) % 3)."""
     rng = random.Random(seed)
     shapes = [(1, 1), (3, 1), (1, 7), (4, 16), (2, 33), (3, 64), (1, 256), (2, 300), (1, 1000)]
     cases = []
@@ -191,7 +192,7 @@ def _select_cases(count: int, seed: int) -> list[tuple]:
         k = rng.choice([k for k in TOP_K if k <= E])
         names = sorted(routings(E, k))
         G, B = shapes[(i * 5 + rng.randrange(3)) % len(shapes)]
-        kind = ("normal", "ties", "dup")[i % 3]
+        kind = ("normal", "ties", "dup")[(i + i // len(EXPERTS)) % 3]
         cases.append((G, B, E, k, names[(i // len(EXPERTS)) % len(names)], kind))
     return cases
 
