@@ -20,6 +20,8 @@ def _enum_arg(name: str, cls: type, value) -> int:
     """``value`` as the op's int: a member of ``cls`` or an int (the op checks its range), or the member's lowercase
     name (``fill="drop"``, as ``apply`` takes it)."""
     try:
+        if isinstance(value, bool):  # an int to operator.index (True is 1), never meant as a member
+            raise TypeError
         return int(cls[value.upper()]) if isinstance(value, str) else operator.index(value)
     except (KeyError, TypeError):
         choices = ", ".join(member.name.lower() for member in cls)
@@ -257,8 +259,11 @@ def _select_fill_fake(logits, batch_cost, correction_bias, top_k, scoring, renor
                       scaling, budget, fill, voting=None):
     _check_same_device("logits", logits, batch_cost=batch_cost, correction_bias=correction_bias)
     _check_voting(logits, voting)
-    _check_selection_args(logits, batch_cost.shape[0], top_k, budget)
-    return _selection_fakes(logits, batch_cost.shape[0], top_k, budget)
+    T, G = logits.shape[0], batch_cost.shape[0]
+    torch._check(1 <= G < 2**30, lambda: f"batch_cost must have 1 to 2^30 - 1 rows (groups), got {G}")
+    torch._check(T % G == 0, lambda: f"the number of tokens ({T}) must be a multiple of batch_cost's rows (groups, {G})")
+    _check_selection_args(logits, G, top_k, budget)
+    return _selection_fakes(logits, G, top_k, budget)
 
 
 @torch.library.register_fake("base_moe::route_select")

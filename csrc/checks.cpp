@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 
 namespace base_moe {
 namespace {
@@ -100,7 +101,10 @@ RoutingParams check_routing(const Tensor& logits, const OptTensor& correction_bi
     BASE_MOE_CHECK(topk_group * (E / n_group) >= top_k, "topk_group (", topk_group, ") groups of ", E / n_group,
                 " experts cannot hold top_k=", top_k, " experts");
   }
-  BASE_MOE_CHECK(std::isfinite(scaling) && scaling > 0.0, "scaling must be finite and positive, got ", scaling);
+  // the weights (at most scaling) are fp32 and BASE's slot cost squares them: in this range a weight's square is
+  // finite, so a cost is never inf x 0 = NaN, and the scaling itself is a normal fp32 number
+  BASE_MOE_CHECK(scaling >= 0x1p-63 && scaling <= 0x1p63,
+                 "scaling must be in [2^-63, 2^63] (its square a finite, normal fp32 number), got ", scaling);
   return RoutingParams{E, top_k, kind, renormalize, n_group, n_group > 1 ? topk_group : 1, scaling};
 }
 
@@ -127,7 +131,11 @@ void check_select_fill(const Tensor& logits, const Tensor& batch_cost, int64_t b
   BASE_MOE_CHECK(batch_cost.scalar_type() == at::kFloat, "batch_cost must be float32, got ", batch_cost.scalar_type());
   BASE_MOE_CHECK(batch_cost.is_contiguous(), "batch_cost must be contiguous");
   check_same_device(batch_cost, logits, "batch_cost", "logits");
-  check_num_groups(batch_cost.size(0), logits.size(0));
+  const int64_t groups = batch_cost.size(0);
+  BASE_MOE_CHECK(groups >= 1 && groups < (int64_t{1} << 30), "batch_cost must have 1 to 2^30 - 1 rows (groups), got ",
+                 groups);
+  BASE_MOE_CHECK(logits.size(0) % groups == 0, "the number of tokens (", logits.size(0),
+                 ") must be a multiple of batch_cost's rows (groups, ", groups, ")");
   check_budget_fill(budget, fill);
 }
 
@@ -161,7 +169,9 @@ void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
   BASE_MOE_CHECK(weight.dim() == 1 && weight.size(0) == H, "weight must have shape [", H, "] to match hidden, got ",
               weight.sizes());
   check_like_hidden(weight, hidden, "weight");
-  BASE_MOE_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
+  // the kernels add eps as an fp32 number: one past fp32's range would be inf and every output 0
+  BASE_MOE_CHECK(eps >= 0.0 && eps <= std::numeric_limits<float>::max(), "eps must be a finite fp32 number >= 0, got ",
+                 eps);
 }
 
 void check_add_rms_norm(const Tensor& hidden, const Tensor& residual, const Tensor& weight, double eps) {

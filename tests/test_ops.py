@@ -923,9 +923,18 @@ def test_bad_routing_and_shape_arguments_raise_clear_errors(device):
         (lambda: ops.route_select(logits, Routing(2), budget=0, cost=Cost.ROUTER_SUM), "budget must be >= 1"),
         (lambda: ops.route_select(logits, Routing(2), budget=2, cost=Cost.ROUTER_SUM, fill=3), "fill must be 0"),
     ]
-    for scaling in (0.0, -1.0, float("inf"), float("nan")):
+    # (1e20, 1e-46: weights whose squares overflow to inf or whose scaling is 0 in fp32)
+    for scaling in (0.0, -1.0, float("inf"), float("nan"), 1e20, 2.0**63 * 1.01, 1e-46, 2.0**-64):
         cases.append((lambda scaling=scaling: ops.route_cost(logits, Routing(2, scaling=scaling), cost=Cost.ROUTER_SUM),
-                      "scaling must be finite and positive"))
+                      r"scaling must be in \[2\^-63, 2\^63\]"))
+    hidden = torch.randn(4, 8, device=device)
+    for eps in (-1.0, float("inf"), float("nan"), 1e39):
+        cases.append((lambda eps=eps: ops.rms_norm(hidden, torch.ones(8, device=device), eps),
+                      "eps must be a finite fp32 number >= 0"))
+    for rows, message in ((0, r"batch_cost must have 1 to 2\^30 - 1 rows \(groups\), got 0"),
+                          (3, r"multiple of batch_cost's rows \(groups, 3\)")):
+        cases.append((lambda rows=rows: ops.select_fill(logits, torch.zeros(rows, 16, device=device), Routing(2),
+                                                        budget=2), message))
     for cost in (-1, 5):
         cases.append((lambda cost=cost: ops.route_cost(logits, Routing(2), cost=cost), "cost must be 0"))
     for call, message in cases:
@@ -937,12 +946,20 @@ def test_bad_routing_and_shape_arguments_raise_clear_errors(device):
         (lambda: ops.route_cost(logits, Routing(2), cost="base_cost"), ValueError,
          "cost must be a base_moe.Cost or one of base, router_sum, router_sq, frequency, top1_union, got 'base_cost'"),
         (lambda: ops.route_cost(logits, Routing(2), cost=1.0), ValueError, "cost must be .*, got float"),
+        (lambda: ops.route_select(logits, Routing(2), budget=2, cost="router_sum", fill=True), ValueError,
+         "fill must be .*, got bool"),  # (operator.index(True) is 1: drop)
         (lambda: ops.route_select(logits, (2, 0), budget=2), TypeError, "routing must be a base_moe.Routing, got tuple"),
     ]
     for call, error, message in named:
         with pytest.raises(error, match=message):
             call()
     ops.route_cost(torch.randn(4, MAX_EXPERTS, device=device), Routing(2), cost=Cost.ROUTER_SUM)  # the limit runs
+    # scaling's limits run, and even there a weight's square is finite: a slot whose exp(2 log-norm) underflows to 0
+    # costs 0, not inf x 0
+    for scaling in (2.0**63, 2.0**-63):
+        routing = Routing(1, renormalize=True, scaling=scaling)
+        _, _, D = ops.route_cost(logits, routing, log_norms=torch.full((8, 16), -60.0, device=device))
+        assert not D.isnan().any()
 
 
 def test_experts_rejects_out_of_range_ids_on_cpu():
