@@ -163,6 +163,10 @@ FloatDtype float_dtype(const Tensor& t) {
   return dtype == at::kFloat ? FloatDtype::kFloat : dtype == at::kHalf ? FloatDtype::kHalf : FloatDtype::kBFloat16;
 }
 
+void check_on_cpu(const Tensor& t, const char* name) {
+  BASE_MOE_CHECK(t.device().is_cpu(), "the CPU op needs ", name, " on the CPU, got ", t.device());
+}
+
 void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
   check_hidden(hidden);
   const int64_t H = hidden.size(1);

@@ -10,6 +10,7 @@ namespace base_moe {
 
 Tensor experts_cpu(const Tensor& hidden, const Tensor& expert_ids, const Tensor& expert_weights,
                    const Tensor& gate_up_proj, const Tensor& down_proj, const std::optional<int64_t>& max_active_experts) {
+  check_on_cpu(hidden, "hidden");
   check_experts(hidden, expert_ids, expert_weights, gate_up_proj, down_proj, max_active_experts);
   // The op has no backward: the ATen calls below must not record an autograd graph (they would
   // save index tensors that live only during this call).

@@ -299,6 +299,7 @@ std::tuple<Tensor, Tensor, Tensor> route_cost_cpu(const Tensor& logits, const Op
                                                   int64_t top_k, int64_t scoring, bool renormalize,
                                                   int64_t n_group, int64_t topk_group, double scaling,
                                                   int64_t cost, const OptTensor& voting) {
+  check_on_cpu(logits, "logits");
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);
@@ -314,6 +315,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_fill_cpu(const Tensor& logits,
                                                            int64_t scoring, bool renormalize, int64_t n_group,
                                                            int64_t topk_group, double scaling, int64_t budget,
                                                            int64_t fill, const OptTensor& voting) {
+  check_on_cpu(logits, "logits");
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_select_fill(logits, batch_cost, budget, fill);
@@ -328,6 +330,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> route_select_cpu(
     const Tensor& logits, const OptTensor& log_norms, const OptTensor& correction_bias, int64_t num_groups,
     int64_t top_k, int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group, double scaling,
     int64_t cost, int64_t budget, int64_t fill, const OptTensor& voting) {
+  check_on_cpu(logits, "logits");
   const RoutingParams r =
       check_routing(logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group, scaling);
   check_route_cost(logits, log_norms, num_groups, cost);

@@ -859,6 +859,29 @@ def test_mixed_devices_raise():
         ops.select_experts(hidden, weight, Routing(2, Scoring.SOFTMAX), budget=4, cost=Cost.FREQUENCY)
 
 
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_cpu_kernels_refuse_other_devices(device):
+    """The CPU kernels read their operands on the host: reached with tensors of another device (as a C++ caller of
+    ops.h's *_cpu functions could; here through the dispatcher's CPU key) they refuse them by name instead of reading
+    device memory."""
+    cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    logits = torch.randn(8, 16, device=device)
+    args = (logits, None, None, 1, *Routing(2).op_args(), int(Cost.ROUTER_SUM))
+    x, ids, weights, gate_up, down = random_expert_problem(4, 64, 32, 4, 2, device, torch.float32, drop_fraction=0.0)
+    calls = [
+        (lambda: torch.ops.base_moe.route_cost.default.redispatch(cpu, *args, None), "logits"),
+        (lambda: torch.ops.base_moe.route_select.default.redispatch(cpu, *args, 4, 0, None), "logits"),
+        (lambda: torch.ops.base_moe.select_fill.default.redispatch(
+            cpu, logits, torch.zeros(1, 16, device=device), None, *Routing(2).op_args(), 4, 0, None), "logits"),
+        (lambda: torch.ops.base_moe.experts.default.redispatch(cpu, x, ids, weights, gate_up, down, None), "hidden"),
+    ]
+    for call, name in calls:
+        with pytest.raises(RuntimeError, match=f"the CPU op needs {name} on the CPU, got {device}"):
+            call()
+    # the same calls on CPU tensors run (the redispatch reaches the CPU kernels)
+    assert torch.ops.base_moe.route_cost.default.redispatch(cpu, torch.randn(8, 16), *args[1:], None)[0].shape == (8, 2)
+
+
 def test_every_enum_value_is_accepted():
     for scoring, cost, fill in itertools.product(Scoring, Cost, Fill):
         routing = Routing(2, scoring, renormalize=True)
