@@ -132,6 +132,9 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     needs the model called with ``input_ids`` (not ``inputs_embeds``; a loop that calls the layers itself sets the
     mask with :func:`voting_tokens`); the selection ops take the mask as their ``voting`` flags, so a step with it
     runs the same kernels as one without.
+
+    Inference only: a decode step that autograd records runs the model's own blocks (:class:`AutogradFallbackWarning`).
+    A patched model serves one forward call at a time (the voting mask and the recorded selections are per model).
     """
     if is_applied(model):
         raise ValueError(
@@ -144,6 +147,14 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
             f"no MoE block found in {type(model).__name__}: base_moe looks for modules with an 'experts' child "
             "holding fused 3-D expert weights (transformers >= 5 MoE models)"
         )
+    patched = [layout.name for layout in found if hasattr(layout.block, "_base_moe")]
+    if patched:
+        raise ValueError(
+            f"MoE block '{patched[0]}' is already patched by base_moe.apply on a module that holds it (or that this "
+            "model is part of): configure or restore that module instead"
+        )
+    for layout in found:
+        _check_dtype(layout.dtype, f"MoE block '{layout.name}'")
     predictors = _load_predictors(predictors, model)
     options = _resolve_finished_tokens(model, options)
     settings = _settings(Settings(), found, predictors, budget=budget, policy=policy, fill=fill, **options)
@@ -181,7 +192,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
 def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predictors=_UNSET, **options) -> nn.Module:
     """Change the budget, policy, fill rule, predictors or options of a patched model; returns ``model``.
 
-    Only the arguments given change. No re-patching; a CUDA graph captured for one budget must be captured again
+    Only the arguments given change (``configure(model)`` alone drops the converted copy of a router bias, for a bias
+    written through ``.data``). No re-patching; a CUDA graph captured for one budget must be captured again
     for another (the kept set's shape depends on it), and one captured before ``finished_tokens`` changes between None
     and ids (the selection kernels then take the mask as an argument)."""
     found = moe_layouts(model)
@@ -198,6 +210,7 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
             state.set_predictors(predictors)
         state.settings = settings
         state.last = None
+        state._router_bias_fp32 = None  # (a write through .data is not seen otherwise)
     return model
 
 
@@ -519,12 +532,35 @@ def _norm_before(layer: nn.Module) -> nn.Module | None:
     return norm
 
 
+_OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dtype(dtype: torch.dtype, what: str) -> None:
+    """Refuses a dtype the ops do not take (a model moved to float64, say), before the budgeted path would fail
+    inside them."""
+    if dtype not in _OP_DTYPES:
+        raise TypeError(f"{what} is {dtype}: base_moe's budgeted path takes float32, float16 and bfloat16 models")
+
+
+def _records_gradients(block: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether autograd records a call of ``block`` on ``hidden_states``: the ops have no backward, so the block then
+    runs the model's own code (the gradients of its input and weights would be wrong otherwise)."""
+    if not torch.is_grad_enabled():
+        return False
+    return hidden_states.requires_grad or any(p.requires_grad for p in block.parameters())
+
+
+class AutogradFallbackWarning(UserWarning):
+    """A budgeted decode step ran while autograd recorded it: its MoE blocks ran the model's own code, without the
+    budget (decode under ``torch.no_grad()`` or ``torch.inference_mode()``, as ``generate`` does, for the budget)."""
+
+
 def _runs_base_moe_norm(state: _BlockState, hidden_states: torch.Tensor, norm: nn.Module) -> bool:
     """Whether base_moe's norm op replaces ``norm``: while the budget is on with norm='auto', except where that would
     drop something the module call gives: autograd (the ops have no backward; with add_rms_norm the whole residual
     stream would lose its history) and the norm's hooks (user hooks, accelerate's offload)."""
     s = state.settings
-    if not (s.active and s.norm == "auto" and hidden_states.dtype == norm.weight.dtype):
+    if not (s.active and s.norm == "auto" and hidden_states.dtype == norm.weight.dtype in _OP_DTYPES):
         return False
     if torch.is_grad_enabled() and (hidden_states.requires_grad or norm.weight.requires_grad):
         return False
@@ -621,15 +657,20 @@ class _BaseMoEBlock:
         if not s.active or hidden_states.dim() != 3 or args or kwargs:
             return super().forward(hidden_states, *args, **kwargs)
         B, S, H = hidden_states.shape
+        budgeted = S == 1 if s.group_by == "batch" else S > s.dense_positions
+        if not budgeted:
+            return super().forward(hidden_states)
+        if _records_gradients(self, hidden_states):
+            warnings.warn(
+                "autograd is recording this decode step (grad mode on, and the MoE block's input or weights require "
+                "grad): the MoE blocks run the model's own code, without the budget; decode under torch.no_grad() or "
+                "torch.inference_mode() for it", AutogradFallbackWarning, stacklevel=2)
+            return super().forward(hidden_states)
         if s.group_by == "batch":
-            if S != 1:
-                return super().forward(hidden_states)
             y, scores = state.budgeted(hidden_states.reshape(B, H), num_groups=1,
                                        voting=state.voting(B, S, hidden_states.device))
             return state.output(y.view(B, 1, H), scores)
-        P = min(s.dense_positions, S)
-        if P == S:
-            return super().forward(hidden_states)
+        P = s.dense_positions
         y, scores = state.budgeted(hidden_states.reshape(B * S, H), num_groups=S - P, sequences=B,
                                    voting=state.voting(B, S, hidden_states.device))
         return state.output(y.view(B, S, H), scores)
@@ -705,7 +746,8 @@ class _BlockState:
     def router_bias_fp32(self) -> torch.Tensor | None:
         """The router's bias as the ops take it (fp32). A bias in another dtype (GPT-OSS: bf16) is converted once and
         kept until the parameter changes (another tensor, storage or in-place version: python-level checks, no sync),
-        instead of a cast kernel per layer and step; under torch.compile it is cast in the graph."""
+        instead of a cast kernel per layer and step; under torch.compile it is cast in the graph. A write through
+        ``bias.data`` bumps no version that the check could see: :func:`configure` drops the copy."""
         bias = self.layout.router_bias
         if bias is None or bias.dtype == torch.float32:
             return bias
@@ -789,6 +831,7 @@ class _BlockState:
         Inference only: no gradient flows through the budgeted path (the ops have no backward), nor through the dense
         positions computed with it."""
         s = self.settings
+        _check_dtype(x.dtype, f"the hidden state of MoE block '{self.layout.name}'")
         _, routed = self.layout.router(x.contiguous(), base_moe=self, num_groups=num_groups, sequences=sequences,
                                        voting=voting)
         x, sel = routed.hidden, routed.selection

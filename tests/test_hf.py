@@ -296,6 +296,9 @@ def test_router_bias_cast_once_and_follows_changes():
     assert torch.equal(state.router_bias_fp32(), bias.float())
     base_moe.apply(twin, budget=2, policy="router_sq")
     torch.testing.assert_close(out, run_block(moe_layouts(twin)[0], hidden), rtol=0, atol=0)
+    bias.data.add_(1.0)  # a write through .data bumps no version: the cached copy stays until configure drops it
+    base_moe.configure(model)
+    assert torch.equal(state.router_bias_fp32(), bias.float())
     model.to(torch.float32)  # an fp32 bias is used as it is
     assert state.router_bias_fp32() is layout.router_bias
 
@@ -378,14 +381,31 @@ def test_decoder_layer_runs_its_residual_add_and_norm_as_one_op(family, dtype):
     assert all(torch.equal(a, b) for a, b in zip(fused, own))
 
 
-def test_budget_keeps_the_residual_streams_gradients():
-    """With gradients enabled base_moe's norm ops (they have no backward) leave the norms to the model, so the
-    residual stream keeps its history: the embeddings still get a gradient through a budgeted decode step."""
-    model = fresh("qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_recorded_decode_step_runs_the_model_and_keeps_every_gradient(family):
+    """While autograd records a decode step, the ops (which have no backward) run nowhere: the norms and MoE blocks run
+    the model's own code, with a warning, so the logits and every parameter's gradient are the unpatched model's."""
+    model = fresh(family)
+    twin = copy.deepcopy(model)
     base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
-    with mock.patch.object(base_moe.ops, "add_rms_norm", wraps=base_moe.ops.add_rms_norm) as op:
-        model(decode_ids()).logits.sum().backward()
-    assert op.call_count == 0 and model.model.embed_tokens.weight.grad is not None
+    step = decode_ids()
+    with mock.patch.object(ops, "add_rms_norm", wraps=ops.add_rms_norm) as norm, \
+            mock.patch.object(ops, "router_predict", wraps=ops.router_predict) as router, \
+            pytest.warns(hf.AutogradFallbackWarning, match="without the budget"):
+        logits = model(step).logits
+    assert norm.call_count == 0 and router.call_count == 0
+    expected = twin(step).logits
+    assert torch.equal(logits, expected)
+    (logits.square().sum()).backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    base_moe.configure(model, record=True)
+    with torch.no_grad():  # and without autograd the budget applies again
+        model(step)
+    recorded = selections(model)
+    assert len(recorded) == len(moe_layouts(model))
+    assert all(int((sel.counts > 0).sum()) <= 2 for sel, _ in recorded.values())
 
 
 def test_hooked_norm_runs_as_the_model_module():
@@ -704,6 +724,33 @@ def test_predictors_of_another_model():
     deepseek_layers = StandInPredictors(fresh("deepseek_v3"))
     with pytest.raises(ValueError, match="the predictors have no layer 0"):
         base_moe.apply(model, predictors=deepseek_layers, budget=2)
+
+
+def test_apply_to_a_module_holding_patched_blocks_is_refused():
+    """apply on a model whose decoder (or on a decoder whose model) was patched already names the patched block,
+    instead of failing in the class assignment."""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model.model, budget=2, policy="router_sq")
+    with pytest.raises(ValueError, match="already patched by base_moe.apply on a module that holds it"):
+        base_moe.apply(model, budget=2, policy="router_sq")
+    base_moe.restore(model.model)
+    base_moe.apply(model, budget=2, policy="router_sq")
+    with pytest.raises(ValueError, match="already patched"):
+        base_moe.apply(model.model, budget=2, policy="router_sq")
+
+
+def test_float64_model():
+    """The ops take float32, float16 and bfloat16: apply refuses a float64 model; one moved to float64 after apply
+    runs its prefill as the model does (the norms stay the model's) and refuses a budgeted decode step by name."""
+    with pytest.raises(TypeError, match="is torch.float64: base_moe's budgeted path takes float32"):
+        base_moe.apply(fresh("qwen3_moe", dtype=torch.float64), budget=2, policy="router_sq")
+    model = fresh("qwen3_moe")
+    twin = copy.deepcopy(model).double()
+    base_moe.apply(model, budget=2, policy="router_sq").double()
+    prompt = prompt_ids()
+    assert torch.equal(logits_of(model, prompt), logits_of(twin, prompt))
+    with pytest.raises(TypeError, match="the hidden state of MoE block .* is torch.float64"):
+        logits_of(model, decode_ids())
 
 
 def test_apply_twice_configure_and_restore_unpatched():
