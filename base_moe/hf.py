@@ -425,15 +425,19 @@ _PATCHED_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def _patched_class(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin``'s forward, under ``cls``'s own name: Hugging Face's and accelerate's lists of module
+    classes by name (``_no_split_modules``, which keeps a decoder layer on one device) still match the patched
+    modules (``is_applied`` says whether a model is patched)."""
     key = (mixin, cls)
     if key not in _PATCHED_CLASSES:
         _PATCHED_CLASSES[key] = type(
-            f"BaseMoE{cls.__name__}",
+            cls.__name__,
             (mixin, cls),
             {
                 "_base_moe_original_class": cls,
                 "_base_moe_mixin": mixin,
                 "__module__": __name__,
+                "__qualname__": cls.__qualname__,
                 "__reduce_ex__": _reduce_patched,
             },
         )

@@ -501,6 +501,21 @@ def test_bfloat16_on_cpu(family):
     assert check_budgeted_blocks(model, batch=6) == (0 if family == "gpt_oss" else len(moe_layouts(model)))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_classes_keep_their_names(family):
+    """Patched modules keep their class names, so that lists of module classes by name still match them: the model's
+    ``_no_split_modules`` (accelerate keeps such a module on one device; dispatching comes after apply) names its
+    patched decoder layers as before."""
+    model = fresh(family)
+    names = [type(m).__name__ for m in model.modules()]
+    base_moe.apply(model, budget=2, policy="router_sq")
+    patched = [m for m in model.modules() if hasattr(type(m), "_base_moe_original_class")]
+    assert patched and all(type(m) is not type(m)._base_moe_original_class for m in patched)
+    assert [type(m).__name__ for m in model.modules()] == names
+    no_split = set(model._no_split_modules)  # the decoder layers: patched in every family but GPT-OSS
+    assert no_split & {type(m).__name__ for m in patched} == (set() if family == "gpt_oss" else no_split)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_patched_model_pickles(family, tmp_path):
     """torch.save of a patched model loads in a fresh process (as multiprocessing would): the generated classes
