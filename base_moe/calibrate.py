@@ -139,7 +139,10 @@ class RidgeAccumulator:
             return math.nan, torch.full_like(b, math.nan)
         theta = torch.cat([W, b[None]], dim=0)  # [H+1, E]
         sse = (yy - 2 * (theta * B).sum(dim=0) + (theta * (A @ theta)).sum(dim=0)).clamp_min(0)
+        # a constant target's SST, a difference of two equal sums, may round to a tiny positive number (the R^2 would
+        # then read 1): at the fp64 rounding level of sum y^2 it counts as 0, as a constant feature does in fit
         sst = (yy - B[H] * B[H] / n).clamp_min(0)
+        sst = torch.where(sst <= 1e-10 * yy, 0.0, sst)
         expert_r2 = torch.where(sst > 0, 1 - sse / sst.clamp_min(1e-300), math.nan)
         total = sst.sum().item()
         return (1 - sse.sum().item() / total if total > 0 else math.nan), expert_r2
@@ -379,6 +382,9 @@ def calibrate_layouts(
         warnings.warn(
             f"no sequence was held out: the held-out R^2 needs at least {needed} sequences with holdout={holdout}, "
             f"got {sequences}; it is NaN", stacklevel=3)
+    elif holdout > 0 and first.tokens_holdout == 1:
+        warnings.warn("one token was held out: the held-out R^2 needs at least 2; it is NaN (calibrate on longer "
+                      "or more sequences)", stacklevel=3)
     experts = sorted({layout.num_experts for layout in layouts})
     routing = getattr(layouts[0], "routing", None)
     config = getattr(model, "config", None)

@@ -151,6 +151,19 @@ def test_expert_r2_is_nan_where_the_held_out_target_is_constant():
     assert bool(torch.isfinite(fit.expert_r2[[0, 2]]).all())
 
 
+def test_expert_r2_is_nan_for_any_constant_held_out_target():
+    """Constants that are not exactly representable: SST, a difference of two equal sums, may round to a tiny positive
+    number instead of 0 (for ~1 in 10 of these), which must still give NaN (it gave R^2 = 1)."""
+    g = torch.Generator().manual_seed(0)
+    x, y, _, _ = planted(3000, 6, 3, noise=0.3)
+    held = torch.arange(3000) % 4 == 0
+    for constant in (-1.0 - torch.rand(60, generator=g, dtype=torch.float64)).tolist():
+        y[held, 1] = constant
+        acc = RidgeAccumulator(6, 3)
+        acc.add(x, y, held)
+        assert math.isnan(acc.fit(ridge=1e-3).expert_r2[1].item()), constant
+
+
 def test_r2_of_an_exact_fit_is_at_most_one():
     """An exactly linear target: the held-out SSE from the sums is 0 up to rounding, which must not push R^2 above 1
     (of 16 experts, some get a slightly negative SSE from the sums' rounding)."""
@@ -235,6 +248,15 @@ def test_too_few_sequences_to_hold_one_out_warn(holdout, needed):
                                        progress=False)
         calibrate_layouts(model, layouts, torch.randint(0, 256, (2, 16)), holdout=0.0, progress=False)  # none asked
     assert predictors.metadata["tokens_holdout"] == 16
+
+
+def test_one_held_out_token_warns():
+    """One held-out token (sequences of one token) leaves R^2 undefined: NaN with a warning, as with none."""
+    model, layouts = planted_setup()
+    with pytest.warns(UserWarning, match="one token was held out: the held-out R\\^2 needs at least 2"):
+        predictors = calibrate_layouts(model, layouts, torch.randint(0, 256, (10, 1)), holdout=0.1, progress=False)
+    assert predictors.metadata["tokens_holdout"] == 1
+    assert all(math.isnan(r) for r in predictors.r2.values())
 
 
 def test_calibrate_recovers_planted_log_norms_through_the_hooks():
