@@ -1,7 +1,10 @@
-// Calls base_moe::route_select through the dispatcher from C++ and prints what it kept.
+// Calls base_moe::route_select through the dispatcher from C++ and prints what it kept; then the CPU kernel itself
+// through the installed header base_moe/ops.h, which must give the same selection.
 #include <torch/torch.h>
 
 #include <iostream>
+
+#include "base_moe/ops.h"
 
 int main() {
   torch::manual_seed(0);
@@ -18,6 +21,11 @@ int main() {
   TORCH_CHECK(kept.size(1) == budget, "expected ", budget, " kept slots");
   TORCH_CHECK(counts.sum().item<int64_t>() == ids.lt(experts).sum().item<int64_t>(),
               "counts must count every non-empty slot");
+  static_assert(base_moe::kMaxExperts >= experts && base_moe::kMaxTopK >= top_k);
+  auto direct = base_moe::route_select_cpu(logits, std::nullopt, std::nullopt, groups, top_k, 0, true, 1, 1, 1.0, 1,
+                                           budget, 0, std::nullopt);
+  TORCH_CHECK(std::get<2>(direct).equal(kept) && std::get<0>(direct).equal(ids),
+              "ops.h's route_select_cpu must give the dispatcher's selection");
   std::cout << "ok\n";
   return 0;
 }
