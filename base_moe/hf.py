@@ -48,9 +48,9 @@ from torch import nn
 
 from . import ops, reference
 from .layouts import MoELayout, find_moe_layouts
-from .policies import (SUBSTITUTE, DecodeStep, FillRule, Policy, Selection, _integer, get_policy, has_kernel,
+from .policies import (SUBSTITUTE, DecodeStep, FillRule, Policy, Selection, get_policy, has_kernel,
                        parse_fill, substitute_dropped)
-from .routing import MAX_EXPERTS, MAX_TOP_K, Fill
+from .routing import MAX_EXPERTS, MAX_TOP_K, Fill, exact_int
 
 __all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections", "post_attention",
            "voting_tokens"]
@@ -153,11 +153,10 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
             f"MoE block '{patched[0]}' is already patched by base_moe.apply on a module that holds it (or that this "
             "model is part of): configure or restore that module instead"
         )
-    for layout in found:
-        _check_dtype(layout.dtype, f"MoE block '{layout.name}'")
     predictors = _load_predictors(predictors, model)
     options = _resolve_finished_tokens(model, options)
     settings = _settings(Settings(), found, predictors, budget=budget, policy=policy, fill=fill, **options)
+    _check_dtypes(found, settings)
     for layout in found:
         if "forward" in layout.block.__dict__ or "forward" in layout.router.__dict__:
             raise ValueError(
@@ -192,8 +191,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
 def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predictors=_UNSET, **options) -> nn.Module:
     """Change the budget, policy, fill rule, predictors or options of a patched model; returns ``model``.
 
-    Only the arguments given change (``configure(model)`` alone drops the converted copy of a router bias, for a bias
-    written through ``.data``). No re-patching; a CUDA graph captured for one budget must be captured again
+    Only the arguments given change (``configure(model)`` alone rewrites the converted copy of a router bias from the
+    parameter, for a bias written through ``.data``). No re-patching; a CUDA graph captured for one budget must be captured again
     for another (the kept set's shape depends on it), and one captured before ``finished_tokens`` changes between None
     and ids (the selection kernels then take the mask as an argument)."""
     found = moe_layouts(model)
@@ -204,13 +203,14 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
     options = _resolve_finished_tokens(model, options)
     given = {k: v for k, v in dict(budget=budget, policy=policy, fill=fill).items() if v is not _UNSET}
     settings = _settings(state0.settings, found, has_predictors, **given, **options)
+    _check_dtypes(found, settings)
     for layout in found:
         state = layout.block._base_moe
         if predictors is not _UNSET:
             state.set_predictors(predictors)
         state.settings = settings
         state.last = None
-        state._router_bias_fp32 = None  # (a write through .data is not seen otherwise)
+        state.refresh_router_bias()
     return model
 
 
@@ -274,7 +274,7 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
     s = replace(current, **changes)
     if s.group_by not in _GROUP_BY:
         raise ValueError(f"group_by must be one of {_GROUP_BY}, got {s.group_by!r}")
-    dense_positions = _integer(s.dense_positions)
+    dense_positions = exact_int(s.dense_positions)
     if dense_positions is None or dense_positions < 0:
         raise ValueError(f"dense_positions must be an int >= 0, got {s.dense_positions!r}")
     s = replace(s, dense_positions=dense_positions)
@@ -339,7 +339,7 @@ def _require_similarity(predictors, layouts: list[MoELayout]) -> None:
 
 def _budget(budget) -> int:
     """A positive int from anything ``operator.index`` takes (int, numpy or torch integers), never a bool."""
-    value = _integer(budget)
+    value = exact_int(budget)
     if value is None or not 1 <= value < 2**63:  # the ops take an int64
         raise ValueError(
             f"budget must be an int in [1, 2^63) (experts kept per MoE layer and decode batch) or None, got {budget!r}"
@@ -362,9 +362,9 @@ def _resolve_finished_tokens(model: nn.Module, options: dict) -> dict:
                 "token id; pass the ids, e.g. finished_tokens=[tokenizer.pad_token_id, tokenizer.eos_token_id]"
             )
     else:
-        given = [value] if _integer(value) is not None else value
+        given = [value] if exact_int(value) is not None else value
         try:
-            ids = [_integer(i) for i in given]
+            ids = [exact_int(i) for i in given]
         except TypeError:
             ids = [None]
         if not ids or any(i is None or not 0 <= i < 2**63 for i in ids):  # int64: the ids' tensor
@@ -379,7 +379,7 @@ def _stop_token_ids(model: nn.Module) -> list[int]:
         ids = []
         for name in ("pad_token_id", "eos_token_id"):
             value = getattr(config, name, None)
-            ids += [_integer(i) for i in (value if isinstance(value, (list, tuple)) else [value])]
+            ids += [exact_int(i) for i in (value if isinstance(value, (list, tuple)) else [value])]
         ids = [i for i in ids if i is not None and i >= 0]
         if ids:
             return ids
@@ -546,6 +546,14 @@ def _check_dtype(dtype: torch.dtype, what: str) -> None:
         raise TypeError(f"{what} is {dtype}: base_moe's budgeted path takes float32, float16 and bfloat16 models")
 
 
+def _check_dtypes(found: list[MoELayout], settings: Settings) -> None:
+    """Settings that run the budgeted path need blocks of a dtype the ops take (a dense or unbudgeted model runs only
+    its own code, in any dtype)."""
+    if settings.active:
+        for layout in found:
+            _check_dtype(layout.dtype, f"MoE block '{layout.name}'")
+
+
 def _records_gradients(block: nn.Module, hidden_states: torch.Tensor) -> bool:
     """Whether autograd records a call of ``block`` on ``hidden_states``: the ops have no backward, so the block then
     runs the model's own code (the gradients of its input and weights would be wrong otherwise)."""
@@ -669,6 +677,7 @@ class _BaseMoEBlock:
                 "autograd is recording this decode step (grad mode on, and the MoE block's input or weights require "
                 "grad): the MoE blocks run the model's own code, without the budget; decode under torch.no_grad() or "
                 "torch.inference_mode() for it", AutogradFallbackWarning, stacklevel=2)
+            state.last = None  # no selection was made: selections() leaves the step's layers out
             return super().forward(hidden_states)
         if s.group_by == "batch":
             y, scores = state.budgeted(hidden_states.reshape(B, H), num_groups=1,
@@ -751,7 +760,7 @@ class _BlockState:
         """The router's bias as the ops take it (fp32). A bias in another dtype (GPT-OSS: bf16) is converted once and
         kept until the parameter changes (another tensor, storage or in-place version: python-level checks, no sync),
         instead of a cast kernel per layer and step; under torch.compile it is cast in the graph. A write through
-        ``bias.data`` bumps no version that the check could see: :func:`configure` drops the copy."""
+        ``bias.data`` bumps no version that the check could see: :func:`configure` rewrites the copy."""
         bias = self.layout.router_bias
         if bias is None or bias.dtype == torch.float32:
             return bias
@@ -762,6 +771,20 @@ class _BlockState:
             cached = (bias, bias.data_ptr(), bias._version, bias.detach().float())
             self._router_bias_fp32 = cached
         return cached[3]
+
+    def refresh_router_bias(self) -> None:
+        """Rewrites the fp32 copy of the router bias from the parameter (a write through ``.data`` bumps no version
+        that :meth:`router_bias_fp32` could see), in place: a CUDA graph captured with the copy reads its memory."""
+        cached, bias = self._router_bias_fp32, self.layout.router_bias
+        if cached is None:
+            return
+        copy = cached[3]
+        if bias is None or bias.shape != copy.shape or bias.device != copy.device:
+            self._router_bias_fp32 = None
+            return
+        with torch.inference_mode(copy.is_inference()):  # (a copy made under inference mode is written there)
+            copy.copy_(bias.detach())
+        self._router_bias_fp32 = (bias, bias.data_ptr(), bias._version, copy)
 
     def voting(self, B: int, S: int, device: torch.device) -> torch.Tensor | None:
         """``[B * S]`` bool in token order on ``device`` (the block's, where a model spans devices): the tokens that

@@ -7,11 +7,9 @@ computes. The ops are not differentiable: their outputs carry no autograd histor
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-from .routing import MAX_TOP_K, Cost, Fill, Routing
+from .routing import MAX_TOP_K, Cost, Fill, Routing, exact_int
 
 _ops = torch.ops.base_moe
 
@@ -19,14 +17,15 @@ _ops = torch.ops.base_moe
 def _enum_arg(name: str, cls: type, value) -> int:
     """``value`` as the op's int: a member of ``cls`` or an int (the op checks its range), or the member's lowercase
     name (``fill="drop"``, as ``apply`` takes it)."""
-    try:
-        if isinstance(value, bool):  # an int to operator.index (True is 1), never meant as a member
-            raise TypeError
-        return int(cls[value.upper()]) if isinstance(value, str) else operator.index(value)
-    except (KeyError, TypeError):
+    if isinstance(value, str):
+        number = int(cls[value.upper()]) if value.upper() in cls.__members__ else None
+    else:
+        number = exact_int(value)  # (bools refused: True would read as 1)
+    if number is None:
         choices = ", ".join(member.name.lower() for member in cls)
         got = repr(value) if isinstance(value, str) else type(value).__name__
-        raise ValueError(f"{name} must be a base_moe.{cls.__name__} or one of {choices}, got {got}") from None
+        raise ValueError(f"{name} must be a base_moe.{cls.__name__} or one of {choices}, got {got}")
+    return number
 
 
 def _routing_args(routing: Routing) -> tuple:

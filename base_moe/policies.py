@@ -47,14 +47,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from . import ops, reference
-from .routing import Cost, Fill, Routing
+from .routing import Cost, Fill, Routing, exact_int
 
 if TYPE_CHECKING:
     from .layouts import MoELayout
@@ -420,18 +419,8 @@ def _fill_from_mask(step: DecodeStep, mask: torch.Tensor, batch_cost: torch.Tens
     return Selection(ids, weights, kept, counts, batch_cost)
 
 
-def _integer(value) -> int | None:
-    """``value`` as an int where ``operator.index`` takes it (int, numpy or torch integers) and it is no bool."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _check_int(name: str, value, low: int) -> int:
-    number = _integer(value)
+    number = exact_int(value)
     if number is None or number < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return number
@@ -491,7 +480,7 @@ class LynxPolicy(Policy):
             raise ValueError(f"lynx threshold must be a number > 0 (a discounted count of tokens) or None, "
                              f"got {threshold!r}")
         if threshold is not None:  # a plain int or float (numpy scalars too), so that the name parses back to it
-            integer = _integer(threshold)
+            integer = exact_int(threshold)
             threshold = float(threshold) if integer is None else integer
         self.threshold, self.width, self.decay = threshold, float(width), float(decay)
         self.needs_budget = threshold is None

@@ -7,7 +7,10 @@ must never be renumbered.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
+
+import torch
 
 
 class Scoring(enum.IntEnum):
@@ -72,3 +75,15 @@ class Routing:
     def op_args(self) -> tuple[int, int, bool, int, int, float]:
         """The routing arguments in the order every op schema takes them."""
         return (self.top_k, int(self.scoring), self.renormalize, self.n_group, self.topk_group, self.scaling)
+
+
+def exact_int(value) -> int | None:
+    """``value`` as an int where ``operator.index`` takes it (int, numpy or torch integers) and it is no bool (a
+    Python, numpy or torch bool, which ``operator.index`` would read as 0 or 1); None otherwise. How the op wrappers
+    and the policies read integer arguments."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

@@ -971,6 +971,8 @@ def test_bad_routing_and_shape_arguments_raise_clear_errors(device):
         (lambda: ops.route_cost(logits, Routing(2), cost=1.0), ValueError, "cost must be .*, got float"),
         (lambda: ops.route_select(logits, Routing(2), budget=2, cost="router_sum", fill=True), ValueError,
          "fill must be .*, got bool"),  # (operator.index(True) is 1: drop)
+        (lambda: ops.route_select(logits, Routing(2), budget=2, cost="router_sum", fill=torch.tensor(True)), ValueError,
+         "fill must be .*, got Tensor"),
         (lambda: ops.route_select(logits, (2, 0), budget=2), TypeError, "routing must be a base_moe.Routing, got tuple"),
     ]
     for call, error, message in named:

@@ -46,8 +46,10 @@ void check_rms_norm(const Tensor& hidden, const Tensor& weight, double eps);
 // add_rms_norm: as rms_norm, and residual of hidden's shape, dtype and device, contiguous.
 void check_add_rms_norm(const Tensor& hidden, const Tensor& residual, const Tensor& weight, double eps);
 
-// The CPU ops read their operands' data on the host: `t`, whose device the checks above tie the others to, must be a
-// CPU tensor (the dispatcher guarantees it; a C++ caller of ops.h's *_cpu functions may not).
+// The CPU ops that read their operands' data on the host (route_cost, select_fill, route_select and through it
+// select_experts, experts): `t`, whose device the checks above tie the others to, must be a CPU tensor (the
+// dispatcher guarantees it; a C++ caller of ops.h's *_cpu functions may not). The norms and router_predict run ATen
+// calls, on any device.
 void check_on_cpu(const Tensor& t, const char* name);
 
 // The kernels' enum for a tensor that the checks above accepted (float32, float16 or bfloat16).
