@@ -192,9 +192,9 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
     """Change the budget, policy, fill rule, predictors or options of a patched model; returns ``model``.
 
     Only the arguments given change (``configure(model)`` alone rewrites the converted copy of a router bias from the
-    parameter, for a bias written through ``.data``). No re-patching; a CUDA graph captured for one budget must be captured again
-    for another (the kept set's shape depends on it), and one captured before ``finished_tokens`` changes between None
-    and ids (the selection kernels then take the mask as an argument)."""
+    parameter, for a bias written through ``.data``). No re-patching; a CUDA graph captured for one budget must be
+    captured again for another (the kept set's shape depends on it), and one captured before ``finished_tokens``
+    changes between None and ids (the selection kernels then take the mask as an argument)."""
     found = moe_layouts(model)
     state0 = found[0].block._base_moe
     if predictors is not _UNSET:
@@ -554,12 +554,13 @@ def _check_dtypes(found: list[MoELayout], settings: Settings) -> None:
             _check_dtype(layout.dtype, f"MoE block '{layout.name}'")
 
 
-def _records_gradients(block: nn.Module, hidden_states: torch.Tensor) -> bool:
-    """Whether autograd records a call of ``block`` on ``hidden_states``: the ops have no backward, so the block then
-    runs the model's own code (the gradients of its input and weights would be wrong otherwise)."""
+def _records_gradients(module: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether autograd records a call of ``module`` (a block or a norm) on ``hidden_states``: the ops have no
+    backward, so the module then runs the model's own code (the gradients of its input and weights would be wrong
+    otherwise)."""
     if not torch.is_grad_enabled():
         return False
-    return hidden_states.requires_grad or any(p.requires_grad for p in block.parameters())
+    return hidden_states.requires_grad or any(p.requires_grad for p in module.parameters())
 
 
 class AutogradFallbackWarning(UserWarning):
@@ -574,7 +575,7 @@ def _runs_base_moe_norm(state: _BlockState, hidden_states: torch.Tensor, norm: n
     s = state.settings
     if not (s.active and s.norm == "auto" and hidden_states.dtype == norm.weight.dtype in _OP_DTYPES):
         return False
-    if torch.is_grad_enabled() and (hidden_states.requires_grad or norm.weight.requires_grad):
+    if _records_gradients(norm, hidden_states):
         return False
     return not (norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__)
 
@@ -617,7 +618,7 @@ def post_attention(layer: nn.Module, residual: torch.Tensor, attention_output: t
     state = getattr(layer, "_base_moe", None)
     norm = layer.post_attention_layernorm
     if (state is None or not _runs_base_moe_norm(state, attention_output, norm)
-            or (torch.is_grad_enabled() and residual.requires_grad)  # the op would drop the residual's history
+            or _records_gradients(norm, residual)  # the op would drop the residual's history
             or residual.dtype != attention_output.dtype or residual.shape != attention_output.shape):
         total = residual + attention_output
         return norm(total), total

@@ -260,7 +260,8 @@ def _select_fill_fake(logits, batch_cost, correction_bias, top_k, scoring, renor
     _check_voting(logits, voting)
     T, G = logits.shape[0], batch_cost.shape[0]
     torch._check(1 <= G < 2**30, lambda: f"batch_cost must have 1 to 2^30 - 1 rows (groups), got {G}")
-    torch._check(T % G == 0, lambda: f"the number of tokens ({T}) must be a multiple of batch_cost's rows (groups, {G})")
+    torch._check(T % G == 0,
+                 lambda: f"the number of tokens ({T}) must be a multiple of batch_cost's rows (groups, {G})")
     _check_selection_args(logits, G, top_k, budget)
     return _selection_fakes(logits, G, top_k, budget)
 

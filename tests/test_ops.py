@@ -973,7 +973,8 @@ def test_bad_routing_and_shape_arguments_raise_clear_errors(device):
          "fill must be .*, got bool"),  # (operator.index(True) is 1: drop)
         (lambda: ops.route_select(logits, Routing(2), budget=2, cost="router_sum", fill=torch.tensor(True)), ValueError,
          "fill must be .*, got Tensor"),
-        (lambda: ops.route_select(logits, (2, 0), budget=2), TypeError, "routing must be a base_moe.Routing, got tuple"),
+        (lambda: ops.route_select(logits, (2, 0), budget=2), TypeError,
+         "routing must be a base_moe.Routing, got tuple"),
     ]
     for call, error, message in named:
         with pytest.raises(error, match=message):
