@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from hf_models import FAMILIES, KERNEL_SIZES, NUM_EXPERTS, VOCAB, StandInPredictors, selection_output, tiny_model
+from test_experts_cuda import TWO_GPUS, kernel_events
 
 import base_moe
 from base_moe import hf, ops, reference
@@ -135,7 +136,8 @@ def test_decode_output_is_the_selected_experts(family, fill):
         active = sel.counts > 0
         assert int(active.sum()) <= 2
         ids = sel.ids.long()
-        assert bool(((ids == NUM_EXPERTS) | active[0].gather(0, ids.clamp(max=NUM_EXPERTS - 1).flatten()).view_as(ids)).all())
+        kept = active[0].gather(0, ids.clamp(max=NUM_EXPERTS - 1).flatten()).view_as(ids)
+        assert bool(((ids == NUM_EXPERTS) | kept).all())
         expected = selection_output(layout, hidden.view(-1, layout.hidden_size), ids, sel.weights)
         torch.testing.assert_close(y.view(-1, layout.hidden_size), expected, rtol=1e-5, atol=1e-5)
 
@@ -914,6 +916,60 @@ def test_cuda_generate_static_cache_compiled(finished_tokens):
     assert (compiled == eager).float().mean() >= 0.75
     if finished_tokens is not None:
         assert compiled[0, 5:].tolist() == [2] + [0] * 5
+
+
+def _inputs_to_module_device(module, args, kwargs):
+    """A forward pre-hook that moves a module's tensor arguments to the module's device (as accelerate's dispatch
+    does; the cache is no tensor and stays as it is)."""
+    device = next(module.parameters()).device
+    move = functools.partial(torch.utils._pytree.tree_map_only, torch.Tensor, lambda t: t.to(device))
+    return move(args), move(kwargs)
+
+
+def _prompt_and_step(model, prompt, step):
+    """The logits of ``prompt`` and of the decode ``step`` after it (through the prompt's KV cache), and the step's
+    recorded selections by layer (ids, counts)."""
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+        step_logits = model(step, past_key_values=out.past_key_values).logits
+    recorded = {i: (s.ids, s.counts) for i, (s, _) in selections(model).items()}
+    return out.logits, step_logits, recorded
+
+
+@pytest.mark.cuda
+@TWO_GPUS
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # past_key_values: renamed after 5.17
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_model_across_two_gpus(family):
+    """A budgeted model split over two GPUs (its last decoder layer and final norm on cuda:1, the rest on cuda:0;
+    forward pre-hooks move each module's inputs, as accelerate's dispatch does; base_moe.apply first, as it asks)
+    gives, over a prompt and a decode step through the KV cache (a finished row in it: finished_tokens' mask crosses
+    to cuda:1 too), the logits and selections of the same model on cuda:0 alone, and its last MoE block's base_moe
+    kernels run on cuda:1."""
+    models = [fresh(family, dtype=torch.bfloat16, device="cuda:0", kernel_sized=True) for _ in range(2)]
+    for model in models:
+        base_moe.apply(model, predictors=StandInPredictors(model), budget=3, policy="base", finished_tokens="auto",
+                       record=True)
+    whole, split = models
+    for module in (split.model.layers[-1], split.model.norm):
+        module.to("cuda:1")
+    hooks = [m.register_forward_pre_hook(_inputs_to_module_device, with_kwargs=True)
+             for m in (split.model.layers[-1], split.model.norm, split.lm_head)]
+    prompt, step = prompt_ids(batch=4).cuda(), decode_ids(batch=4).cuda()
+    step[1] = 0  # a finished row: the pad token does not vote
+    expected, got = _prompt_and_step(whole, prompt, step), []
+    with mock.patch.object(ops, "experts", wraps=ops.experts) as spy:
+        events = kernel_events(lambda: got.extend(_prompt_and_step(split, prompt, step)))
+    for hook in hooks:
+        hook.remove()
+    last = moe_layouts(split)[-1]
+    assert spy.call_count > 0 or not last.fused
+    assert 1 in {e.device_index for e in events if "base_moe" in e.name}
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+    assert got[2].keys() == expected[2].keys()
+    for i, (ids, counts) in expected[2].items():
+        assert torch.equal(got[2][i][0].cpu(), ids.cpu()) and torch.equal(got[2][i][1].cpu(), counts.cpu()), i
 
 
 # ---------------------------------------------------------------------------------------------------------------
