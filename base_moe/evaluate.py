@@ -18,7 +18,9 @@ Per policy and budget (:func:`evaluate`):
 * ``active``: the mean number of experts in use (the union of the tokens' final experts) per layer and decode
   batch; ``dense.union`` is the same for the model's own routing;
 * on CUDA, ``time_us``: one MoE block's time for one decode batch of ``B`` tokens (``[B, 1, H]``, CUDA-graph
-  replay when the block captures, else eager; median over repeats, averaged over layers).
+  replay when the block captures, else eager; median over repeats, averaged over layers), and ``time_mode``: how
+  it was timed (``graph``, ``eager``, or ``mixed`` over the layers; per layer in ``time_graphed_per_layer``).
+  :func:`format_table` and :func:`plot` mark the rows not timed by graph replay.
 
 :func:`format_table` prints the result, :func:`plot` draws quality loss against active experts (and against time
 on CUDA), one line per policy, and ``python -m base_moe eval`` runs it all from the command line.
@@ -34,7 +36,7 @@ import subprocess
 import time
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -132,6 +134,7 @@ class _Run:
     active: dict[int, list[float]] = field(default_factory=dict)  # layer -> summed |A| over groups, group count
     energy: dict[int, list[float]] = field(default_factory=dict)  # layer -> [kept, routed]
     time_us: dict[int, float] = field(default_factory=dict)
+    time_graphed: dict[int, bool] = field(default_factory=dict)  # layer -> timed by CUDA-graph replay (else eager)
 
 
 def _add(d: dict[int, list[float]], key: int, *values: float) -> None:
@@ -229,19 +232,34 @@ def _time_block(block, x: torch.Tensor, repeats: int) -> tuple[float, bool]:
     return statistics.median(times), graphed
 
 
-def _time_layers(model, layouts, inputs: dict[int, torch.Tensor], batch: int, repeats: int) -> dict[int, float]:
+def _time_layers(model, layouts, inputs: dict[int, torch.Tensor], batch: int,
+                 repeats: int) -> tuple[dict[int, float], dict[int, bool]]:
     """Per MoE layer, one decode batch (the first decode position's ``B`` tokens) through the patched block in
-    ``group_by='batch'`` mode."""
+    ``group_by='batch'`` mode: its microseconds, and whether they are a CUDA-graph replay's (else eager)."""
     settings = hf.moe_layouts(model)[0].block._base_moe.settings
     hf.configure(model, group_by="batch", record=False)
-    out = {}
+    times, graphed = {}, {}
     try:
         for lay in layouts:
             x = inputs[lay.layer_index][:batch].reshape(batch, 1, -1).contiguous()
-            out[lay.layer_index], _ = _time_block(lay.block, x, repeats)
+            times[lay.layer_index], graphed[lay.layer_index] = _time_block(lay.block, x, repeats)
     finally:
         hf.configure(model, group_by=settings.group_by, record=settings.record)
-    return out
+    return times, graphed
+
+
+def _timing(run: _Run) -> dict[str, Any]:
+    """A result row's time fields: the mean over layers, per layer, and how they were timed (``time_mode``:
+    ``graph`` where every layer replayed a CUDA graph, ``eager`` where none did, else ``mixed``)."""
+    if not run.time_us:
+        return {"time_us": None, "time_us_per_layer": None, "time_mode": None, "time_graphed_per_layer": None}
+    graphed = [run.time_graphed[i] for i in run.time_us]
+    return {
+        "time_us": statistics.fmean(run.time_us.values()),
+        "time_us_per_layer": {str(i): t for i, t in sorted(run.time_us.items())},
+        "time_mode": "graph" if all(graphed) else "mixed" if any(graphed) else "eager",
+        "time_graphed_per_layer": {str(i): run.time_graphed[i] for i in sorted(run.time_us)},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +306,11 @@ def _resolve_policies(policies: Sequence[str | Policy] | str | Policy) -> list[P
     return out
 
 
+def _settings_dict(settings: hf.Settings) -> dict[str, Any]:
+    """Every field of a patched model's settings, as ``configure`` takes them."""
+    return {f.name: getattr(settings, f.name) for f in fields(settings)}
+
+
 def _device_of(model) -> torch.device:
     try:
         return model.get_input_embeddings().weight.device
@@ -318,7 +341,9 @@ def evaluate(
 
     Args:
         model: a Hugging Face MoE causal LM (patched by ``base_moe.apply`` or not: it is patched for the run and
-            left as it was found).
+            left as it was found). The run takes ``apply``'s defaults for every option it does not set (``experts``,
+            ``norm``, ``finished_tokens=None``: every token of the text votes, pad and EOS ids included), so a model
+            patched for serving gives the numbers of an unpatched one; the user's settings come back afterwards.
         input_ids: held-out token ids (integers in ``[0, vocab_size)``), a 1-D stream or ``[N, L]`` rows (read in
             order); the first ``batches * batch * seq`` are used.
         predictors: a ``base_moe.Predictors`` or its file (needed by ``base`` and ``static_energy``).
@@ -366,15 +391,17 @@ def evaluate(
             raise ValueError(
                 f"policy '{pol.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path"
             )
+    run_settings = dict(budget=None, policy="dense", fill=fill_rule, group_by="position", dense_positions=prefill,
+                        record=True)
     if patched_here:
-        hf.apply(model, predictors=predictors, budget=None, policy="dense", fill=fill_rule,
-                 group_by="position", dense_positions=prefill, record=True)
+        hf.apply(model, predictors=predictors, **run_settings)
     else:
         old = hf.moe_layouts(model)[0].block._base_moe.settings
         old_predictors = hf.moe_layouts(model)[0].block._base_moe.predictors
         extra = {} if predictors is None else {"predictors": predictors}
-        hf.configure(model, budget=None, policy="dense", fill=fill_rule, group_by="position",
-                     dense_positions=prefill, record=True, **extra)
+        # every other setting at apply's default, as on an unpatched model: a model patched for serving with
+        # finished_tokens would leave the text's pad/EOS tokens out of the vote, experts='hf' would time other code
+        hf.configure(model, **{**_settings_dict(hf.Settings()), **run_settings}, **extra)
     layouts = hf.moe_layouts(model)
     used_predictors = layouts[0].block._base_moe.predictors  # the finally below puts the user's back
 
@@ -421,7 +448,7 @@ def evaluate(
                             _add(acc.energy, i, *_energy(lay, x, final))
                     if timing and b_index == 0:
                         capture.enabled = False
-                        acc.time_us = _time_layers(model, layouts, capture.inputs, batch, repeats)
+                        acc.time_us, acc.time_graphed = _time_layers(model, layouts, capture.inputs, batch, repeats)
                         capture.enabled = True
                     bar.update(1)
     finally:
@@ -432,9 +459,7 @@ def evaluate(
         else:
             with warnings.catch_warnings():  # the user's own settings back (a budget kept for a later policy)
                 warnings.simplefilter("ignore", hf.SettingNotAppliedWarning)
-                hf.configure(model, budget=old.budget, policy=old.policy, fill=old.fill, group_by=old.group_by,
-                             dense_positions=old.dense_positions, experts=old.experts, record=old.record,
-                             predictors=old_predictors)
+                hf.configure(model, **_settings_dict(old), predictors=old_predictors)
 
     return _report(model, layouts, dense, results, runs, used_predictors, locals_=dict(
         batch=batch, seq=seq, prefill=prefill, batches=batches, fill=fill_name(fill_rule), device=str(device),
@@ -460,7 +485,9 @@ def _report(model, layouts, dense: _Run, results: list[_Run], runs, predictors, 
             "scored_tokens": sum(dense.tokens),
             "scoring": "logits of positions P..S-2 for tokens P+1..S-1 (every prediction made by a decode step)",
             "energy": "sum over routed slots still used of w^2 ||E_u(z)||^2 / sum over routed slots (true outputs)",
-            "timing": "one MoE block, one decode batch [B, 1, H], median of repeats" if locals_["timing"] else None,
+            "timing": ("one MoE block, one decode batch [B, 1, H], median of repeats; CUDA-graph replay where the "
+                       "block captures, else eager (time_mode: graph, eager or mixed over the layers)")
+            if locals_["timing"] else None,
         },
         "model": {
             "type": getattr(config, "model_type", None),
@@ -481,8 +508,7 @@ def _report(model, layouts, dense: _Run, results: list[_Run], runs, predictors, 
             "bits_per_batch": dense_bits_batches,
             "union": statistics.fmean(union.values()),
             "union_per_layer": union,
-            "time_us": statistics.fmean(dense.time_us.values()) if dense.time_us else None,
-            "time_us_per_layer": {str(i): t for i, t in sorted(dense.time_us.items())} or None,
+            **_timing(dense),
         },
         "results": [],
     }
@@ -503,8 +529,7 @@ def _report(model, layouts, dense: _Run, results: list[_Run], runs, predictors, 
             "retained_energy_per_layer": energy or None,
             "active": statistics.fmean(active.values()),
             "active_per_layer": active,
-            "time_us": statistics.fmean(run.time_us.values()) if run.time_us else None,
-            "time_us_per_layer": {str(i): t for i, t in sorted(run.time_us.items())} or None,
+            **_timing(run),
             "description": pol.description,
         })
     out["machine"] = machine_info(locals_["device"])
@@ -554,21 +579,34 @@ def git_commit(root: str = os.path.dirname(os.path.dirname(os.path.abspath(__fil
 # ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
+_TIME_MARKS = {"graph": " ", "eager": "*", "mixed": "~"}  # any other (a result written before time_mode): "?"
+_TIME_NOTES = {"*": "* timed eagerly (the block does not capture in a CUDA graph)",
+               "~": "~ some layers timed eagerly", "?": "? not recorded how"}
+
+
+def _time_cell(row: dict[str, Any]) -> str:
+    """A row's ``us/layer`` cell: the time and a mark of how it was timed (blank: every layer a CUDA-graph replay)."""
+    if row.get("time_us") is None:
+        return f" {'-':>8} "
+    return f" {row['time_us']:>8.1f}{_TIME_MARKS.get(row.get('time_mode'), '?')}"
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """The result as a text table: one row per policy and budget, sorted by budget then quality loss."""
+    """The result as a text table: one row per policy and budget, sorted by budget then quality loss; a timed row
+    marks a time that is not a CUDA-graph replay (footnote)."""
     unit = result["unit"]
     d = result["dense"]
     p = result["protocol"]
     timed = d.get("time_us") is not None
     head = (f"{'policy':<22} {'budget':>6} {'active':>7} {unit:>10} {'+' + unit:>10} {'+-':>7} {'energy':>7}"
-            + (f" {'us/layer':>9}" if timed else ""))
+            + (f" {'us/layer':>8} " if timed else ""))
     lines = [
         f"B={p['batch']} sequences x S={p['seq']} tokens, P={p['prefill']} prefill, {p['batches']} batches, "
         f"{p['scored_tokens']} scored tokens, fill={p['fill']}, device={p['device']}",
         head,
         "-" * len(head),
         f"{'dense':<22} {'-':>6} {d['union']:>7.2f} {d['bits']:>10.4f} {0.0:>10.4f} {'':>7} {1.0:>7.3f}"
-        + (f" {d['time_us']:>9.1f}" if timed else ""),
+        + (_time_cell(d) if timed else ""),
     ]
     rows = sorted(result["results"], key=lambda r: (r["budget"] is not None, r["budget"] or 0, r["delta_bits"]))
     last_budget = object()
@@ -578,7 +616,7 @@ def format_table(result: dict[str, Any]) -> str:
             last_budget = r["budget"]
         energy = f"{r['retained_energy']:.3f}" if r["retained_energy"] is not None else "-"
         budget = str(r["budget"]) if r["budget"] is not None else "-"
-        t = f" {r['time_us']:>9.1f}" if timed and r.get("time_us") is not None else (f" {'-':>9}" if timed else "")
+        t = _time_cell(r) if timed else ""
         stderr = r["delta_bits_stderr"]  # NaN (null once through JSON) from a single batch
         stderr = f"{stderr:.4f}" if stderr is not None and math.isfinite(stderr) else "-"
         lines.append(
@@ -587,6 +625,10 @@ def format_table(result: dict[str, Any]) -> str:
         )
     lines.append(f"active: mean experts in use per layer and decode batch (dense: the routed union); "
                  f"+-: standard error of the per-batch increase; energy: retained w^2||E||^2")
+    if timed:
+        marks = {_time_cell(r)[-1] for r in [d, *result["results"]] if r.get("time_us") is not None} - {" "}
+        lines.append("us/layer: one MoE block per decode batch, CUDA-graph replay"
+                     + "".join(f"; {_TIME_NOTES[m]}" for m in sorted(marks, key="*~?".index)))
     return "\n".join(lines)
 
 
@@ -616,6 +658,14 @@ def plot(result: dict[str, Any], path: str) -> None:
             rows = sorted(rows, key=lambda r: r[key])
             ax.plot([r[key] for r in rows], [r["delta_bits"] for r in rows], marker="o", label=name)
         ax.scatter([dense_x], [0.0], marker="*", s=150, color="black", zorder=5, label="dense")
+        if key == "time_us":  # ring the times that are not a CUDA-graph replay's
+            eager = [(r["time_us"], r["delta_bits"]) for r in [{**result["dense"], "delta_bits": 0.0},
+                                                                *result["results"]]
+                     if r.get("time_us") is not None and r.get("time_mode") in ("eager", "mixed")]
+            if eager:
+                ax.scatter(*zip(*eager), marker="o", s=200, facecolors="none", edgecolors="red", zorder=6,
+                           label="timed eagerly (no CUDA graph), all or some layers")
+                ax.legend(fontsize=8)
         ax.set_xlabel(label)
         ax.set_ylabel(f"quality loss ({result['unit']} over dense)")
         ax.set_yscale("symlog", linthresh=0.01)

@@ -18,8 +18,12 @@ from hf_models import StandInPredictors, tiny_model
 
 import base_moe
 from base_moe import hf, reference
+from base_moe import evaluate as evaluate_module
 from base_moe.evaluate import (
     _energy,
+    _Run,
+    _time_layers,
+    _timing,
     budgets_between,
     dense_union,
     evaluate,
@@ -229,6 +233,26 @@ def test_model_is_left_as_found():
     assert hf.moe_layouts(model)[0].block._base_moe.settings.policy.name == "oea"
 
 
+def test_a_model_patched_for_serving_evaluates_as_an_unpatched_one():
+    """A model the user patched with finished_tokens='auto' (and the model's own experts and norms) is evaluated with
+    apply's defaults, every token of the text voting, even the pad/EOS ids inside it; its settings come back."""
+    model, _ = model_and_ids()
+    ids = torch.randint(3, 64, (N * B * S,), generator=torch.Generator().manual_seed(1))
+    ids[::5] = 2  # the config's EOS inside the text, as between concatenated documents
+    predictors = StandInPredictors(model)
+    kw = dict(predictors=predictors, policies=["base", "router_sum"], budgets=[2], batch=B, seq=S, prefill=P,
+              batches=N, progress=False)
+    unpatched = evaluate(copy.deepcopy(model), ids, **kw)
+    base_moe.apply(model, predictors=predictors, budget=3, policy="router_sum", finished_tokens="auto",
+                   experts="hf", norm="model", record=True)
+    before = hf.moe_layouts(model)[0].block._base_moe.settings
+    assert before.finished_tokens == (0, 2)
+    patched = evaluate(model, ids, **kw)
+    assert patched["dense"] == unpatched["dense"]
+    assert patched["results"] == unpatched["results"]
+    assert hf.moe_layouts(model)[0].block._base_moe.settings == before
+
+
 def test_result_names_the_predictors_it_ran_with():
     """On a model the user patched without predictors, the result records the ones passed to evaluate (it read them
     after handing the user's settings back, and said None)."""
@@ -306,6 +330,65 @@ def test_plot_keeps_a_familys_budgeted_and_unbudgeted_runs_apart(result, tmp_pat
     assert "lynx" in labels and "lynx (no budget)" in labels and "oea" in labels
 
 
+def test_timing_says_which_layers_replayed_a_cuda_graph(monkeypatch):
+    """A block that does not capture is timed eagerly: the row says so (time_mode, per layer), not passed off as a
+    graph replay. _time_block stands in for the CUDA timing: layer 0 captures, layer 1 does not."""
+    model, _ = model_and_ids()
+    base_moe.apply(model, policy="router_sum", budget=2, group_by="position", dense_positions=P, record=True)
+    layouts = hf.moe_layouts(model)
+    graphs = {id(layouts[0].block): True, id(layouts[1].block): False}
+    seen = []
+
+    def fake_time_block(block, x, repeats):
+        seen.append((tuple(x.shape), block._base_moe.settings.group_by))
+        return 10.0 + 5 * len(seen), graphs[id(block)]
+
+    monkeypatch.setattr(evaluate_module, "_time_block", fake_time_block)
+    inputs = {lay.layer_index: torch.randn(3 * B, 32) for lay in layouts}
+    times, graphed = _time_layers(model, layouts, inputs, B, repeats=5)
+    assert seen == [((B, 1, 32), "batch")] * 2 and hf.moe_layouts(model)[0].block._base_moe.settings.group_by == (
+        "position")
+    i0, i1 = (lay.layer_index for lay in layouts)
+    assert times == {i0: 15.0, i1: 20.0} and graphed == {i0: True, i1: False}
+    row = _timing(_Run("router_sum", 2, time_us=times, time_graphed=graphed))
+    assert row == {"time_us": 17.5, "time_us_per_layer": {str(i0): 15.0, str(i1): 20.0}, "time_mode": "mixed",
+                   "time_graphed_per_layer": {str(i0): True, str(i1): False}}
+    assert _timing(_Run("x", 2, time_us=times, time_graphed={i0: False, i1: False}))["time_mode"] == "eager"
+    assert _timing(_Run("x", 2, time_us=times, time_graphed={i0: True, i1: True}))["time_mode"] == "graph"
+    assert _timing(_Run("x", 2))["time_mode"] is None  # not timed
+
+
+def test_table_and_plot_mark_eager_timings(result, tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    modes = {"base": "eager", "router_sum": "mixed"}  # the others (and dense) replayed a graph
+    timed = {**result, "dense": {**result["dense"], "time_us": 9.0, "time_mode": "graph"},
+             "results": [{**r, "time_us": 11.0 + n, "time_mode": modes.get(r["policy"], "graph")}
+                         for n, r in enumerate(result["results"])]}
+    lines = format_table(timed).splitlines()
+    cells = {}
+    for line in lines:
+        if line.split() and line.split()[0] in ("dense", "base", "router_sum", "oracle"):
+            cells.setdefault(line.split()[0], set()).add(line[-1])
+    assert cells == {"dense": {" "}, "base": {"*"}, "router_sum": {"~"}, "oracle": {" "}}  # the mark's column
+    assert lines[-1] == ("us/layer: one MoE block per decode batch, CUDA-graph replay; * timed eagerly (the block does "
+                         "not capture in a CUDA graph); ~ some layers timed eagerly")
+    all_graph = {**timed, "results": [{**r, "time_mode": "graph"} for r in timed["results"]]}
+    assert format_table(all_graph).splitlines()[-1] == "us/layer: one MoE block per decode batch, CUDA-graph replay"
+    assert "us/layer" not in format_table(result)  # untimed (CPU): no time column, no note
+
+    rings = []
+    original = matplotlib.axes.Axes.scatter
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter",
+                        lambda self, x, y, **k: rings.append((k.get("label"), sorted(x))) or original(self, x, y, **k))
+    plot(timed, str(tmp_path / "q.png"))
+    eager = sorted(r["time_us"] for r in timed["results"] if r["policy"] in modes)
+    assert ("timed eagerly (no CUDA graph), all or some layers", eager) in rings
+    rings.clear()
+    plot(all_graph, str(tmp_path / "q.png"))
+    assert [label for label, _ in rings] == ["dense", "dense"]  # no ring where every time is a graph replay
+
+
 # ---------------------------------------------------------------------------------------------
 # python -m base_moe eval
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +432,9 @@ def test_cuda_timing():
                  progress=False, repeats=5)
     assert r["dense"]["time_us"] > 0 and r["results"][0]["time_us"] > 0
     assert set(r["results"][0]["time_us_per_layer"]) == {str(i) for i in r["model"]["moe_layers"]}
+    for row in (r["dense"], r["results"][0]):
+        assert row["time_mode"] in ("graph", "eager", "mixed")
+        assert set(row["time_graphed_per_layer"]) == {str(i) for i in r["model"]["moe_layers"]}
 
 
 def test_git_commit_names_the_measured_tree(monkeypatch):
