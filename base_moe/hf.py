@@ -690,13 +690,16 @@ class _BaseMoEBlock:
         return state.output(y.view(B, S, H), scores)
 
 
-def _experts_kernel_fits(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
-    """The shapes and dtypes ``ops.experts`` takes on ``x``'s device (the CUDA kernel: bf16/fp16, hidden and
-    intermediate sizes multiples of 64, at most 512 experts); other blocks run the model's own experts."""
+def _experts_kernel_fits(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
+    """The shapes, dtypes and alignments ``ops.experts`` takes on ``x``'s device (the CUDA kernel: bf16/fp16, hidden and
+    intermediate sizes multiples of 64, at most 512 experts, 16-byte aligned operands); other blocks run the model's own
+    experts."""
     if x.device.type != "cuda":
         return True
     E, two_i, H = gate_up_proj.shape
-    return x.dtype in (torch.bfloat16, torch.float16) and H % 64 == 0 and (two_i // 2) % 64 == 0 and E <= 512
+    aligned = all(t.data_ptr() % 16 == 0 for t in (x, gate_up_proj, down_proj))
+    sizes = H % 64 == 0 and (two_i // 2) % 64 == 0 and E <= 512
+    return aligned and sizes and x.dtype in (torch.bfloat16, torch.float16)
 
 
 @dataclass(eq=False)
@@ -837,17 +840,17 @@ class _BlockState:
         if s.policy.needs_predictors:
             self._follow()
             pw, pb = self.predictor_weight, self.predictor_bias
-        cost = s.policy.fused_cost
+        cost, rounds = s.policy.fused_cost, self.layout.router_rounds_logits  # (rounds: the model's router's logits)
         if cost is not None and s.budget is not None and has_kernel("select_experts", x.device):
             logits, log_norms, *selection = ops.select_experts(
                 x, weight, self.layout.routing, budget=s.budget, num_groups=num_groups, cost=cost, fill=s.op_fill,
                 router_bias=bias, predictor_weight=pw, predictor_bias=pb,
-                correction_bias=self.layout.correction_bias(), voting=voting,
+                correction_bias=self.layout.correction_bias(), voting=voting, round_logits=rounds,
             )
             return logits, log_norms, Selection(*selection)
         if has_kernel("router_predict", x.device):
-            return *ops.router_predict(x, weight, bias, pw, pb), None
-        return *reference.router_predict(x, weight, bias, pw, pb), None
+            return *ops.router_predict(x, weight, bias, pw, pb, round_logits=rounds), None
+        return *reference.router_predict(x, weight, bias, pw, pb, rounds), None
 
     # -- stages 1-4 -----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -921,7 +924,7 @@ class _BlockState:
             and ex.gate_up_proj.dtype == x.dtype
             and ex.gate_up_proj.is_contiguous()
             and ex.down_proj.is_contiguous()
-            and _experts_kernel_fits(x, ex.gate_up_proj)
+            and _experts_kernel_fits(x, ex.gate_up_proj, ex.down_proj)
         )
         if use_ops:
             # the final ids lie in the kept sets: at most G * M distinct experts

@@ -49,6 +49,8 @@ def test_detects_every_family(family):
         assert lay.shared_names == expected["shared"]
         assert lay.block is model.get_submodule(lay.name)
         assert lay.returns_router_scores == (family == "gpt_oss")
+        # (asked of a bf16 copy: DeepSeek-V3's router computes fp32 logits, the others' logits are their weight's dtype)
+        assert lay.router_rounds_logits == (family != "deepseek_v3")
     assert (layouts[0].shared_gate_name is not None) == (family == "qwen2_moe")
 
 
