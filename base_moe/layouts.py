@@ -451,16 +451,23 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
 
 def _router_rounds_logits(layout: MoELayout, where: str) -> bool:
     """Whether the router's logits come out in its weight's dtype (MoELayout.router_rounds_logits), asked of a bf16
-    copy of the router on a few tokens, so that an fp32 model's answer holds after its conversion to a half type."""
-    if layout.router_weight.device.type == "meta":
-        return True  # nothing to run: a linear layer's rule, most routers'
-    router = copy.deepcopy(layout.router).to(torch.bfloat16)
-    probe = torch.zeros(2, layout.hidden_size, dtype=torch.bfloat16, device=layout.router_weight.device)
+    stand-in of the router on the meta device (only the output's dtype is read), so that an fp32 model's answer holds
+    after its conversion to a half type, and a model still on the meta device gets its answer too."""
     try:
+        router = copy.copy(layout.router)  # (shallow: the router's hooks and owner are not copied; forward runs bare)
+        router._parameters = {name: None if p is None else nn.Parameter(_meta_bf16(p), requires_grad=False)
+                              for name, p in layout.router._parameters.items()}
+        router._buffers = {name: None if b is None else _meta_bf16(b) for name, b in layout.router._buffers.items()}
+        probe = torch.empty(2, layout.hidden_size, dtype=torch.bfloat16, device="meta")
         with torch.no_grad():
             return _logits_of(_router_forward(layout, probe, where, router)).dtype == torch.bfloat16
-    except Exception:  # noqa: BLE001 - a router that cannot run in bf16: its model is never half, nothing to round
+    except Exception:  # noqa: BLE001 - a router that cannot run so: round as a linear layer does, most routers' rule
         return True
+
+
+def _meta_bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s shape on the meta device, in bf16 where ``t`` is floating point (as ``module.to(bfloat16)`` leaves it)."""
+    return torch.empty_like(t, device="meta", dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
 
 
 def _check_router_logits(layout: MoELayout, probe: torch.Tensor, logits: torch.Tensor, where: str) -> None:

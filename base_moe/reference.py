@@ -370,7 +370,9 @@ def experts(
     E = gate_up_proj.shape[0]
     x = hidden.float()
     out = torch.zeros_like(x)
-    for u in torch.unique(ids[(ids >= 0) & (ids < E)]).tolist():  # (a negative id indexes no expert either)
+    # a negative id adds nothing either (the CUDA kernel reads any id outside [0, E) as an empty slot; the CPU op
+    # refuses ids outside [0, E])
+    for u in torch.unique(ids[(ids >= 0) & (ids < E)]).tolist():
         token, slot = torch.nonzero(ids == u, as_tuple=True)
         gate, up = (x[token] @ gate_up_proj[u].float().T).chunk(2, dim=-1)
         y = (F.silu(gate) * up) @ down_proj[u].float().T
