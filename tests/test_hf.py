@@ -867,12 +867,13 @@ def _misaligned_copy(weight: torch.Tensor) -> torch.nn.Parameter:
 
 
 @pytest.mark.cuda
-def test_cuda_misaligned_expert_weights_run_the_models_experts():
+@pytest.mark.parametrize("weight", ["gate_up_proj", "down_proj"])
+def test_cuda_misaligned_expert_weights_run_the_models_experts(weight):
     """Expert weights that are contiguous but not 16-byte aligned (which the CUDA expert kernel refuses) make a
     budgeted block run the model's own experts on its selection, not raise."""
     model = fresh("qwen3_moe", dtype=torch.bfloat16, device="cuda", kernel_sized=True)
     for layout in moe_layouts(model):
-        layout.experts.gate_up_proj = _misaligned_copy(layout.experts.gate_up_proj)
+        setattr(layout.experts, weight, _misaligned_copy(getattr(layout.experts, weight)))
     base_moe.apply(model, predictors=StandInPredictors(model), budget=3, policy="base", record=True)
     with mock.patch.object(ops, "experts", wraps=ops.experts) as spy:
         for layout in moe_layouts(model):

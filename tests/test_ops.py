@@ -322,10 +322,12 @@ def test_reference_experts_adds_nothing_for_an_id_outside_the_experts():
     """The reference reads a negative id as no expert (as the CUDA kernel reads any id outside [0, E)), not as the
     last expert through Python's negative indexing."""
     x, ids, weights, gate_up, down = random_expert_problem(5, 64, 32, 4, 2, "cpu", torch.float32)
-    with_sentinel, with_negative = ids.clone(), ids.clone()
-    with_sentinel[1, 0], with_negative[1, 0] = 4, -1
-    assert torch.equal(ref.experts(x, with_negative, weights, gate_up, down),
-                       ref.experts(x, with_sentinel, weights, gate_up, down))
+    weights[1, 0] = 1.0  # (a slot the problem may have dropped: with weight 0 any expert would add nothing)
+    with_sentinel, with_negative, with_last = ids.clone(), ids.clone(), ids.clone()
+    with_sentinel[1, 0], with_negative[1, 0], with_last[1, 0] = 4, -1, 3
+    out = ref.experts(x, with_negative, weights, gate_up, down)
+    assert torch.equal(out, ref.experts(x, with_sentinel, weights, gate_up, down))
+    assert not torch.equal(out, ref.experts(x, with_last, weights, gate_up, down))
 
 
 def test_experts_sums_a_tokens_slots_in_fp32_on_cpu():
