@@ -584,11 +584,16 @@ _TIME_NOTES = {"*": "* timed eagerly (the block does not capture in a CUDA graph
                "~": "~ some layers timed eagerly", "?": "? not recorded how"}
 
 
+def _time_mark(row: dict[str, Any]) -> str:
+    """How a timed row was timed, as its table mark (blank: every layer a CUDA-graph replay)."""
+    return _TIME_MARKS.get(row.get("time_mode"), "?")
+
+
 def _time_cell(row: dict[str, Any]) -> str:
-    """A row's ``us/layer`` cell: the time and a mark of how it was timed (blank: every layer a CUDA-graph replay)."""
+    """A row's ``us/layer`` cell: the time and its :func:`_time_mark`."""
     if row.get("time_us") is None:
         return f" {'-':>8} "
-    return f" {row['time_us']:>8.1f}{_TIME_MARKS.get(row.get('time_mode'), '?')}"
+    return f" {row['time_us']:>8.1f}{_time_mark(row)}"
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -626,7 +631,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(f"active: mean experts in use per layer and decode batch (dense: the routed union); "
                  f"+-: standard error of the per-batch increase; energy: retained w^2||E||^2")
     if timed:
-        marks = {_time_cell(r)[-1] for r in [d, *result["results"]] if r.get("time_us") is not None} - {" "}
+        marks = {_time_mark(r) for r in [d, *result["results"]] if r.get("time_us") is not None} - {" "}
         lines.append("us/layer: one MoE block per decode batch, CUDA-graph replay"
                      + "".join(f"; {_TIME_NOTES[m]}" for m in sorted(marks, key="*~?".index)))
     return "\n".join(lines)
