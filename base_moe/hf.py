@@ -840,17 +840,17 @@ class _BlockState:
         if s.policy.needs_predictors:
             self._follow()
             pw, pb = self.predictor_weight, self.predictor_bias
-        cost = s.policy.fused_cost
+        cost, rounds = s.policy.fused_cost, self.layout.router_rounds_logits  # (rounds: the model's router's logits)
         if cost is not None and s.budget is not None and has_kernel("select_experts", x.device):
             logits, log_norms, *selection = ops.select_experts(
                 x, weight, self.layout.routing, budget=s.budget, num_groups=num_groups, cost=cost, fill=s.op_fill,
                 router_bias=bias, predictor_weight=pw, predictor_bias=pb,
-                correction_bias=self.layout.correction_bias(), voting=voting,
+                correction_bias=self.layout.correction_bias(), voting=voting, round_logits=rounds,
             )
             return logits, log_norms, Selection(*selection)
         if has_kernel("router_predict", x.device):
-            return *ops.router_predict(x, weight, bias, pw, pb), None
-        return *reference.router_predict(x, weight, bias, pw, pb), None
+            return *ops.router_predict(x, weight, bias, pw, pb, round_logits=rounds), None
+        return *reference.router_predict(x, weight, bias, pw, pb, rounds), None
 
     # -- stages 1-4 -----------------------------------------------------------------------------------------------
     @torch.no_grad()

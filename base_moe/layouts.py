@@ -13,6 +13,7 @@ the router's logits, one expert's output, the shared experts' output, all in pla
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import weakref
@@ -103,6 +104,10 @@ class MoELayout:
     and for other activations: those run through the model's own experts module."""
     returns_router_scores: bool = False
     """the block returns ``(hidden, router_scores)`` rather than a tensor (GPT-OSS)."""
+    router_rounds_logits: bool = True
+    """the router returns its logits in its weight's dtype, as a linear layer does (a half model's router ranks logits
+    rounded to that type: Qwen3-MoE, OLMoE, Mixtral, GPT-OSS), rather than computing them in fp32 whatever that dtype
+    (DeepSeek-V3); the selection ops round theirs alike (``round_logits``)."""
     router_class: type = field(default=nn.Module, repr=False)
     """the router's own (unpatched) class."""
 
@@ -328,6 +333,7 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
         router_class=getattr(type(router), "_base_moe_original_class", type(router)),
     )
     layout.routing = _infer_routing(layout, where)
+    layout.router_rounds_logits = _router_rounds_logits(layout, where)
     layout.returns_router_scores = _returns_tuple(layout, where)
     return layout
 
@@ -443,6 +449,27 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
     )
 
 
+def _router_rounds_logits(layout: MoELayout, where: str) -> bool:
+    """Whether the router's logits come out in its weight's dtype (MoELayout.router_rounds_logits), asked of a bf16
+    stand-in of the router on the meta device (only the output's dtype is read), so that an fp32 model's answer holds
+    after its conversion to a half type, and a model still on the meta device gets its answer too."""
+    try:
+        router = copy.copy(layout.router)  # (shallow: the router's hooks and owner are not copied; forward runs bare)
+        router._parameters = {name: None if p is None else nn.Parameter(_meta_bf16(p), requires_grad=False)
+                              for name, p in layout.router._parameters.items()}
+        router._buffers = {name: None if b is None else _meta_bf16(b) for name, b in layout.router._buffers.items()}
+        probe = torch.empty(2, layout.hidden_size, dtype=torch.bfloat16, device="meta")
+        with torch.no_grad():
+            return _logits_of(_router_forward(layout, probe, where, router)).dtype == torch.bfloat16
+    except Exception:  # noqa: BLE001 - a router that cannot run so: round as a linear layer does, most routers' rule
+        return True
+
+
+def _meta_bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s shape on the meta device, in bf16 where ``t`` is floating point (as ``module.to(bfloat16)`` leaves it)."""
+    return torch.empty_like(t, device="meta", dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
+
+
 def _check_router_logits(layout: MoELayout, probe: torch.Tensor, logits: torch.Tensor, where: str) -> None:
     """The budgeted path computes the logits as ``probe @ weight.T + bias`` (router_predict): a router whose forward
     computes anything else (a temperature, an offset, a bias it does not add) is refused, not silently replaced."""
@@ -491,21 +518,22 @@ def _matches(logits, weights, ids, routing: Routing, bias, exact: bool) -> bool:
     return total == 0.0 or abs(float(w.sum()) / total - 1.0) < ratio_tolerance
 
 
-def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None):
-    """The router's own (unpatched) forward on ``x [N, H]``, given the block's correction bias where the forward
-    takes it as an argument (``gate(hidden_states, self.e_score_correction_bias)``: MiniMax-M2, HY-V3)."""
-    forward = layout.router_class.forward
+def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None, router: nn.Module | None = None):
+    """The router's own (unpatched) forward on ``x [N, H]`` (of ``router``, a copy of it, where given), given the
+    block's correction bias where the forward takes it as an argument (``gate(hidden_states,
+    self.e_score_correction_bias)``: MiniMax-M2, HY-V3)."""
+    forward, router = layout.router_class.forward, layout.router if router is None else router
     required = [
         p for p in list(inspect.signature(forward).parameters.values())[2:]  # self, hidden_states
         if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     if not required:
-        return forward(layout.router, x)
-    bias = _correction_bias(layout.router, layout.block)
+        return forward(router, x)
+    bias = _correction_bias(router, layout.block)
     if len(required) == 1 and "bias" in required[0].name and bias is not None:
         if required[0].kind is inspect.Parameter.KEYWORD_ONLY:
-            return forward(layout.router, x, **{required[0].name: bias})
-        return forward(layout.router, x, bias)
+            return forward(router, x, **{required[0].name: bias})
+        return forward(router, x, bias)
     raise MoELayoutError(
         f"{where or layout.name}: its router '{layout.router_name}' takes arguments base_moe does not know "
         f"({', '.join(p.name for p in required)})."

@@ -28,6 +28,13 @@ def _enum_arg(name: str, cls: type, value) -> int:
     return number
 
 
+def _flag(name: str, value) -> bool:
+    """A bool argument of an op: a Python bool (not 0 / 1 or a tensor, which the schema's bool would take as truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
 def _routing_args(routing: Routing) -> tuple:
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a base_moe.Routing, got {type(routing).__name__}")
@@ -40,13 +47,18 @@ def router_predict(
     router_bias: torch.Tensor | None = None,
     predictor_weight: torch.Tensor | None = None,
     predictor_bias: torch.Tensor | None = None,
+    *,
+    round_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: router logits ``[T, E]`` and predicted log-norms ``[T, E]`` (``[T, 0]`` without a
-    predictor), fp32, from hidden states ``[T, H]``; reads each weight matrix once.
+    predictor), fp32, from hidden states ``[T, H]``; reads each weight matrix once. ``round_logits``: each logit (with
+    its bias) rounded once to ``hidden``'s dtype, as a linear layer in that dtype returns it (the routers of Qwen3-MoE,
+    OLMoE, Mixtral and GPT-OSS rank such logits; DeepSeek-V3's computes them in fp32); else the fp32 sum.
 
     On CUDA the kernel starts reading the weights while the previous kernel on the stream finishes (programmatic
     dependent launch), as ``select_experts`` says: they must not be written by the kernel just before this call."""
-    return _ops.router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias)
+    return _ops.router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias,
+                               _flag("round_logits", round_logits))
 
 
 def route_cost(
@@ -134,8 +146,10 @@ def select_experts(
     predictor_bias: torch.Tensor | None = None,
     correction_bias: torch.Tensor | None = None,
     voting: torch.Tensor | None = None,
+    round_logits: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Stages 1-3 in one call: ``router_predict`` then ``route_select`` (with ``voting``) on its outputs:
+    """Stages 1-3 in one call: ``router_predict`` (with ``round_logits``) then ``route_select`` (with ``voting``) on
+    its outputs:
     ``(logits, log_norms, ids, weights, kept, counts, batch_cost)``; on CUDA the two ops' kernels.
     ``Cost.BASE`` needs the predictor; the other costs ignore it.
 
@@ -146,6 +160,7 @@ def select_experts(
     return _ops.select_experts(
         hidden, router_weight, router_bias, predictor_weight, predictor_bias, correction_bias, num_groups,
         *_routing_args(routing), _enum_arg("cost", Cost, cost), budget, _enum_arg("fill", Fill, fill), voting,
+        _flag("round_logits", round_logits),
     )
 
 
@@ -216,7 +231,7 @@ def _check_selection_args(logits, num_groups, top_k, budget=1) -> None:
 
 
 @torch.library.register_fake("base_moe::router_predict")
-def _router_predict_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias):
+def _router_predict_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias, round_logits=False):
     _check_same_device("hidden", hidden, router_weight=router_weight, router_bias=router_bias,
                        predictor_weight=predictor_weight, predictor_bias=predictor_bias)
     torch._check(router_weight.dim() == 2 and router_weight.shape[1] == hidden.shape[1],
@@ -282,7 +297,7 @@ def _route_select_fake(logits, log_norms, correction_bias, num_groups, top_k, sc
 @torch.library.register_fake("base_moe::select_experts")
 def _select_experts_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias, correction_bias,
                          num_groups, top_k, scoring, renormalize, n_group, topk_group, scaling, cost, budget, fill,
-                         voting=None):
+                         voting=None, round_logits=False):
     logits, log_norms = _router_predict_fake(hidden, router_weight, router_bias, predictor_weight, predictor_bias)
     return logits, log_norms, *_route_select_fake(logits, None, correction_bias, num_groups, top_k, scoring,
                                                   renormalize, n_group, topk_group, scaling, cost, budget, fill,

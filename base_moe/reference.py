@@ -27,13 +27,17 @@ def router_predict(
     router_bias: torch.Tensor | None = None,
     predictor_weight: torch.Tensor | None = None,
     predictor_bias: torch.Tensor | None = None,
+    round_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` and predicted log-norms ``g = a_u . z + b_u`` ``[T, E]`` (``[T, 0]``
-    without a predictor), both fp32, accumulated in fp32."""
+    without a predictor), both fp32, accumulated in fp32; with ``round_logits`` each logit (with its bias) rounded once
+    to ``hidden``'s dtype, as a linear layer in that dtype returns it."""
     x = hidden.float()
     logits = x @ router_weight.float().T
     if router_bias is not None:
         logits = logits + router_bias.float()
+    if round_logits:
+        logits = logits.to(hidden.dtype).float()
     if predictor_weight is None:
         return logits, logits.new_empty(x.shape[0], 0)
     log_norms = x @ predictor_weight.float().T + predictor_bias.float()
@@ -322,9 +326,11 @@ def select_experts(
     budget: int,
     fill_rule: Fill,
     voting: torch.Tensor | None = None,
+    round_logits: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Stages 1-3: ``(logits, log_norms, ids, weights, kept, counts, D)``; the log-norms feed only ``Cost.BASE``."""
-    logits, log_norms = router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias)
+    logits, log_norms = router_predict(hidden, router_weight, router_bias, predictor_weight, predictor_bias,
+                                       round_logits)
     cost_log_norms = log_norms if cost == Cost.BASE else None
     return logits, log_norms, *route_select(logits, cost_log_norms, correction_bias, num_groups, routing, cost, budget,
                                             fill_rule, voting)

@@ -6,7 +6,8 @@ expert op and to HF by restricting the random routing to M random experts (every
 and M is passed to our op as its bound on active experts (``max_active_experts``), as the BASE layer does; the
 BASE layer runs its own selection (``select_experts`` with budget M, or M = E when dense) on random router and
 predictor weights. Times: median of CUDA-graph replays, each graph holding several calls that rotate among copies of
-the layer's expert weights so the 60 MB L2 never holds them; a device-to-device copy measured in the same run gives the bandwidth ceiling (2 x bytes / time).
+the layer's expert weights so the L2 (50 MiB on the H100 and H200) never holds them; a device-to-device copy measured
+in the same run gives the bandwidth ceiling (2 x bytes / time).
 The BASE layer is timed as consecutive layers (each selection follows the previous layer's slot sum, whose
 end its programmatic dependent launch may overlap), and behind the decoder layer's RMSNorm as in decode
 ((norm + layer) - norm: a plain PyTorch kernel that lets nothing overlap it); "after our norm" puts

@@ -11,18 +11,18 @@ Paths, all timed in the same run on the same inputs:
                 selection start while it runs: (our norm + selection) - torch's norm, so that a slower norm counts
                 against it
 
-Timing: each graph holds ROT consecutive calls on ROT different copies of the weights and hidden states (more bytes
-than the 60 MB L2), is replayed many times, and the per-call time is the median replay time / ROT. The kernels
-launch with programmatic dependent launch unless BASE_MOE_PDL=0, so a select_experts call stages its weights while
-the previous call finishes. In decode the kernel before it is the layer's norm: torch's does not let it (the "after
-a norm" column is the selection's cost in a decode step that keeps torch's norm), base_moe's does ("after our
-norm": the step's extra cost over torch's norm alone when it runs base_moe's). --hidden hot gives every call the same
-hidden states instead (L2-resident, as in decode, where the norm kernel just before the MoE block wrote them).
-Behind a norm (the "after" columns and the norms alone) every call reads one hidden-state buffer, whatever --hidden
-says: in decode the norm's input is the residual stream the attention just wrote (L2-resident), and the norm alone
-must find its input where the chained norm does (with rotated copies the norm alone read them from L2 at small T,
-where all ROT copies fit, while the chained norm, ~2 L2 of weights later, read them from HBM).
---weights hot gives every call the same router and predictor weights (L2-resident: what a selection would cost if
+Timing: each graph holds ROT consecutive calls on ROT different copies of the weights and hidden states (at least twice
+the bytes of a 60 MiB L2, GH100's full L2: the H100 and H200 enable 50 MiB), is replayed many times, and the per-call
+time is the median replay time / ROT. The kernels launch with programmatic dependent launch unless BASE_MOE_PDL=0, so a
+select_experts call stages its weights while the previous call finishes. In decode the kernel before it is the layer's
+norm: torch's does not let it (the "after a norm" column is the selection's cost in a decode step that keeps torch's
+norm), base_moe's does ("after our norm": the step's extra cost over torch's norm alone when it runs base_moe's).
+--hidden hot gives every call the same hidden states instead (L2-resident, as in decode, where the norm kernel just
+before the MoE block wrote them). Behind a norm (the "after" columns and the norms alone) every call reads one
+hidden-state buffer, whatever --hidden says: in decode the norm's input is the residual stream the attention just wrote
+(L2-resident), and the norm alone must find its input where the chained norm does (with rotated copies the norm alone
+read them from L2 at small T, where all ROT copies fit, while the chained norm, ~2 L2 of weights later, read them from
+HBM). --weights hot gives every call the same router and predictor weights (L2-resident: what a selection would cost if
 something had pulled its weights into L2 before the norm; in decode, between two layers' selections, ~40 MB of other
 weights stream by).
 
@@ -52,7 +52,7 @@ MODELS = {
 }
 TOKENS = (1, 4, 16, 64, 256)
 BUDGET = 16
-L2_BYTES = 60 * 2**20
+L2_BYTES = 60 * 2**20  # an upper bound of the Hopper L2s (H100 and H200: 50 MiB), so rotations never fit
 # the paths timed behind a norm, and the norms alone subtracted from them: one hidden-state buffer for all calls
 NORM_PATHS = ("norm", "norm_select", "norm_pytorch", "our_norm", "our_norm_select")
 

@@ -6,10 +6,12 @@
 #include "base_moe/ops.h"
 
 TORCH_LIBRARY(base_moe, m) {
-  // Stage 1: router logits and predicted log-norms [T, E] (fp32) in one pass over the weights.
+  // Stage 1: router logits and predicted log-norms [T, E] (fp32) in one pass over the weights. round_logits: each
+  // logit (with its bias) rounded once to hidden's dtype, as a linear layer in that dtype returns it (the routers of
+  // most Hugging Face MoE models rank such logits; a model whose router upcasts, DeepSeek-V3's, keeps fp32 ones).
   m.def(
       "router_predict(Tensor hidden, Tensor router_weight, Tensor? router_bias, Tensor? predictor_weight, "
-      "Tensor? predictor_bias) -> (Tensor logits, Tensor log_norms)");
+      "Tensor? predictor_bias, bool round_logits=False) -> (Tensor logits, Tensor log_norms)");
   // voting [T] bool (stages 2-3, optional): only its tokens' slots add to D and make experts candidates for the kept
   // set (TOP1_UNION's offset counts them); every token is still routed and filled. A finished sequence's pad tokens.
   // Stage 2: the model's routing (ids, weights [T, k]) and the per-group expert cost D [G, E].
@@ -33,7 +35,8 @@ TORCH_LIBRARY(base_moe, m) {
   m.def(
       "select_experts(Tensor hidden, Tensor router_weight, Tensor? router_bias, Tensor? predictor_weight, "
       "Tensor? predictor_bias, Tensor? correction_bias, int num_groups, int top_k, int scoring, bool renormalize, "
-      "int n_group, int topk_group, float scaling, int cost, int budget, int fill, Tensor? voting=None) -> "
+      "int n_group, int topk_group, float scaling, int cost, int budget, int fill, Tensor? voting=None, "
+      "bool round_logits=False) -> "
       "(Tensor logits, Tensor log_norms, Tensor expert_ids, Tensor expert_weights, Tensor kept, Tensor counts, "
       "Tensor batch_cost)");
   // The decoder layer's RMSNorm before the MoE block (Llama-style, as HF writes it for Qwen3-MoE, OLMoE, Mixtral,

@@ -44,10 +44,12 @@ __device__ __forceinline__ float row_bias(const GemvParams& p, int row) {
   return p.predictor_bias[row - p.E];
 }
 
-// The output of (token, row) from its dot product and its row_bias.
+// The output of (token, row) from its dot product and its row_bias; a logit rounded to T where round_logits asks.
+template <typename T>
 __device__ __forceinline__ void store_output(const GemvParams& p, int token, int row, float acc, float bias) {
   if (row < p.E) {
     if (p.router_bias != nullptr) acc += bias;
+    if (p.round_logits) acc = cuda::to_float(cuda::from_float<T>(acc));
     p.logits[static_cast<int64_t>(token) * p.E + row] = acc;
   } else {
     p.log_norms[static_cast<int64_t>(token) * p.E + row - p.E] = acc + bias;
@@ -226,7 +228,7 @@ __global__ void __launch_bounds__(kMmaThreads) router_predict_mma_kernel(const G
     const float sums[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (row_base + rl + i < p.R) store_output(p, token, row_base + rl + i, sums[i], bias[i]);
+      if (row_base + rl + i < p.R) store_output<T>(p, token, row_base + rl + i, sums[i], bias[i]);
     }
   }
   cuda::cluster_sync();  // keep this CTA's shared memory alive until the others have read it
@@ -248,7 +250,7 @@ __global__ void __launch_bounds__(256) router_predict_simple_kernel(const GemvPa
     float acc = 0.0f;
     for (int k = lane; k < p.H; k += 32) acc = fmaf(cuda::to_float(x[k]), cuda::to_float(w[k]), acc);
     acc = cuda::warp_sum(acc);
-    if (lane == 0) store_output(p, t, row, acc, row_bias(p, row));
+    if (lane == 0) store_output<T>(p, t, row, acc, row_bias(p, row));
   }
 }
 

@@ -20,7 +20,7 @@ namespace {
 // The GEMV's operands and outputs (logits [T, E], log_norms [T, E] or [T, 0]) for the kernels.
 GemvParams make_gemv_params(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
                             const OptTensor& predictor_weight, const OptTensor& predictor_bias, const Tensor& logits,
-                            const Tensor& log_norms) {
+                            const Tensor& log_norms, bool round_logits) {
   const bool predict = predictor_weight.has_value();
   GemvParams p{};
   p.hidden = hidden.data_ptr();
@@ -34,6 +34,7 @@ GemvParams make_gemv_params(const Tensor& hidden, const Tensor& router_weight, c
   p.H = static_cast<int>(hidden.size(1));
   p.E = static_cast<int>(router_weight.size(0));
   p.R = static_cast<int>(predict ? 2 * p.E : p.E);
+  p.round_logits = round_logits;
   return p;
 }
 
@@ -54,10 +55,10 @@ std::tuple<Tensor, Tensor> checked_gemv_outputs(const Tensor& hidden, const Tens
 // The GEMV into checked_gemv_outputs' tensors (the caller holds a device guard).
 void launch_gemv(const Tensor& hidden, const Tensor& router_weight, const OptTensor& router_bias,
                  const OptTensor& predictor_weight, const OptTensor& predictor_bias, const Tensor& logits,
-                 const Tensor& log_norms) {
+                 const Tensor& log_norms, bool round_logits) {
   if (hidden.size(0) == 0) return;
   const GemvParams p = make_gemv_params(hidden, router_weight, router_bias, predictor_weight, predictor_bias,
-                                      logits, log_norms);
+                                      logits, log_norms, round_logits);
   const bool vectorised = hidden.size(1) % 8 == 0 && aligned16(p.hidden) && aligned16(p.router_weight) &&
                           aligned16(p.predictor_weight);
   router_predict_launch(p, float_dtype(hidden), vectorised, hidden.get_device());
@@ -65,10 +66,10 @@ void launch_gemv(const Tensor& hidden, const Tensor& router_weight, const OptTen
 
 std::tuple<Tensor, Tensor> router_predict_cuda(const Tensor& hidden, const Tensor& router_weight,
                                                const OptTensor& router_bias, const OptTensor& predictor_weight,
-                                               const OptTensor& predictor_bias) {
+                                               const OptTensor& predictor_bias, bool round_logits) {
   auto [logits, log_norms] = checked_gemv_outputs(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
   const c10::cuda::CUDAGuard guard(hidden.device());  // after the checks: hidden may be on the CPU (refused there)
-  launch_gemv(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms);
+  launch_gemv(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms, round_logits);
   return {logits, log_norms};
 }
 
@@ -236,14 +237,14 @@ SelectExpertsResult select_experts_cuda(const Tensor& hidden, const Tensor& rout
                                         const OptTensor& correction_bias, int64_t num_groups, int64_t top_k,
                                         int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
                                         double scaling, int64_t cost, int64_t budget, int64_t fill,
-                                        const OptTensor& voting) {
+                                        const OptTensor& voting, bool round_logits) {
   check_select_experts(predictor_weight, cost);
   auto [logits, log_norms] = checked_gemv_outputs(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
   const OptTensor cost_log_norms = cost == static_cast<int64_t>(Cost::kBase) ? OptTensor(log_norms) : std::nullopt;
   CheckedSelection s = checked_route_select(logits, cost_log_norms, correction_bias, num_groups, top_k, scoring,
                                             renormalize, n_group, topk_group, scaling, cost, budget, fill, voting);
   const c10::cuda::CUDAGuard guard(hidden.device());  // after the checks: hidden may be on the CPU (refused there)
-  launch_gemv(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms);
+  launch_gemv(hidden, router_weight, router_bias, predictor_weight, predictor_bias, logits, log_norms, round_logits);
   route_select_launch(s.params, static_cast<int>(num_groups), hidden.get_device());
   auto [ids, weights, kept, counts, D] = s.outputs;
   return {logits, log_norms, ids, weights, kept, counts, D};

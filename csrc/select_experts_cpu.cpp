@@ -10,9 +10,10 @@ SelectExpertsResult select_experts_cpu(const Tensor& hidden, const Tensor& route
                                        const OptTensor& correction_bias, int64_t num_groups, int64_t top_k,
                                        int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
                                        double scaling, int64_t cost, int64_t budget, int64_t fill,
-                                       const OptTensor& voting) {
+                                       const OptTensor& voting, bool round_logits) {
   check_select_experts(predictor_weight, cost);
-  auto [logits, log_norms] = router_predict_cpu(hidden, router_weight, router_bias, predictor_weight, predictor_bias);
+  auto [logits, log_norms] = router_predict_cpu(hidden, router_weight, router_bias, predictor_weight, predictor_bias,
+                                                round_logits);
   const OptTensor cost_log_norms = cost == static_cast<int64_t>(Cost::kBase) ? OptTensor(log_norms) : std::nullopt;
   auto [ids, weights, kept, counts, D] = route_select_cpu(logits, cost_log_norms, correction_bias, num_groups, top_k,
                                                           scoring, renormalize, n_group, topk_group, scaling, cost,

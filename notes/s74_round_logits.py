@@ -1,4 +1,4 @@
-# Session 74: measures what notes/round_logits.patch changes; apply it first (ops.router_predict takes round_logits).
+# Session 74: measures what round_logits changes (ops.router_predict's round_logits, merged in session 75).
 # Session 74 (README "round_logits"): run from the repo root, `PYTHONPATH=. python notes/s74_round_logits.py`.
 # README's round_logits claims on a Qwen3-30B-A3B-sized bf16 router (H 2048, E 128, top-8), 4,096 random tokens, CPU:
 # share of equal logits (ours rounded vs F.linear bf16), and tokens whose top-8 set differs from torch.topk's

@@ -49,6 +49,8 @@ def test_detects_every_family(family):
         assert lay.shared_names == expected["shared"]
         assert lay.block is model.get_submodule(lay.name)
         assert lay.returns_router_scores == (family == "gpt_oss")
+        # (asked of a bf16 copy: DeepSeek-V3's router computes fp32 logits, the others' logits are their weight's dtype)
+        assert lay.router_rounds_logits == (family != "deepseek_v3")
     assert (layouts[0].shared_gate_name is not None) == (family == "qwen2_moe")
 
 
@@ -362,13 +364,27 @@ def test_each_block_is_probed_once():
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_meta_device_model_takes_the_routing_its_attributes_describe(family):
-    """A model on the meta device (no probe can run) gets the routing its attributes describe: the probed one."""
+    """A model on the meta device (no probe can run) gets the routing its attributes describe: the probed one; and
+    whether its router rounds its logits (asked of a meta stand-in, which needs no values): DeepSeek-V3's does not."""
     import transformers
     from hf_models import tiny_config
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(family), experts_implementation="eager")
-    assert [lay.routing for lay in find_moe_layouts(model)] == [EXPECTED[family]["routing"]] * 2
+    layouts = find_moe_layouts(model)
+    assert [lay.routing for lay in layouts] == [EXPECTED[family]["routing"]] * 2
+    assert [lay.router_rounds_logits for lay in layouts] == [family != "deepseek_v3"] * 2
+
+
+def test_rounding_probe_copies_no_router_state():
+    """Whether a router rounds its logits is asked of a stand-in that copies none of the router's state: a router
+    holding something that cannot be copied (a lock) is understood."""
+    import threading
+
+    model = tiny_model("qwen3_moe")
+    for layout in find_moe_layouts(model):
+        layout.router.lock = threading.Lock()
+    assert [lay.router_rounds_logits for lay in find_moe_layouts(model)] == [True, True]
 
 
 @pytest.mark.parametrize("norm_topk_prob", [False, True])

@@ -86,6 +86,42 @@ def test_router_predict_matches_reference(device, dtype, T, H, E, with_predictor
         assert log_norms.shape == (T, 0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H,E", [(1, 64, 8), (16, 2048, 128), (300, 512, 32), (5, 100, 12)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_router_predict_round_logits(device, dtype, T, H, E, with_bias):
+    """round_logits rounds each logit (with its bias) once to hidden's dtype: the fp32 sum of the same call without it,
+    rounded (the same kernel: the same sum), within half a step of the reference's; the log-norms stay fp32 sums.
+    (H = 100: CUDA's fp32 FMA kernel, not the tensor-core one.)"""
+    g = torch.Generator().manual_seed(T * H + E)
+    x = torch.randn(T, H, generator=g).to(device=device, dtype=dtype)
+    wr = (torch.randn(E, H, generator=g) / H**0.5).to(device=device, dtype=dtype)
+    br = torch.randn(E, generator=g).to(device).to(dtype).float() if with_bias else None
+    wp = (torch.randn(E, H, generator=g) / H**0.5).to(device=device, dtype=dtype)
+    bp = torch.randn(E, generator=g).to(device)
+    exact, exact_norms = ops.router_predict(x, wr, br, wp, bp)
+    rounded, norms = ops.router_predict(x, wr, br, wp, bp, round_logits=True)
+    assert rounded.dtype == torch.float32 and torch.equal(norms, exact_norms)
+    assert torch.equal(rounded, exact.to(dtype).float())
+    expected, _ = ref.router_predict(x, wr, br, wp, bp, round_logits=True)
+    # a step of the type, or the fp32 sums' difference (test_router_predict_matches_reference's) where the logit is
+    # so small that that difference spans more than a step
+    step = torch.finfo(dtype).eps * expected.abs() + 1e-5 * H**0.5
+    assert bool(((rounded - expected).abs() <= step).all())
+    if dtype != torch.float32:  # (the reference's own check: a rounded logit is a value of the half type)
+        assert torch.equal(expected, expected.to(dtype).float()) and not torch.equal(exact, rounded)
+
+
+def test_round_logits_takes_a_bool():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    for value in (1, torch.tensor(True)):
+        with pytest.raises(TypeError, match="round_logits must be a bool"):
+            ops.router_predict(x, w, round_logits=value)
+    with pytest.raises(TypeError, match="round_logits must be a bool"):
+        ops.select_experts(x, w, Routing(2), budget=2, cost="router_sum", round_logits=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # route_cost
 # ---------------------------------------------------------------------------------------------
@@ -243,8 +279,10 @@ def test_route_select_equals_its_stages(device):
 @pytest.mark.parametrize("E,k,routing", ROUTINGS)
 @pytest.mark.parametrize("cost,fill,predict", [(Cost.BASE, Fill.BACKFILL, True), (Cost.ROUTER_SUM, Fill.DROP, False),
                                                (Cost.TOP1_UNION, Fill.DROP_RENORM, True)])
-def test_select_experts_equals_router_predict_then_route_select(device, E, k, routing, cost, fill, predict):
-    """select_experts returns stage 1's outputs and stages 2-3 run on them."""
+@pytest.mark.parametrize("round_logits", [False, True])
+def test_select_experts_equals_router_predict_then_route_select(device, E, k, routing, cost, fill, predict,
+                                                                round_logits):
+    """select_experts returns stage 1's outputs (round_logits passed on) and stages 2-3 run on them."""
     G, B, H = 2, 9, 64
     x = torch.randn(G * B, H, device=device).to(torch.bfloat16)
     wr = (torch.randn(E, H, device=device) / H**0.5).to(torch.bfloat16)
@@ -252,9 +290,9 @@ def test_select_experts_equals_router_predict_then_route_select(device, E, k, ro
     bp = torch.randn(E, device=device) if predict else None
     bias = torch.randn(E, device=device) * 0.1 if routing.scoring == Scoring.SIGMOID else None
     out = ops.select_experts(x, wr, routing, budget=max(1, E // 3), num_groups=G, cost=cost, fill=fill,
-                             predictor_weight=wp, predictor_bias=bp, correction_bias=bias)
+                             predictor_weight=wp, predictor_bias=bp, correction_bias=bias, round_logits=round_logits)
     logits, log_norms = out[0], out[1]
-    exp_logits, exp_norms = ops.router_predict(x, wr, None, wp, bp)
+    exp_logits, exp_norms = ops.router_predict(x, wr, None, wp, bp, round_logits=round_logits)
     assert torch.equal(logits, exp_logits) and torch.equal(log_norms, exp_norms)  # the same kernels, deterministic
     staged = ops.route_select(logits, routing, budget=max(1, E // 3), num_groups=G, cost=cost, fill=fill,
                               log_norms=log_norms if cost == Cost.BASE else None, correction_bias=bias)

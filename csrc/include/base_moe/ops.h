@@ -9,9 +9,11 @@
 
 namespace base_moe {
 
+// round_logits: each logit (with its bias) rounded once to hidden's dtype, as a linear layer in that dtype returns
+// it (the routers of most Hugging Face MoE models); false: the fp32 sum.
 std::tuple<Tensor, Tensor> router_predict_cpu(const Tensor& hidden, const Tensor& router_weight,
                                               const OptTensor& router_bias, const OptTensor& predictor_weight,
-                                              const OptTensor& predictor_bias);
+                                              const OptTensor& predictor_bias, bool round_logits = false);
 
 std::tuple<Tensor, Tensor, Tensor> route_cost_cpu(const Tensor& logits, const OptTensor& log_norms,
                                                   const OptTensor& correction_bias, int64_t num_groups,
@@ -37,7 +39,7 @@ SelectExpertsResult select_experts_cpu(const Tensor& hidden, const Tensor& route
                                        const OptTensor& correction_bias, int64_t num_groups, int64_t top_k,
                                        int64_t scoring, bool renormalize, int64_t n_group, int64_t topk_group,
                                        double scaling, int64_t cost, int64_t budget, int64_t fill,
-                                       const OptTensor& voting);
+                                       const OptTensor& voting, bool round_logits = false);
 
 Tensor rms_norm_cpu(const Tensor& hidden, const Tensor& weight, double eps);
 std::tuple<Tensor, Tensor> add_rms_norm_cpu(const Tensor& hidden, const Tensor& residual, const Tensor& weight,

@@ -21,6 +21,8 @@ struct GemvParams {
   int T, H, E, R;                // R = E or 2E
   int k_per_cta;                 // slice of H per CTA of a cluster (multiple of 64); set by the launcher
   int cluster;                   // CTAs per cluster (split of H); set by the launcher
+  bool round_logits;             // each logit (with its bias) rounded once to the inputs' dtype, as a linear layer
+                                 // in that dtype returns it
 };
 
 struct SelectParams {
