@@ -559,6 +559,10 @@ def opcheck_cases(device):
                                                       *args, int(Cost.BASE), 5, int(Fill.BACKFILL))
     yield torch.ops.base_moe.select_experts.default, (bf16, wr, None, None, None, None, 1, *args,
                                                       int(Cost.FREQUENCY), 3, int(Fill.DROP))
+    # round_logits (the last argument of both)
+    yield torch.ops.base_moe.router_predict.default, (bf16, wr, None, wp, torch.randn(16, device=device), True)
+    yield torch.ops.base_moe.select_experts.default, (bf16, wr, None, wp, torch.randn(16, device=device), None, 2,
+                                                      *args, int(Cost.BASE), 5, int(Fill.BACKFILL), None, True)
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down)
     yield torch.ops.base_moe.experts.default, (x, ids, w, gate_up, down, 2)
     # a budget past the expert count: kept is [G, min(budget, E)]
