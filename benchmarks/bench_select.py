@@ -44,12 +44,15 @@ from base_moe import Cost, Fill, Routing, Scoring, ops
 from base_moe.cli import positive_int
 
 MODELS = {
-    "qwen3-30b-a3b": dict(H=2048, E=128, routing=Routing(8, Scoring.SOFTMAX, renormalize=True), bias=False),
+    "qwen3-30b-a3b": dict(H=2048, E=128, routing=Routing(8, Scoring.SOFTMAX, renormalize=True), bias=False,
+                          round_logits=True),
     "deepseek-v3-like": dict(
         H=7168, E=256, routing=Routing(8, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, scaling=2.5),
-        bias=True,
+        bias=True, round_logits=False,
     ),
 }
+"""round_logits: as the HF integration passes it (MoELayout.router_rounds_logits): Qwen3's linear router returns bf16
+logits, DeepSeek-V3's computes fp32 ones."""
 TOKENS = (1, 4, 16, 64, 256)
 BUDGET = 16
 L2_BYTES = 60 * 2**20  # an upper bound of the Hopper L2s (H100 and H200: 50 MiB), so rotations never fit
@@ -181,7 +184,8 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
 
         def select_experts(x, s):
             return ops.select_experts(x, s["Wr"], routing, budget=BUDGET, cost=Cost.BASE, fill=Fill.BACKFILL,
-                                      predictor_weight=s["Wp"], predictor_bias=s["bp"], correction_bias=s["bias"])
+                                      predictor_weight=s["Wp"], predictor_bias=s["bp"], correction_bias=s["bias"],
+                                      round_logits=cfg["round_logits"])
 
         def pytorch(x, s):
             return torch_select(x, s["W_cat"], s["b_cat"], routing, s["bias"], E, BUDGET)
@@ -206,11 +210,11 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
         def our_norm_select(x, s):
             return select_experts(our_norm(x, s), s)
 
-        # select_experts' two launches alone (route_select on precomputed logits)
-        stage1 = [ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"]) for x, s in zip(xs, sets)]
-
         def gemv_only(x, s):
-            return ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"])
+            return ops.router_predict(x, s["Wr"], None, s["Wp"], s["bp"], round_logits=cfg["round_logits"])
+
+        # select_experts' two launches alone (route_select on precomputed logits)
+        stage1 = [gemv_only(x, s) for x, s in zip(xs, sets)]
 
         def select_only(x, s, i=None):
             logits, log_norms = stage1[i]
