@@ -332,9 +332,18 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
         fused=fused,
         router_class=getattr(type(router), "_base_moe_original_class", type(router)),
     )
-    layout.routing = _infer_routing(layout, where)
-    layout.router_rounds_logits = _router_rounds_logits(layout, where)
-    layout.returns_router_scores = _returns_tuple(layout, where)
+    try:
+        layout.routing = _infer_routing(layout, where)
+        _check_selection_biases_used(layout, where)
+        layout.router_rounds_logits = _router_rounds_logits(layout, where)
+        layout.returns_router_scores = _returns_tuple(layout, where)
+    except MoELayoutError:
+        raise
+    except Exception as error:  # a router or block that fails on base_moe's probe: say which, not only where in HF
+        raise MoELayoutError(
+            f"{where}: running its router '{router_name}' or the block on a probe failed "
+            f"({type(error).__name__}: {error}), so base_moe cannot tell how it routes."
+        ) from error
     return layout
 
 
@@ -371,12 +380,35 @@ def _is_silu(act_fn) -> bool:
         return False
 
 
+_SELECTION_BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
+"""names of a bias a router adds to its expert scores for the top-k only (DeepSeek-V3 and its kin; LFM2's block holds
+``expert_bias``)."""
+
+
 def _correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
     for owner in (router, block):
-        bias = getattr(owner, "e_score_correction_bias", None)
-        if isinstance(bias, torch.Tensor):
-            return bias
+        for name in _SELECTION_BIAS_NAMES:
+            bias = getattr(owner, name, None)
+            if isinstance(bias, torch.Tensor):
+                return bias
     return None
+
+
+def _check_selection_biases_used(layout: MoELayout, where: str) -> None:
+    """A selection bias base_moe would not apply (one held deeper in the router, ERNIE-4.5's
+    ``gate.moe_statics.e_score_correction_bias``, or any under a softmax rule, which the ops rank by the logits alone)
+    is refused: a small one passes the routing probe and would then be ignored."""
+    used = _correction_bias(layout.router, layout.block) if layout.routing.scoring == Scoring.SIGMOID else None
+    tensors = [(f"{layout.router_name}.{n}" if n else layout.router_name, t)
+               for n, t in [*layout.router.named_parameters(), *layout.router.named_buffers()]]
+    tensors += [*layout.block.named_parameters(recurse=False), *layout.block.named_buffers(recurse=False)]
+    for name, tensor in tensors:
+        if name.rsplit(".", 1)[-1] in _SELECTION_BIAS_NAMES and tensor is not used:
+            raise MoELayoutError(
+                f"{where}: its router ranks experts with a selection bias '{name}' that base_moe's routing rules do "
+                "not apply (they add one, the router's or the block's own e_score_correction_bias or expert_bias, "
+                "to sigmoid scores only)."
+            )
 
 
 def _attr(modules, *names, default=None):
@@ -520,19 +552,23 @@ def _matches(logits, weights, ids, routing: Routing, bias, exact: bool) -> bool:
 
 def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None, router: nn.Module | None = None):
     """The router's own (unpatched) forward on ``x [N, H]`` (of ``router``, a copy of it, where given), given the
-    block's correction bias where the forward takes it as an argument (``gate(hidden_states,
-    self.e_score_correction_bias)``: MiniMax-M2, HY-V3)."""
+    block's correction bias where the forward takes it as an argument, required (``gate(hidden_states,
+    self.e_score_correction_bias)``: MiniMax-M2, HY-V3) or defaulting to None (LFM2's ``expert_bias=None``, which its
+    block passes)."""
     forward, router = layout.router_class.forward, layout.router if router is None else router
-    required = [
-        p for p in list(inspect.signature(forward).parameters.values())[2:]  # self, hidden_states
-        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
-    if not required:
-        return forward(router, x)
+    extra = [p for p in list(inspect.signature(forward).parameters.values())[2:]  # self, hidden_states
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [p for p in extra if p.default is inspect.Parameter.empty]
     bias = _correction_bias(router, layout.block)
-    if len(required) == 1 and "bias" in required[0].name and bias is not None:
-        if required[0].kind is inspect.Parameter.KEYWORD_ONLY:
-            return forward(router, x, **{required[0].name: bias})
+    first = extra[0] if extra else None
+    takes_bias = [first] if first is not None and "bias" in first.name and (
+        first.default is inspect.Parameter.empty or first.default is None) else []
+    if bias is None or not takes_bias:
+        if not required:
+            return forward(router, x)
+    elif required in ([], takes_bias):
+        if takes_bias[0].kind is inspect.Parameter.KEYWORD_ONLY:
+            return forward(router, x, **{takes_bias[0].name: bias})
         return forward(router, x, bias)
     raise MoELayoutError(
         f"{where or layout.name}: its router '{layout.router_name}' takes arguments base_moe does not know "

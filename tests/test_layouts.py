@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -630,6 +631,88 @@ def test_router_with_optional_arguments_is_called_with_the_hidden_states():
     assert lay.routing == Routing(2, Scoring.SOFTMAX, False)
     x = torch.randn(3, 8)
     torch.testing.assert_close(lay.router_logits(x), nn.functional.linear(x, lay.router.weight))
+
+
+class _OptionalBiasRouter(_BiasArgumentRouter):
+    """LFM2's router: the selection bias is an optional argument (``expert_bias=None``) that its block passes."""
+
+    def forward(self, x, expert_bias=None):
+        return super().forward(x, 0.0 if expert_bias is None else expert_bias)
+
+
+class _OptionalBiasBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = _OptionalBiasRouter()
+        self.experts = _FusedExperts()
+        self.register_buffer("expert_bias", torch.randn(4) * 0.1)
+
+    def forward(self, hidden):
+        x = hidden.reshape(-1, 8)
+        _, weights, ids = self.gate(x, self.expert_bias)
+        return self.experts(x, ids, weights).view(hidden.shape)
+
+
+def test_router_given_its_optional_selection_bias():
+    """LFM2's shape: the block's ``expert_bias`` goes to the router's optional bias argument, and the ops apply it."""
+    (lay,) = find_moe_layouts(_Model(_OptionalBiasBlock()))
+    assert lay.routing == Routing(2, Scoring.SIGMOID, True)
+    assert torch.equal(lay.correction_bias(), lay.block.expert_bias)
+    x = torch.randn(64, 8)
+    logits, weights, ids = lay.router_choices(x)
+    ref_ids, ref_weights = reference.route(logits.float(), lay.routing, lay.correction_bias())
+    order, ref_order = ids.argsort(dim=1), ref_ids.long().argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), ref_ids.long().gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))
+
+
+class _Statics(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(1, 4), requires_grad=False)
+
+
+class _StaticsRouter(_Router):
+    """ERNIE-4.5's shape: softmax scores plus a selection bias held one module down, for the top-k only."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe_statics = _Statics()
+
+    def forward(self, x):
+        logits = nn.functional.linear(x, self.weight)
+        scores = torch.softmax(logits, -1)
+        ids = torch.topk(scores + self.moe_statics.e_score_correction_bias, 2, dim=-1).indices
+        return logits, scores.gather(1, ids), ids
+
+
+class _UnusedBiasBlock(_Block):
+    """A softmax block holding a selection bias (zero, so the routing probe cannot tell it is there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("expert_bias", torch.zeros(4))
+
+
+@pytest.mark.parametrize("block, name", [(_ArgumentRouterBlock(_StaticsRouter(), correction_bias=False),
+                                          "gate.moe_statics.e_score_correction_bias"),
+                                         (_UnusedBiasBlock(), "expert_bias")])
+def test_selection_bias_base_moe_would_not_apply_is_refused(block, name):
+    """A selection bias under a softmax rule, or held where base_moe does not read it, is refused even while zero:
+    a small one passes the routing probe and would then be ignored."""
+    with pytest.raises(MoELayoutError, match=rf"'layers.1.mlp'.*selection bias '{re.escape(name)}'"):
+        find_moe_layouts(_Model(block))
+
+
+class _FailingRouter(_Router):
+    def forward(self, x):
+        raise RuntimeError("needs a sequence dimension")
+
+
+def test_router_that_fails_on_the_probe_is_refused_naming_the_block():
+    with pytest.raises(MoELayoutError, match=r"'layers.1.mlp'.*router 'gate' or the block on a probe failed "
+                                             r"\(RuntimeError: needs a sequence dimension\)"):
+        find_moe_layouts(_Model(_ArgumentRouterBlock(_FailingRouter(), correction_bias=False)))
 
 
 class _ScaleSharedExpert(nn.Module):

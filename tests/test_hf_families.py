@@ -1,0 +1,84 @@
+"""The Hugging Face MoE families beyond tests/hf_models.FAMILIES (tests/hf_more_families.py): each supported one,
+patched with a budget that does not bind, gives its own model's logits (prompt and a cached decode step) and router
+logits, and under a budget of 2 runs with at most 2 active experts per layer and blocks that return their selection's
+output; each refused one raises a MoELayoutError that says why. CPU, fp32."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import transformers
+from hf_models import selection_output
+from hf_more_families import E, REFUSED, SUPPORTED, V, build, has_model_type
+
+import base_moe
+from base_moe import hf
+from base_moe.layouts import MoELayoutError, find_moe_layouts
+
+
+def _supported_model(name: str):
+    model_type, keys = SUPPORTED[name]
+    if not has_model_type(model_type):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    return build(model_type, keys)
+
+
+def _prompt_and_step(batch: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, V, (batch, 8), generator=generator), torch.randint(3, V, (batch, 1), generator=generator)
+
+
+def _decode(model, prompt, step, **kwargs):
+    """The prompt's logits and one cached decode step's output."""
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+        return out.logits, model(step, past_key_values=out.past_key_values, use_cache=True, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_family_without_a_binding_budget_gives_the_models_logits(name):
+    model = _supported_model(name)
+    prompt, step = _prompt_and_step(batch=4, seed=2)
+    want_prompt, want = _decode(copy.deepcopy(model), prompt, step, output_router_logits=True)
+    patched = base_moe.apply(copy.deepcopy(model), budget=E, policy="router_sum")
+    got_prompt, got = _decode(patched, prompt, step, output_router_logits=True)
+    scale = max(float(want.logits.abs().max()), 1.0)
+    assert float((got_prompt - want_prompt).abs().max()) <= 1e-5 * scale
+    assert float((got.logits - want.logits).abs().max()) <= 1e-5 * scale
+    for mine, theirs in zip(getattr(got, "router_logits", None) or (), getattr(want, "router_logits", None) or ()):
+        torch.testing.assert_close(mine.float(), theirs.float(), rtol=1e-5, atol=1e-5)
+    # and the MoE blocks matter to those logits: one expert per layer changes the step (the check above can fail)
+    one = base_moe.apply(copy.deepcopy(model), budget=1, policy="router_sum")
+    assert float((_decode(one, prompt, step)[1].logits - want.logits).abs().max()) > 1e-4 * scale
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_family_under_a_budget_of_two(name):
+    model = _supported_model(name)
+    patched = base_moe.apply(model, budget=2, policy="router_sum", record=True)
+    _decode(patched, *_prompt_and_step(batch=8, seed=3))
+    layouts = hf.moe_layouts(patched)
+    assert sorted(hf.selections(patched)) == sorted(layout.layer_index for layout in layouts)
+    generator = torch.Generator().manual_seed(4)
+    for layout in layouts:
+        x = torch.randn(6, 1, layout.hidden_size, generator=generator)
+        with torch.no_grad():
+            y = layout.block(x)
+        y = (y[0] if isinstance(y, tuple) else y).view(-1, layout.hidden_size)
+        selection, _ = hf.selections(patched)[layout.layer_index]
+        assert int((selection.counts > 0).sum()) <= 2
+        want = selection_output(layout, x.view(-1, layout.hidden_size), selection.ids.long(), selection.weights)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_family_refused_with_a_reason(name):
+    model_type, keys, reason, bias_scale = REFUSED[name]
+    if not has_model_type(model_type):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    model = build(model_type, keys, bias_scale)
+    with pytest.raises(MoELayoutError, match=re.escape(reason)):
+        find_moe_layouts(model)
