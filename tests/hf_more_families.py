@@ -92,6 +92,10 @@ SUPPORTED = {
     "sarvam_moe_groups": ("sarvam_moe", dict(_SARVAM, **_GROUPS)),
 }
 
+FP32_ONLY = {"lfm2_moe", "lfm2_moe_nobias_scale2"}
+"""supported in fp32 only: LFM2's router ranks sigmoid + bias in the model's dtype, so in bf16 it ranks sums rounded to
+bf16, which base_moe's fp32 scores do not reproduce; detection refuses it there."""
+
 REFUSED = {
     # name: (model_type, config keys, a fragment of the MoELayoutError, selection-bias scale)
     "afmoe": ("afmoe", _AFMOE, "no router found", 0.2),  # its router is nested (router.gate)

@@ -1,7 +1,8 @@
 """The Hugging Face MoE families beyond tests/hf_models.FAMILIES (tests/hf_more_families.py): each supported one,
 patched with a budget that does not bind, gives its own model's logits (prompt and a cached decode step) and router
 logits, and under a budget of 2 runs with at most 2 active experts per layer and blocks that return their selection's
-output; each refused one raises a MoELayoutError that says why. CPU, fp32."""
+output (fp32, CPU); in bf16 its budgeted blocks pass test_hf's check (CPU and GPU); each refused one raises a
+MoELayoutError that says why."""
 
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ import re
 import pytest
 import torch
 import transformers
-from hf_models import selection_output
-from hf_more_families import E, REFUSED, SUPPORTED, V, build, has_model_type
+from hf_models import KERNEL_SIZES, StandInPredictors, selection_output
+from hf_more_families import E, FP32_ONLY, REFUSED, SUPPORTED, V, build, has_model_type
+from test_hf import check_budgeted_blocks
 
 import base_moe
 from base_moe import hf
 from base_moe.layouts import MoELayoutError, find_moe_layouts
 
 
-def _supported_model(name: str):
+def _supported_model(name: str, **overrides):
     model_type, keys = SUPPORTED[name]
     if not has_model_type(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
-    return build(model_type, keys)
+    return build(model_type, {**keys, **overrides})
 
 
 def _prompt_and_step(batch: int, seed: int):
@@ -82,3 +84,23 @@ def test_family_refused_with_a_reason(name):
     model = build(model_type, keys, bias_scale)
     with pytest.raises(MoELayoutError, match=re.escape(reason)):
         find_moe_layouts(model)
+
+
+@pytest.mark.parametrize("name", sorted(FP32_ONLY))
+def test_family_supported_in_fp32_only_is_refused_in_bf16(name):
+    model = _supported_model(name).to(torch.bfloat16)
+    with pytest.raises(MoELayoutError, match="match none of base_moe's routing rules"):
+        find_moe_layouts(model)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("name", sorted(set(SUPPORTED) - FP32_ONLY))
+def test_family_bf16_budgeted_blocks(name, device):
+    """bf16 at sizes the CUDA expert kernel takes (on the GPU every fused block runs base_moe's kernels): every block,
+    budgeted, is as close to the fp32 sum over its selection as test_hf's families are (check_budgeted_blocks), and a
+    budgeted decode step gives finite logits."""
+    model = _supported_model(name, **KERNEL_SIZES).to(device, torch.bfloat16)
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=3, policy="base", record=True)
+    check_budgeted_blocks(model, batch=32, budget=3)
+    prompt, step = _prompt_and_step(batch=16, seed=5)
+    assert torch.isfinite(_decode(model, prompt.to(device), step.to(device))[1].logits).all()
