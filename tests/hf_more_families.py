@@ -92,6 +92,12 @@ SUPPORTED = {
     "sarvam_moe_groups": ("sarvam_moe", dict(_SARVAM, **_GROUPS)),
 }
 
+SINCE_TRANSFORMERS = {name: "5.25" for name in ("glm_moe_dsa", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                                                 "jamba", "jamba_renorm")}
+"""families whose tiny model here needs a newer transformers than 5.17 (the GPU machine's): there Granite-MoE's router
+returns other shapes and Jamba's block routes with another signature (base_moe refuses both, naming the probe's
+error), and GLM-MoE-DSA's config knows no "indexed_attention" layer; the survey ran on 5.25."""
+
 FP32_ONLY = {"lfm2_moe", "lfm2_moe_nobias_scale2"}
 """supported in fp32 only: LFM2's router ranks sigmoid + bias in the model's dtype, so in bf16 it ranks sums rounded to
 bf16, which base_moe's fp32 scores do not reproduce; detection refuses it there."""

@@ -12,8 +12,9 @@ import re
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from hf_models import KERNEL_SIZES, StandInPredictors, selection_output
-from hf_more_families import E, FP32_ONLY, REFUSED, SUPPORTED, V, build, has_model_type
+from hf_more_families import E, FP32_ONLY, REFUSED, SINCE_TRANSFORMERS, SUPPORTED, V, build, has_model_type
 from test_hf import check_budgeted_blocks
 
 import base_moe
@@ -25,6 +26,8 @@ def _supported_model(name: str, **overrides):
     model_type, keys = SUPPORTED[name]
     if not has_model_type(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    if Version(transformers.__version__) < Version(SINCE_TRANSFORMERS.get(name, "5.0")):
+        pytest.skip(f"{name}'s tiny model needs transformers >= {SINCE_TRANSFORMERS[name]} (hf_more_families)")
     return build(model_type, {**keys, **overrides})
 
 
