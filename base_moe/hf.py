@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from . import ops, reference
-from .layouts import MoELayout, find_moe_layouts
+from .layouts import MoELayout, MoELayoutError, find_moe_layouts
 from .policies import (SUBSTITUTE, DecodeStep, FillRule, Policy, Selection, get_policy, has_kernel,
                        parse_fill, substitute_dropped)
 from .routing import MAX_EXPERTS, MAX_TOP_K, Fill, exact_int
@@ -546,6 +546,18 @@ def _check_dtype(dtype: torch.dtype, what: str) -> None:
         raise TypeError(f"{what} is {dtype}: base_moe's budgeted path takes float32, float16 and bfloat16 models")
 
 
+def _check_routing_dtype(layout: MoELayout, dtype: torch.dtype) -> None:
+    """A block whose routing depends on the model's dtype (MoELayout.routes_in_model_dtype) runs budgeted in the dtype
+    its rule was verified in only: converted after apply, base_moe's fp32 scores would rank otherwise than its
+    router."""
+    if dtype != layout.detected_dtype and layout.routes_in_model_dtype:
+        raise MoELayoutError(
+            f"MoE block '{layout.name}' was detected in {layout.detected_dtype} and now runs in {dtype}: its router "
+            "adds a selection bias to sigmoid scores in the model's dtype, whose rounding decides between near experts, "
+            "so its rule must be verified again: call base_moe.restore(model) and apply base_moe after the conversion."
+        )
+
+
 def _check_dtypes(found: list[MoELayout], settings: Settings) -> None:
     """Settings that run the budgeted path need blocks of a dtype the ops take (a dense or unbudgeted model runs only
     its own code, in any dtype)."""
@@ -863,6 +875,7 @@ class _BlockState:
         positions computed with it."""
         s = self.settings
         _check_dtype(x.dtype, f"the hidden state of MoE block '{self.layout.name}'")
+        _check_routing_dtype(self.layout, x.dtype)
         _, routed = self.layout.router(x.contiguous(), base_moe=self, num_groups=num_groups, sequences=sequences,
                                        voting=voting)
         x, sel = routed.hidden, routed.selection

@@ -108,6 +108,8 @@ class MoELayout:
     """the router returns its logits in its weight's dtype, as a linear layer does (a half model's router ranks logits
     rounded to that type: Qwen3-MoE, OLMoE, Mixtral, GPT-OSS), rather than computing them in fp32 whatever that dtype
     (DeepSeek-V3); the selection ops round theirs alike (``round_logits``)."""
+    detected_dtype: torch.dtype | None = None
+    """the experts' dtype when the routing rule was verified (``dtype`` then)."""
     router_class: type = field(default=nn.Module, repr=False)
     """the router's own (unpatched) class."""
 
@@ -133,6 +135,13 @@ class MoELayout:
     def dtype(self) -> torch.dtype:
         """The dtype of the hidden states the block sees (its experts' weights)."""
         return self.experts.gate_up_proj.dtype
+
+    @property
+    def routes_in_model_dtype(self) -> bool:
+        """The router adds its selection bias to sigmoid scores of logits in the model's dtype (LFM2-MoE): that dtype's
+        rounding decides between near experts, so the rule verified in ``detected_dtype`` holds in that dtype only."""
+        sigmoid = self.routing.scoring == Scoring.SIGMOID
+        return sigmoid and self.router_rounds_logits and _correction_bias(self.router, self.block) is not None
 
     # -- the public contract -----------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -332,12 +341,13 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
         fused=fused,
         router_class=getattr(type(router), "_base_moe_original_class", type(router)),
     )
+    layout.detected_dtype = layout.dtype
     try:
         layout.routing = _infer_routing(layout, where)
         _check_selection_biases_used(layout, where)
         layout.router_rounds_logits = _router_rounds_logits(layout, where)
         layout.returns_router_scores = _returns_tuple(layout, where)
-    except MoELayoutError:
+    except (MoELayoutError, torch.OutOfMemoryError):
         raise
     except Exception as error:  # a router or block that fails on base_moe's probe: say which, not only where in HF
         raise MoELayoutError(
@@ -405,9 +415,9 @@ def _check_selection_biases_used(layout: MoELayout, where: str) -> None:
     for name, tensor in tensors:
         if name.rsplit(".", 1)[-1] in _SELECTION_BIAS_NAMES and tensor is not used:
             raise MoELayoutError(
-                f"{where}: its router ranks experts with a selection bias '{name}' that base_moe's routing rules do "
-                "not apply (they add one, the router's or the block's own e_score_correction_bias or expert_bias, "
-                "to sigmoid scores only)."
+                f"{where}: it holds a selection bias '{name}' that base_moe's routing rules would not apply (they "
+                "add one, the router's or the block's own e_score_correction_bias or expert_bias, to sigmoid scores "
+                "only)."
             )
 
 
@@ -491,14 +501,17 @@ def _router_rounds_logits(layout: MoELayout, where: str) -> bool:
                               for name, p in layout.router._parameters.items()}
         router._buffers = {name: None if b is None else _meta_bf16(b) for name, b in layout.router._buffers.items()}
         probe = torch.empty(2, layout.hidden_size, dtype=torch.bfloat16, device="meta")
+        bias = _correction_bias(layout.router, layout.block)
+        bias = None if bias is None else _meta_bf16(bias)  # (a block's bias: the stand-in must not meet a real one)
         with torch.no_grad():
-            return _logits_of(_router_forward(layout, probe, where, router)).dtype == torch.bfloat16
+            return _logits_of(_router_forward(layout, probe, where, router, bias)).dtype == torch.bfloat16
     except Exception:  # noqa: BLE001 - a router that cannot run so: round as a linear layer does, most routers' rule
         return True
 
 
 def _meta_bf16(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s shape on the meta device, in bf16 where ``t`` is floating point (as ``module.to(bfloat16)`` leaves it)."""
+    """``t``'s shape on the meta device, in bf16 where ``t`` is floating point (as ``module.to(bfloat16)`` leaves
+    it)."""
     return torch.empty_like(t, device="meta", dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
 
 
@@ -550,16 +563,17 @@ def _matches(logits, weights, ids, routing: Routing, bias, exact: bool) -> bool:
     return total == 0.0 or abs(float(w.sum()) / total - 1.0) < ratio_tolerance
 
 
-def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None, router: nn.Module | None = None):
+def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None, router: nn.Module | None = None,
+                    bias: torch.Tensor | None = None):
     """The router's own (unpatched) forward on ``x [N, H]`` (of ``router``, a copy of it, where given), given the
-    block's correction bias where the forward takes it as an argument, required (``gate(hidden_states,
-    self.e_score_correction_bias)``: MiniMax-M2, HY-V3) or defaulting to None (LFM2's ``expert_bias=None``, which its
-    block passes)."""
+    block's correction bias (``bias``, a stand-in of it, where given) where the forward takes it as an argument,
+    required (``gate(hidden_states, self.e_score_correction_bias)``: MiniMax-M2, HY-V3) or defaulting to None (LFM2's
+    ``expert_bias=None``, which its block passes)."""
     forward, router = layout.router_class.forward, layout.router if router is None else router
     extra = [p for p in list(inspect.signature(forward).parameters.values())[2:]  # self, hidden_states
              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     required = [p for p in extra if p.default is inspect.Parameter.empty]
-    bias = _correction_bias(router, layout.block)
+    bias = _correction_bias(router, layout.block) if bias is None else bias
     first = extra[0] if extra else None
     takes_bias = [first] if first is not None and "bias" in first.name and (
         first.default is inspect.Parameter.empty or first.default is None) else []

@@ -32,7 +32,7 @@ def _flag(name: str, value) -> bool:
     """A bool argument of an op: a Python bool (not 0 / 1 or a tensor, which the schema's bool would take as truthy)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return bool(value)
+    return value
 
 
 def _routing_args(routing: Routing) -> tuple:

@@ -88,6 +88,8 @@ def router_weights(cfg, gen):
 def select_experts(x, cfg, router, predictor, predictor_bias, budget):
     """The BASE selection (softmax routing, BASE cost, backfill) with budget M -> ids, weights; the logits rounded to
     bf16, as both models' linear routers return them (what the HF integration passes)."""
+    # (the schema's order: ... num_groups 1, top_k, scoring SOFTMAX, renormalize, n_group 1, topk_group 1, scaling 1,
+    # cost BASE, budget, fill BACKFILL, voting None, round_logits True)
     return torch.ops.base_moe.select_experts(x, router, None, predictor, predictor_bias, None, 1, cfg["k"], 0,
                                              cfg["renormalize"], 1, 1, 1.0, 0, budget, 0, None, True)[2:4]
 

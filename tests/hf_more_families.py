@@ -39,7 +39,8 @@ _LFM2 = dict(num_experts=E, num_dense_layers=0, layer_types=["conv", _FULL], use
 _LLAMA4 = dict(num_local_experts=E, moe_layers=list(range(LAYERS)), interleave_moe_layer_step=1, intermediate_size=32,
                intermediate_size_mlp=64, layer_types=["chunked_attention", _FULL], no_rope_layers=[1, 0],
                attention_chunk_size=8)
-_MINICPM5 = dict(n_routed_experts=E, n_shared_experts=1, routed_scaling_factor=3.66, mlp_layer_types=["sparse"] * LAYERS)
+_MINICPM5 = dict(n_routed_experts=E, n_shared_experts=1, routed_scaling_factor=3.66,
+                 mlp_layer_types=["sparse"] * LAYERS)
 _MINIMAX = dict(num_local_experts=E, intermediate_size=32, layer_types=[_FULL, "linear_attention"], block_size=4)
 _QWEN3_NEXT = dict(_LINEAR_ATTENTION, num_experts=E, shared_expert_intermediate_size=32, decoder_sparse_step=1)
 _SARVAM = dict(n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=2.5)

@@ -53,8 +53,10 @@ def test_family_without_a_binding_budget_gives_the_models_logits(name):
     scale = max(float(want.logits.abs().max()), 1.0)
     assert float((got_prompt - want_prompt).abs().max()) <= 1e-5 * scale
     assert float((got.logits - want.logits).abs().max()) <= 1e-5 * scale
-    for mine, theirs in zip(getattr(got, "router_logits", None) or (), getattr(want, "router_logits", None) or ()):
-        torch.testing.assert_close(mine.float(), theirs.float(), rtol=1e-5, atol=1e-5)
+    mine, theirs = getattr(got, "router_logits", None), getattr(want, "router_logits", None)
+    assert (mine is None) == (theirs is None) and len(mine or ()) == len(theirs or ())
+    for a, b in zip(mine or (), theirs or ()):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
     # and the MoE blocks matter to those logits: one expert per layer changes the step (the check above can fail)
     one = base_moe.apply(copy.deepcopy(model), budget=1, policy="router_sum")
     assert float((_decode(one, prompt, step)[1].logits - want.logits).abs().max()) > 1e-4 * scale
@@ -94,6 +96,30 @@ def test_family_supported_in_fp32_only_is_refused_in_bf16(name):
     model = _supported_model(name).to(torch.bfloat16)
     with pytest.raises(MoELayoutError, match="match none of base_moe's routing rules"):
         find_moe_layouts(model)
+
+
+@pytest.mark.parametrize("name", sorted(set(SUPPORTED) - FP32_ONLY))
+def test_family_rounding_of_router_logits_is_read_right(name):
+    """MoELayout.router_rounds_logits (asked of a bf16 stand-in of the fp32 model's router) says what the router of
+    the model converted to bf16 returns: the selection ops round their logits by it."""
+    model = _supported_model(name)
+    flags = [layout.router_rounds_logits for layout in find_moe_layouts(model)]
+    x = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
+    dtypes = [layout.router_choices(x)[0].dtype for layout in find_moe_layouts(model.to(torch.bfloat16))]
+    assert flags == [dtype == torch.bfloat16 for dtype in dtypes]
+
+
+@pytest.mark.parametrize("name, converts", [("lfm2_moe", False), ("glm4_moe", True), ("qwen3_next", True)])
+def test_family_converted_after_apply(name, converts):
+    """A model converted to bf16 after apply runs budgeted, unless its routing depends on the model's dtype (LFM2's
+    bias on sigmoid scores in that dtype): that one must be applied after the conversion, and says so."""
+    model = base_moe.apply(_supported_model(name), budget=2, policy="router_sum").to(torch.bfloat16)
+    prompt, step = _prompt_and_step(batch=4, seed=6)
+    if converts:
+        assert torch.isfinite(_decode(model, prompt, step)[1].logits).all()
+    else:
+        with pytest.raises(MoELayoutError, match="detected in torch.float32 and now runs in torch.bfloat16"):
+            _decode(model, prompt, step)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -234,11 +234,21 @@ class _BiasArgumentRouter(nn.Module):
         self.top_k = 2
 
     def forward(self, x, e_score_correction_bias):
-        logits = nn.functional.linear(x, self.weight)
+        logits = self._logits(x)
         scores = logits.sigmoid()
         ids = torch.topk(scores + e_score_correction_bias, 2, dim=-1).indices
         weights = scores.gather(1, ids)
         return logits, weights / weights.sum(-1, keepdim=True), ids
+
+    def _logits(self, x):
+        return nn.functional.linear(x, self.weight)
+
+
+class _Fp32BiasArgumentRouter(_BiasArgumentRouter):
+    """The same router computing its logits in fp32 whatever its weight's dtype (HY-V3's shape)."""
+
+    def _logits(self, x):
+        return nn.functional.linear(x.float(), self.weight.float())
 
 
 class _KeywordBiasRouter(_BiasArgumentRouter):
@@ -303,10 +313,12 @@ def test_shared_experts_that_are_summed_are_understood():
     assert lay.shared_names == ("shared_experts",)
 
 
-@pytest.mark.parametrize("router", [_BiasArgumentRouter, _KeywordBiasRouter])
+@pytest.mark.parametrize("router", [_BiasArgumentRouter, _KeywordBiasRouter, _Fp32BiasArgumentRouter])
 def test_router_that_takes_the_correction_bias(router):
     (lay,) = find_moe_layouts(_Model(_BiasArgumentBlock(router())))
     assert lay.routing == Routing(2, Scoring.SIGMOID, True)
+    # asked of a bf16 stand-in given a stand-in of the block's bias (a real one made the probe fail and say True)
+    assert lay.router_rounds_logits == (router is not _Fp32BiasArgumentRouter)
     x = torch.randn(3, 8)
     torch.testing.assert_close(lay.router_logits(x), nn.functional.linear(x, lay.router.weight))
 
@@ -377,15 +389,16 @@ def test_meta_device_model_takes_the_routing_its_attributes_describe(family):
     assert [lay.router_rounds_logits for lay in layouts] == [family != "deepseek_v3"] * 2
 
 
-def test_rounding_probe_copies_no_router_state():
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_rounding_probe_copies_no_router_state(family):
     """Whether a router rounds its logits is asked of a stand-in that copies none of the router's state: a router
-    holding something that cannot be copied (a lock) is understood."""
+    holding something that cannot be copied (a lock) is understood (DeepSeek-V3's False is no fallback answer)."""
     import threading
 
-    model = tiny_model("qwen3_moe")
+    model = tiny_model(family)
     for layout in find_moe_layouts(model):
         layout.router.lock = threading.Lock()
-    assert [lay.router_rounds_logits for lay in find_moe_layouts(model)] == [True, True]
+    assert [lay.router_rounds_logits for lay in find_moe_layouts(model)] == [family != "deepseek_v3"] * 2
 
 
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
