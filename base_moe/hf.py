@@ -553,8 +553,9 @@ def _check_routing_dtype(layout: MoELayout, dtype: torch.dtype) -> None:
     if dtype != layout.detected_dtype and layout.routes_in_model_dtype:
         raise MoELayoutError(
             f"MoE block '{layout.name}' was detected in {layout.detected_dtype} and now runs in {dtype}: its router "
-            "adds a selection bias to sigmoid scores in the model's dtype, whose rounding decides between near experts, "
-            "so its rule must be verified again: call base_moe.restore(model) and apply base_moe after the conversion."
+            "adds a selection bias to sigmoid scores in the model's dtype, whose rounding decides between near "
+            "experts, so its rule must be verified again: call base_moe.restore(model) and apply base_moe after the "
+            "conversion."
         )
 
 
