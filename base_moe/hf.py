@@ -518,7 +518,7 @@ class _BaseMoERouter:
     def forward(self, hidden_states, *args, base_moe: _BlockState | None = None, **kwargs):
         if base_moe is None:
             return super().forward(hidden_states, *args, **kwargs)
-        return base_moe.route(self, hidden_states, **kwargs)
+        return base_moe.route(hidden_states, **kwargs)
 
 
 # Hugging Face's Llama-style RMSNorm classes, ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``, which
@@ -818,7 +818,7 @@ class _BlockState:
         return voting.reshape(B * S).to(device, non_blocking=True)
 
     # -- stage 1, or stages 1-3 (called through the router module, so its hooks fire) -------------------------------
-    def route(self, router: nn.Module, hidden: torch.Tensor, num_groups: int, sequences: int | None = None,
+    def route(self, hidden: torch.Tensor, num_groups: int, sequences: int | None = None,
               voting: torch.Tensor | None = None):
         """``hidden [T, H]``: ``num_groups`` decode batches, group after group; or, with ``sequences``
         (group_by='position'), that many sequences in token order whose last ``num_groups`` positions are the decode
@@ -827,14 +827,14 @@ class _BlockState:
         (what HF's ``output_router_logits`` records: one ``[T, E]`` per block call, in token order) and the
         :class:`_Routed` the block goes on with."""
         if sequences is None:
-            logits, log_norms, sel = self._route_groups(router, hidden, num_groups, voting)
+            logits, log_norms, sel = self._route_groups(hidden, num_groups, voting)
             return logits, _Routed(hidden, logits, log_norms, sel, voting=voting)
         tokens = hidden.view(sequences, -1, hidden.shape[-1])
         P = tokens.shape[1] - num_groups
         x = tokens[:, P:].transpose(0, 1).reshape(num_groups * sequences, -1).contiguous()  # position after position
         if voting is not None:
             voting = voting.view(sequences, -1)[:, P:].transpose(0, 1).reshape(-1)
-        logits, log_norms, sel = self._route_groups(router, x, num_groups, voting)
+        logits, log_norms, sel = self._route_groups(x, num_groups, voting)
         token_logits, dense = logits.view(num_groups, sequences, -1).transpose(0, 1), None
         if P:
             dense_hidden = tokens[:, :P].reshape(sequences * P, -1).contiguous()
@@ -843,10 +843,10 @@ class _BlockState:
             token_logits = torch.cat([own_logits.float().view(sequences, P, -1), token_logits], dim=1)
         return token_logits.reshape(hidden.shape[0], -1), _Routed(x, logits, log_norms, sel, dense, voting)
 
-    def _route_groups(self, router: nn.Module, hidden: torch.Tensor, num_groups: int, voting: torch.Tensor | None):
+    def _route_groups(self, hidden: torch.Tensor, num_groups: int, voting: torch.Tensor | None):
         """Stage 1 on ``hidden`` (group after group), or stages 1-3 as one ``select_experts`` call (only ``voting``'s
         tokens choosing): ``(logits [T, E] fp32, predicted log-norms [T, E] or [T, 0], Selection or None)``."""
-        weight = router.weight
+        weight = self.layout.router_weight
         x = hidden.to(weight.dtype).contiguous()  # DeepSeek-V3 routes in fp32
         bias = self.router_bias_fp32()
         s, pw, pb = self.settings, None, None

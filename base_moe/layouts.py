@@ -93,6 +93,9 @@ class MoELayout:
     hidden_size: int
     router_name: str = "gate"
     """attribute of ``block`` holding the router (``gate``; ``router`` for GPT-OSS)."""
+    router_linear_name: str = ""
+    """the router's submodule holding its ``[E, H]`` weight (and bias), "" for the router itself (``wg`` for
+    HunYuan-V1-MoE's gate)."""
     experts_name: str = "experts"
     shared_names: tuple[str, ...] = ()
     """children of ``block`` that are always-on shared experts (added to the routed output)."""
@@ -123,12 +126,17 @@ class MoELayout:
         return getattr(self.block, self.experts_name)
 
     @property
+    def router_linear(self) -> nn.Module:
+        """The module holding the router's weight and bias: the router, or its submodule ``router_linear_name``."""
+        return self.router.get_submodule(self.router_linear_name)
+
+    @property
     def router_weight(self) -> torch.Tensor:
-        return self.router.weight
+        return self.router_linear.weight
 
     @property
     def router_bias(self) -> torch.Tensor | None:
-        bias = getattr(self.router, "bias", None)
+        bias = getattr(self.router_linear, "bias", None)
         return bias if isinstance(bias, torch.Tensor) else None
 
     @property
@@ -275,19 +283,14 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
         )
     E = gate_up.shape[0]
 
-    router_name = None
-    for child_name, child in block.named_children():
-        w = getattr(child, "weight", None)
-        if child_name != experts_name and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E:
-            router_name = child_name
-            break
+    router_name, router_linear_name = _find_router(block, experts_name, E)
     if router_name is None:
         raise MoELayoutError(
-            f"{where}: no router found (a child with a 'weight' of shape [{E}, hidden_size] next to "
-            f"'{experts_name}')."
+            f"{where}: no router found (a child with a 'weight' of shape [{E}, hidden_size], or one submodule holding "
+            f"it, next to '{experts_name}')."
         )
     router = getattr(block, router_name)
-    H = router.weight.shape[1]
+    H = router.get_submodule(router_linear_name).weight.shape[1]
 
     shared_names, shared_gate_name = [], None
     for child_name, child in block.named_children():
@@ -335,6 +338,7 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
         num_experts=E,
         hidden_size=H,
         router_name=router_name,
+        router_linear_name=router_linear_name,
         experts_name=experts_name,
         shared_names=tuple(shared_names),
         shared_gate_name=shared_gate_name,
@@ -355,6 +359,25 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
             f"({type(error).__name__}: {error}), so base_moe cannot tell how it routes."
         ) from error
     return layout
+
+
+def _has_router_weight(module: nn.Module, E: int) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E
+
+
+def _find_router(block: nn.Module, experts_name: str, E: int) -> tuple[str | None, str]:
+    """``(child, submodule)``: the block's child that holds a ``[E, H]`` weight, or else the child (not a shared
+    expert) with exactly one submodule holding one (HunYuan-V1-MoE's ``gate.wg``); ``(None, "")`` if neither."""
+    candidates = [(name, child) for name, child in block.named_children() if name != experts_name]
+    for name, child in candidates:
+        if _has_router_weight(child, E):
+            return name, ""
+    for name, child in candidates:
+        inner = [sub for sub, module in child.named_modules() if sub and _has_router_weight(module, E)]
+        if "shared" not in name and len(inner) == 1:
+            return name, inner[0]
+    return None, ""
 
 
 def _logits_of(router_output) -> torch.Tensor:
@@ -496,10 +519,7 @@ def _router_rounds_logits(layout: MoELayout, where: str) -> bool:
     stand-in of the router on the meta device (only the output's dtype is read), so that an fp32 model's answer holds
     after its conversion to a half type, and a model still on the meta device gets its answer too."""
     try:
-        router = copy.copy(layout.router)  # (shallow: the router's hooks and owner are not copied; forward runs bare)
-        router._parameters = {name: None if p is None else nn.Parameter(_meta_bf16(p), requires_grad=False)
-                              for name, p in layout.router._parameters.items()}
-        router._buffers = {name: None if b is None else _meta_bf16(b) for name, b in layout.router._buffers.items()}
+        router = _bf16_meta_stand_in(layout.router)
         probe = torch.empty(2, layout.hidden_size, dtype=torch.bfloat16, device="meta")
         bias = _correction_bias(layout.router, layout.block)
         bias = None if bias is None else _meta_bf16(bias)  # (a block's bias: the stand-in must not meet a real one)
@@ -507,6 +527,17 @@ def _router_rounds_logits(layout: MoELayout, where: str) -> bool:
             return _logits_of(_router_forward(layout, probe, where, router, bias)).dtype == torch.bfloat16
     except Exception:  # noqa: BLE001 - a router that cannot run so: round as a linear layer does, most routers' rule
         return True
+
+
+def _bf16_meta_stand_in(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` and its submodules whose parameters and buffers are bf16 meta stand-ins (its hooks
+    and owner are not copied: forward runs bare)."""
+    stand_in = copy.copy(module)
+    stand_in._parameters = {name: None if p is None else nn.Parameter(_meta_bf16(p), requires_grad=False)
+                            for name, p in module._parameters.items()}
+    stand_in._buffers = {name: None if b is None else _meta_bf16(b) for name, b in module._buffers.items()}
+    stand_in._modules = {name: None if m is None else _bf16_meta_stand_in(m) for name, m in module._modules.items()}
+    return stand_in
 
 
 def _meta_bf16(t: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,8 @@ SUPPORTED = {
                                                   shared_intermediate_size=32, layer_types=["linear_attention", _FULL],
                                                   mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
                                                   mamba_chunk_size=8)),
+    # its router's weight is one module down (gate.wg)
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(num_experts=E, moe_topk=K)),
     "jamba": ("jamba", _JAMBA),
     "jamba_renorm": ("jamba", dict(_JAMBA, norm_topk_prob=True)),
     "lfm2_moe": ("lfm2_moe", _LFM2),
@@ -105,7 +107,8 @@ bf16, which base_moe's fp32 scores do not reproduce; detection refuses it there.
 
 REFUSED = {
     # name: (model_type, config keys, a fragment of the MoELayoutError, selection-bias scale)
-    "afmoe": ("afmoe", _AFMOE, "no router found", 0.2),  # its router is nested (router.gate)
+    # its router (weight at router.gate) takes 3-D hidden states: the probe's [N, H] fails in it
+    "afmoe": ("afmoe", _AFMOE, "on a probe failed", 0.2),
     "cohere2_moe_average": ("cohere2_moe", _COHERE2, "not the weighted sum of its routed experts", 0.2),
     "dbrx": ("dbrx", dict(d_model=H, n_heads=4, n_layers=LAYERS, max_seq_len=64,
                           attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
@@ -120,7 +123,6 @@ REFUSED = {
     # softmax then top-k with a routed scaling other than 1 (DeepSeek-V2's 16): base_moe scales sigmoid rules only
     "deepseek_v2_scaled": ("deepseek_v2", dict(_DEEPSEEK_V2, routed_scaling_factor=16.0),
                            "match none of base_moe's routing rules", 0.2),
-    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(num_experts=E, moe_topk=K), "no router found", 0.2),
     "jetmoe": ("jetmoe", dict(num_local_experts=E, kv_channels=16, num_key_value_heads=4, intermediate_size=32),
                "no fused 3-D", 0.2),
     "llama4_text": ("llama4_text", _LLAMA4, "do not match hidden size", 0.2),

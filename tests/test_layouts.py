@@ -717,6 +717,27 @@ def test_selection_bias_base_moe_would_not_apply_is_refused(block, name):
         find_moe_layouts(_Model(block))
 
 
+class _NestedRouter(nn.Module):
+    """HunYuan-V1-MoE's shape: the router's weight is held by a Linear one module down."""
+
+    def __init__(self):
+        super().__init__()
+        self.wg = nn.Linear(8, 4, bias=False)
+        self.top_k = 2
+
+    def forward(self, x):
+        logits = self.wg(x)
+        weights, ids = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
+        return logits, weights / weights.sum(-1, keepdim=True), ids
+
+
+def test_router_weight_one_module_down():
+    (lay,) = find_moe_layouts(_Model(_ArgumentRouterBlock(_NestedRouter(), correction_bias=False)))
+    assert (lay.router_name, lay.router_linear_name) == ("gate", "wg")
+    assert lay.router_weight is lay.router.wg.weight and lay.router_bias is None
+    assert lay.routing == Routing(2, Scoring.SOFTMAX, True) and lay.router_rounds_logits
+
+
 class _FailingRouter(_Router):
     def forward(self, x):
         raise RuntimeError("needs a sequence dimension")
