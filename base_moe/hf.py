@@ -163,6 +163,7 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
                 f"MoE block '{layout.name}' has an instance-level forward (an accelerate/kernels hook?); "
                 "call base_moe.apply before dispatching the model across devices"
             )
+        _check_router_linear_unhooked(layout)
     inputs = _ModelInputs()
     for layout in found:
         state = _BlockState(layout, settings, inputs)
@@ -544,6 +545,20 @@ def _check_dtype(dtype: torch.dtype, what: str) -> None:
     inside them."""
     if dtype not in _OP_DTYPES:
         raise TypeError(f"{what} is {dtype}: base_moe's budgeted path takes float32, float16 and bfloat16 models")
+
+
+def _check_router_linear_unhooked(layout: MoELayout) -> None:
+    """The budgeted path reads a nested router's weight (HunYuan-V1-MoE's ``gate.wg``) without calling that submodule,
+    so hooks on it (accelerate's offload, which materialises the weight) would not run: refused, before or after
+    dispatch alike (the top-level router's hooks do run: it is called)."""
+    linear = layout.router_linear
+    hooked = "forward" in linear.__dict__ or linear._forward_pre_hooks or linear._forward_hooks
+    if linear is not layout.router and hooked:
+        raise ValueError(
+            f"MoE block '{layout.name}': its router's weight lives in '{layout.router_name}."
+            f"{layout.router_linear_name}', which has forward hooks (accelerate's offload?) that base_moe's budgeted "
+            "path would not run; apply base_moe to a model that is not dispatched or offloaded"
+        )
 
 
 def _check_routing_dtype(layout: MoELayout, dtype: torch.dtype) -> None:

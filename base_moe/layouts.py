@@ -17,6 +17,7 @@ import copy
 import inspect
 import re
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -368,7 +369,8 @@ def _has_router_weight(module: nn.Module, E: int) -> bool:
 
 def _find_router(block: nn.Module, experts_name: str, E: int) -> tuple[str | None, str]:
     """``(child, submodule)``: the block's child that holds a ``[E, H]`` weight, or else the child (not a shared
-    expert) with exactly one submodule holding one (HunYuan-V1-MoE's ``gate.wg``); ``(None, "")`` if neither."""
+    expert) with exactly one submodule, at any depth, holding one (HunYuan-V1-MoE's ``gate.wg``); ``(None, "")`` if
+    neither. The routing and output probes then check the choice."""
     candidates = [(name, child) for name, child in block.named_children() if name != experts_name]
     for name, child in candidates:
         if _has_router_weight(child, E):
@@ -530,9 +532,15 @@ def _router_rounds_logits(layout: MoELayout, where: str) -> bool:
 
 
 def _bf16_meta_stand_in(module: nn.Module) -> nn.Module:
-    """A shallow copy of ``module`` and its submodules whose parameters and buffers are bf16 meta stand-ins (its hooks
-    and owner are not copied: forward runs bare)."""
+    """A shallow copy of ``module`` and its submodules whose parameters and buffers are bf16 meta stand-ins, without
+    hooks or an instance-level forward (an offload hook would move a stand-in off the meta device): forward runs
+    bare."""
     stand_in = copy.copy(module)
+    stand_in.__dict__.pop("forward", None)
+    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+                  "_backward_hooks"):
+        setattr(stand_in, hooks, OrderedDict())
     stand_in._parameters = {name: None if p is None else nn.Parameter(_meta_bf16(p), requires_grad=False)
                             for name, p in module._parameters.items()}
     stand_in._buffers = {name: None if b is None else _meta_bf16(b) for name, b in module._buffers.items()}

@@ -122,6 +122,16 @@ def test_family_converted_after_apply(name, converts):
             _decode(model, prompt, step)
 
 
+def test_nested_router_with_hooks_is_refused():
+    """HunYuan-V1-MoE's router weight is read from gate.wg without calling it: hooks there (accelerate's offload,
+    which materialises the weight) would not run, so apply refuses them."""
+    model = _supported_model("hunyuan_v1_moe")
+    for layout in find_moe_layouts(model):
+        layout.router_linear.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(ValueError, match=r"'gate\.wg', which has forward hooks"):
+        base_moe.apply(model, budget=2, policy="router_sum")
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", sorted(set(SUPPORTED) - FP32_ONLY))
 def test_family_bf16_budgeted_blocks(name, device):
