@@ -109,9 +109,10 @@ class MoELayout:
     returns_router_scores: bool = False
     """the block returns ``(hidden, router_scores)`` rather than a tensor (GPT-OSS)."""
     router_rounds_logits: bool = True
-    """the router returns its logits in its weight's dtype, as a linear layer does (a half model's router ranks logits
-    rounded to that type: Qwen3-MoE, OLMoE, Mixtral, GPT-OSS), rather than computing them in fp32 whatever that dtype
-    (DeepSeek-V3); the selection ops round theirs alike (``round_logits``)."""
+    """the router's logits come out rounded to its weight's dtype, as a linear layer returns them (a half model's
+    router ranks logits rounded to that type: Qwen3-MoE, OLMoE, Mixtral, GPT-OSS; Granite-MoE widens them after),
+    rather than computed in fp32 whatever that dtype (DeepSeek-V3); the selection ops round theirs alike
+    (``round_logits``)."""
     detected_dtype: torch.dtype | None = None
     """the experts' dtype when the routing rule was verified (``dtype`` then)."""
     router_class: type = field(default=nn.Module, repr=False)
@@ -517,41 +518,48 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
 
 
 def _router_rounds_logits(layout: MoELayout, where: str) -> bool:
-    """Whether the router's logits come out in its weight's dtype (MoELayout.router_rounds_logits), asked of a bf16
-    stand-in of the router on the meta device (only the output's dtype is read), so that an fp32 model's answer holds
-    after its conversion to a half type, and a model still on the meta device gets its answer too."""
+    """Whether the router's logits come out rounded to its weight's dtype (MoELayout.router_rounds_logits): in that
+    dtype, or computed in it and returned wider (Granite-MoE's ``.float()``). Asked of a bf16 stand-in of the router
+    with random weights on the CPU, so that an fp32 model's answer holds after its conversion to a half type, and
+    neither the model's device nor its weights (a model on the meta device, a router still all zero) change it."""
+    generator = torch.Generator().manual_seed(0)
     try:
-        router = _bf16_meta_stand_in(layout.router)
-        probe = torch.empty(2, layout.hidden_size, dtype=torch.bfloat16, device="meta")
+        router = _bf16_stand_in(layout.router, generator)
+        probe = torch.randn(8, layout.hidden_size, generator=generator).to(torch.bfloat16)
         bias = _correction_bias(layout.router, layout.block)
-        bias = None if bias is None else _meta_bf16(bias)  # (a block's bias: the stand-in must not meet a real one)
+        bias = None if bias is None else _random_bf16(bias, generator)  # (a block's: the stand-in must not meet it)
         with torch.no_grad():
-            return _logits_of(_router_forward(layout, probe, where, router, bias)).dtype == torch.bfloat16
+            logits = _logits_of(_router_forward(layout, probe, where, router, bias))
     except Exception:  # noqa: BLE001 - a router that cannot run so: round as a linear layer does, most routers' rule
         return True
+    # logits the router computes in fp32 from random weights are almost never all bf16 values (8 x E of them)
+    return logits.dtype == torch.bfloat16 or bool((logits.float() == logits.to(torch.bfloat16).float()).all())
 
 
-def _bf16_meta_stand_in(module: nn.Module) -> nn.Module:
-    """A shallow copy of ``module`` and its submodules whose parameters and buffers are bf16 meta stand-ins, without
-    hooks or an instance-level forward (an offload hook would move a stand-in off the meta device): forward runs
-    bare."""
+def _bf16_stand_in(module: nn.Module, generator: torch.Generator) -> nn.Module:
+    """A shallow copy of ``module`` and its submodules on the CPU whose floating-point parameters and buffers are
+    random bf16 tensors of their shapes (_random_bf16), without hooks or an instance-level forward (an offload hook
+    would move them): forward runs bare."""
     stand_in = copy.copy(module)
     stand_in.__dict__.pop("forward", None)
     for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
                   "_backward_hooks"):
         setattr(stand_in, hooks, OrderedDict())
-    stand_in._parameters = {name: None if p is None else nn.Parameter(_meta_bf16(p), requires_grad=False)
+    stand_in._parameters = {name: None if p is None else nn.Parameter(_random_bf16(p, generator), requires_grad=False)
                             for name, p in module._parameters.items()}
-    stand_in._buffers = {name: None if b is None else _meta_bf16(b) for name, b in module._buffers.items()}
-    stand_in._modules = {name: None if m is None else _bf16_meta_stand_in(m) for name, m in module._modules.items()}
+    stand_in._buffers = {name: None if b is None else _random_bf16(b, generator) for name, b in module._buffers.items()}
+    stand_in._modules = {name: None if m is None else _bf16_stand_in(m, generator)
+                         for name, m in module._modules.items()}
     return stand_in
 
 
-def _meta_bf16(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s shape on the meta device, in bf16 where ``t`` is floating point (as ``module.to(bfloat16)`` leaves
-    it)."""
-    return torch.empty_like(t, device="meta", dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
+def _random_bf16(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A CPU tensor of ``t``'s shape: random bf16 where ``t`` is floating point (as ``module.to(bfloat16)`` leaves
+    it), else a copy of ``t`` (an integer buffer's values may matter)."""
+    if not t.is_floating_point():
+        return t.detach().to("cpu")
+    return torch.randn(t.shape, generator=generator).to(torch.bfloat16)
 
 
 def _check_router_logits(layout: MoELayout, probe: torch.Tensor, logits: torch.Tensor, where: str) -> None:

@@ -739,24 +739,26 @@ def test_router_weight_one_module_down():
 
 
 class _Fp32NestedRouter(_NestedRouter):
-    """The nested router returning fp32 logits whatever its weight's dtype."""
+    """The nested router computing fp32 logits whatever its weight's dtype (after calling its Linear once, so that
+    the Linear's hooks run)."""
 
     def forward(self, x):
-        logits = self.wg(x).float()
+        self.wg(x)
+        logits = nn.functional.linear(x.float(), self.wg.weight.float())
         weights, ids = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
         return logits, weights / weights.sum(-1, keepdim=True), ids
 
 
-def _fail_on_meta(module, args):
-    if args[0].is_meta:
-        raise RuntimeError("a hook that cannot take meta tensors (an offload hook moving them)")
+def _fail_on_bf16(module, args):
+    if args[0].dtype == torch.bfloat16:  # (the fp32 model's own calls pass; the bf16 stand-in's would not)
+        raise RuntimeError("a hook that cannot take the stand-in's tensors (an offload hook moving them)")
 
 
 def test_rounding_probe_runs_no_hook_of_a_nested_router():
     """The bf16 stand-in drops the submodules' hooks too: a hook failing on it made the probe answer True (round)
-    for a router that returns fp32 logits."""
+    for a router that computes fp32 logits."""
     router = _Fp32NestedRouter()
-    router.wg.register_forward_pre_hook(_fail_on_meta)
+    router.wg.register_forward_pre_hook(_fail_on_bf16)
     (lay,) = find_moe_layouts(_Model(_ArgumentRouterBlock(router, correction_bias=False)))
     assert lay.router_linear_name == "wg" and not lay.router_rounds_logits
 
