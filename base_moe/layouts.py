@@ -108,6 +108,8 @@ class MoELayout:
     and for other activations: those run through the model's own experts module."""
     returns_router_scores: bool = False
     """the block returns ``(hidden, router_scores)`` rather than a tensor (GPT-OSS)."""
+    router_takes_sequences: bool = False
+    """the router's forward takes hidden states ``[B, S, H]`` (AFMoE's unpacks three dimensions), not ``[N, H]``."""
     router_rounds_logits: bool = True
     """the router's logits come out rounded to its weight's dtype, as a linear layer returns them (a half model's
     router ranks logits rounded to that type: Qwen3-MoE, OLMoE, Mixtral, GPT-OSS; Granite-MoE widens them after),
@@ -349,6 +351,7 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
     )
     layout.detected_dtype = layout.dtype
     try:
+        layout.router_takes_sequences = _router_takes_sequences(layout, where)
         layout.routing = _infer_routing(layout, where)
         _check_selection_biases_used(layout, where)
         layout.router_rounds_logits = _router_rounds_logits(layout, where)
@@ -470,7 +473,7 @@ def _candidate_routings(layout: MoELayout) -> list[Routing]:
         raise MoELayoutError(f"MoE block '{layout.name}': cannot tell its top-k (no 'top_k' attribute on the router).")
     n_group = int(_attr((router, block), "n_group", "num_group", default=1) or 1)
     topk_group = int(_attr((router, block), "topk_group", default=1) or 1)
-    scaling = float(_attr((router, block), "routed_scaling_factor", default=1.0))
+    scaling = float(_attr((router, block), "routed_scaling_factor", "route_scale", default=1.0))  # AFMoE: route_scale
     norm = _attr((router, block), "norm_topk_prob")
     renorm_order = [bool(norm), not bool(norm)] if norm is not None else [True, False]
     sigmoid_like = _correction_bias(router, block) is not None or n_group > 1 or scaling != 1.0
@@ -515,6 +518,23 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
         f"{where}: its router's top-k weights match none of base_moe's routing rules (softmax then top-k, "
         "top-k then softmax, sigmoid with correction bias and groups; with or without renormalisation)."
     )
+
+
+def _router_takes_sequences(layout: MoELayout, where: str) -> bool:
+    """Whether the router's forward fails on ``[N, H]`` hidden states and runs on ``[1, N, H]`` ones (AFMoE), asked of
+    the bf16 stand-in of _router_rounds_logits; False where it runs on neither (the routing probe then says why)."""
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(2, layout.hidden_size, generator=generator).to(torch.bfloat16)
+    with torch.no_grad():
+        for shape in (probe, probe.unsqueeze(0)):
+            try:
+                router = _bf16_stand_in(layout.router, generator)
+                bias = _correction_bias(layout.router, layout.block)
+                _call_router(layout, shape, where, router, None if bias is None else _random_bf16(bias, generator))
+                return shape.dim() == 3
+            except Exception:  # noqa: BLE001 - a router that fails on this shape (or as a stand-in): try the next
+                continue
+    return False
 
 
 def _router_rounds_logits(layout: MoELayout, where: str) -> bool:
@@ -615,7 +635,18 @@ def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None
     """The router's own (unpatched) forward on ``x [N, H]`` (of ``router``, a copy of it, where given), given the
     block's correction bias (``bias``, a stand-in of it, where given) where the forward takes it as an argument,
     required (``gate(hidden_states, self.e_score_correction_bias)``: MiniMax-M2, HY-V3) or defaulting to None (LFM2's
-    ``expert_bias=None``, which its block passes)."""
+    ``expert_bias=None``, which its block passes). A router that takes ``[B, S, H]`` (MoELayout.router_takes_sequences)
+    gets ``[1, N, H]``, and its ``[1, N, ...]`` outputs come back as ``[N, ...]``."""
+    if not layout.router_takes_sequences:
+        return _call_router(layout, x, where, router, bias)
+    out = _call_router(layout, x.unsqueeze(0), where, router, bias)
+    flat = [t.flatten(0, 1) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+            for t in (out if isinstance(out, tuple) else (out,))]
+    return tuple(flat) if isinstance(out, tuple) else flat[0]
+
+
+def _call_router(layout: MoELayout, x: torch.Tensor, where: str | None, router: nn.Module | None,
+                 bias: torch.Tensor | None):
     forward, router = layout.router_class.forward, layout.router if router is None else router
     extra = [p for p in list(inspect.signature(forward).parameters.values())[2:]  # self, hidden_states
              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]

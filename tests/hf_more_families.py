@@ -49,6 +49,9 @@ _AFMOE = dict(num_experts=E, num_shared_experts=1, num_dense_layers=0, layer_typ
 
 SUPPORTED = {
     # name: (model_type, config keys beyond the common ones)
+    # its router (weight at router.gate) takes [B, S, H] and the block's expert_bias; route_scale is its scaling
+    "afmoe": ("afmoe", dict(_AFMOE, route_scale=1.0)),
+    "afmoe_scaled": ("afmoe", dict(_AFMOE, route_scale=2.5)),
     "cohere2_moe_sum": ("cohere2_moe", dict(_COHERE2, shared_expert_combination_strategy="sum")),
     "cohere2_moe_sigmoid": ("cohere2_moe", dict(_COHERE2, shared_expert_combination_strategy="sum",
                                                 expert_selection_fn="sigmoid")),
@@ -107,8 +110,6 @@ bf16, which base_moe's fp32 scores do not reproduce; detection refuses it there.
 
 REFUSED = {
     # name: (model_type, config keys, a fragment of the MoELayoutError, selection-bias scale)
-    # its router (weight at router.gate) takes 3-D hidden states: the probe's [N, H] fails in it
-    "afmoe": ("afmoe", _AFMOE, "on a probe failed", 0.2),
     "cohere2_moe_average": ("cohere2_moe", _COHERE2, "not the weighted sum of its routed experts", 0.2),
     "dbrx": ("dbrx", dict(d_model=H, n_heads=4, n_layers=LAYERS, max_seq_len=64,
                           attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},

@@ -763,6 +763,32 @@ def test_rounding_probe_runs_no_hook_of_a_nested_router():
     assert lay.router_linear_name == "wg" and not lay.router_rounds_logits
 
 
+class _SequenceRouter(_Router):
+    """AFMoE's shape: the router's forward unpacks hidden states [B, S, H]."""
+
+    def forward(self, x):
+        _, _, hidden = x.shape
+        return super().forward(x.view(-1, hidden))
+
+
+class _SequenceRouterBlock(_Block):
+    def __init__(self):
+        super().__init__()
+        self.gate = _SequenceRouter()
+
+    def forward(self, hidden):
+        _, weights, ids = self.gate(hidden.reshape(1, -1, 8))
+        return self.experts(hidden.reshape(-1, 8), ids, weights).view(hidden.shape)
+
+
+def test_router_that_takes_sequences():
+    (lay,) = find_moe_layouts(_Model(_SequenceRouterBlock()))
+    assert lay.router_takes_sequences and lay.routing == Routing(2, Scoring.SOFTMAX, False)
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(lay.router_logits(x), nn.functional.linear(x, lay.router.weight))
+    assert not find_moe_layouts(_Model(_Block()))[0].router_takes_sequences
+
+
 class _FailingRouter(_Router):
     def forward(self, x):
         raise RuntimeError("needs a sequence dimension")
