@@ -108,6 +108,8 @@ class MoELayout:
     and for other activations: those run through the model's own experts module."""
     returns_router_scores: bool = False
     """the block returns ``(hidden, router_scores)`` rather than a tensor (GPT-OSS)."""
+    router_returns_model_dtype: bool = True
+    """the router's logits come out in its weight's dtype (not only rounded to it)."""
     router_takes_sequences: bool = False
     """the router's forward takes hidden states ``[B, S, H]`` (AFMoE's unpacks three dimensions), not ``[N, H]``."""
     router_rounds_logits: bool = True
@@ -151,9 +153,10 @@ class MoELayout:
     @property
     def routes_in_model_dtype(self) -> bool:
         """The router adds its selection bias to sigmoid scores of logits in the model's dtype (LFM2-MoE): that dtype's
-        rounding decides between near experts, so the rule verified in ``detected_dtype`` holds in that dtype only."""
+        rounding decides between near experts, so the rule verified in ``detected_dtype`` holds in that dtype only.
+        (AFMoE widens its logits to fp32 first: not so.)"""
         sigmoid = self.routing.scoring == Scoring.SIGMOID
-        return sigmoid and self.router_rounds_logits and _correction_bias(self.router, self.block) is not None
+        return sigmoid and self.router_returns_model_dtype and _correction_bias(self.router, self.block) is not None
 
     # -- the public contract -----------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -351,10 +354,9 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
     )
     layout.detected_dtype = layout.dtype
     try:
-        layout.router_takes_sequences = _router_takes_sequences(layout, where)
+        _probe_router_stand_in(layout, where)
         layout.routing = _infer_routing(layout, where)
         _check_selection_biases_used(layout, where)
-        layout.router_rounds_logits = _router_rounds_logits(layout, where)
         layout.returns_router_scores = _returns_tuple(layout, where)
     except (MoELayoutError, torch.OutOfMemoryError):
         raise
@@ -520,40 +522,36 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
     )
 
 
-def _router_takes_sequences(layout: MoELayout, where: str) -> bool:
-    """Whether the router's forward fails on ``[N, H]`` hidden states and runs on ``[1, N, H]`` ones (AFMoE), asked of
-    the bf16 stand-in of _router_rounds_logits; False where it runs on neither (the routing probe then says why)."""
+def _probe_router_stand_in(layout: MoELayout, where: str) -> None:
+    """Reads, from one run of a bf16 stand-in of the router with random weights on the CPU (so that neither the
+    model's device, its dtype nor its weights change the answers: a model on the meta device, an fp32 model later
+    converted, a router still all zero):
+    - router_takes_sequences: the forward fails on ``[N, H]`` hidden states and runs on ``[1, N, H]`` ones (AFMoE);
+    - router_rounds_logits: its logits come out rounded to its weight's dtype, in that dtype or computed in it and
+      returned wider (Granite-MoE's ``.float()``); True where the stand-in runs on neither shape (a linear layer's
+      rule, most routers'; the routing probe on the real router then says what fails);
+    - router_returns_model_dtype: they come out in that dtype (the choice scores after them too: LFM2-MoE)."""
     generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(2, layout.hidden_size, generator=generator).to(torch.bfloat16)
+    probe = torch.randn(8, layout.hidden_size, generator=generator).to(torch.bfloat16)
+    layout.router_takes_sequences, logits = False, None
     with torch.no_grad():
-        for shape in (probe, probe.unsqueeze(0)):
+        for shaped in (probe, probe.unsqueeze(0)):
             try:
                 router = _bf16_stand_in(layout.router, generator)
-                bias = _correction_bias(layout.router, layout.block)
-                _call_router(layout, shape, where, router, None if bias is None else _random_bf16(bias, generator))
-                return shape.dim() == 3
+                bias = _correction_bias(layout.router, layout.block)  # (a block's: the stand-in must not meet it)
+                bias = None if bias is None else _random_bf16(bias, generator)
+                layout.router_takes_sequences = shaped.dim() == 3
+                logits = _logits_of(_router_forward(layout, probe, where, router, bias))
+                break
             except Exception:  # noqa: BLE001 - a router that fails on this shape (or as a stand-in): try the next
-                continue
-    return False
-
-
-def _router_rounds_logits(layout: MoELayout, where: str) -> bool:
-    """Whether the router's logits come out rounded to its weight's dtype (MoELayout.router_rounds_logits): in that
-    dtype, or computed in it and returned wider (Granite-MoE's ``.float()``). Asked of a bf16 stand-in of the router
-    with random weights on the CPU, so that an fp32 model's answer holds after its conversion to a half type, and
-    neither the model's device nor its weights (a model on the meta device, a router still all zero) change it."""
-    generator = torch.Generator().manual_seed(0)
-    try:
-        router = _bf16_stand_in(layout.router, generator)
-        probe = torch.randn(8, layout.hidden_size, generator=generator).to(torch.bfloat16)
-        bias = _correction_bias(layout.router, layout.block)
-        bias = None if bias is None else _random_bf16(bias, generator)  # (a block's: the stand-in must not meet it)
-        with torch.no_grad():
-            logits = _logits_of(_router_forward(layout, probe, where, router, bias))
-    except Exception:  # noqa: BLE001 - a router that cannot run so: round as a linear layer does, most routers' rule
-        return True
+                layout.router_takes_sequences = False
+    if logits is None:
+        layout.router_rounds_logits = layout.router_returns_model_dtype = True
+        return
+    layout.router_returns_model_dtype = logits.dtype == torch.bfloat16
     # logits the router computes in fp32 from random weights are almost never all bf16 values (8 x E of them)
-    return logits.dtype == torch.bfloat16 or bool((logits.float() == logits.to(torch.bfloat16).float()).all())
+    rounded = bool((logits.float() == logits.to(torch.bfloat16).float()).all())
+    layout.router_rounds_logits = layout.router_returns_model_dtype or rounded
 
 
 def _bf16_stand_in(module: nn.Module, generator: torch.Generator) -> nn.Module:
@@ -576,9 +574,9 @@ def _bf16_stand_in(module: nn.Module, generator: torch.Generator) -> nn.Module:
 
 def _random_bf16(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """A CPU tensor of ``t``'s shape: random bf16 where ``t`` is floating point (as ``module.to(bfloat16)`` leaves
-    it), else a copy of ``t`` (an integer buffer's values may matter)."""
+    it), else a copy of ``t`` (an integer buffer's values may matter; zeros for one on the meta device)."""
     if not t.is_floating_point():
-        return t.detach().to("cpu")
+        return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.detach().to("cpu")
     return torch.randn(t.shape, generator=generator).to(torch.bfloat16)
 
 
@@ -640,7 +638,7 @@ def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None
     if not layout.router_takes_sequences:
         return _call_router(layout, x, where, router, bias)
     out = _call_router(layout, x.unsqueeze(0), where, router, bias)
-    flat = [t.flatten(0, 1) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+    flat = [t.squeeze(0) if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == 1 else t
             for t in (out if isinstance(out, tuple) else (out,))]
     return tuple(flat) if isinstance(out, tuple) else flat[0]
 

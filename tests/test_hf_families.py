@@ -110,7 +110,8 @@ def test_family_rounding_of_router_logits_is_read_right(name):
     assert flags == [bool((lg == lg.to(torch.bfloat16).float()).all()) for lg in logits]
 
 
-@pytest.mark.parametrize("name, converts", [("lfm2_moe", False), ("glm4_moe", True), ("qwen3_next", True)])
+@pytest.mark.parametrize("name, converts", [("lfm2_moe", False), ("glm4_moe", True), ("qwen3_next", True),
+                                            ("afmoe_scaled", True)])  # (AFMoE: sigmoid + bias on logits widened first)
 def test_family_converted_after_apply(name, converts):
     """A model converted to bf16 after apply runs budgeted, unless its routing depends on the model's dtype (LFM2's
     bias on sigmoid scores in that dtype): that one must be applied after the conversion, and says so."""

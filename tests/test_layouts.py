@@ -789,6 +789,28 @@ def test_router_that_takes_sequences():
     assert not find_moe_layouts(_Model(_Block()))[0].router_takes_sequences
 
 
+class _IndexBufferRouter(_Router):
+    """A router computing fp32 logits and holding an integer buffer (a permutation of its experts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("order", torch.arange(4))
+
+    def forward(self, x):
+        logits = nn.functional.linear(x.float(), self.weight.float())[:, self.order]
+        values, ids = torch.topk(logits, 2, dim=-1)
+        return logits, torch.softmax(logits, -1).gather(1, ids), ids
+
+
+def test_rounding_probe_on_the_meta_device_with_an_integer_buffer():
+    """The stand-in of a model on the meta device gets zeros for an integer buffer (a CPU copy of a meta tensor
+    failed, and the probe fell back to "rounds" for this fp32 router)."""
+    with torch.device("meta"):
+        block = _ArgumentRouterBlock(_IndexBufferRouter(), correction_bias=False)
+    (lay,) = find_moe_layouts(_Model(block))
+    assert not lay.router_rounds_logits and not lay.router_returns_model_dtype
+
+
 class _FailingRouter(_Router):
     def forward(self, x):
         raise RuntimeError("needs a sequence dimension")
