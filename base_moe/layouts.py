@@ -118,7 +118,8 @@ class MoELayout:
     rather than computed in fp32 whatever that dtype (DeepSeek-V3); the selection ops round theirs alike
     (``round_logits``)."""
     detected_dtype: torch.dtype | None = None
-    """the experts' dtype when the routing rule was verified (``dtype`` then)."""
+    """the experts' dtype at detection (``dtype`` then; the routing rule was verified in it, unless on the meta
+    device)."""
     router_class: type = field(default=nn.Module, repr=False)
     """the router's own (unpatched) class."""
 
@@ -354,7 +355,7 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
     )
     layout.detected_dtype = layout.dtype
     try:
-        _probe_router_stand_in(layout, where)
+        _probe_router_stand_in(layout)
         layout.routing = _infer_routing(layout, where)
         _check_selection_biases_used(layout, where)
         layout.returns_router_scores = _returns_tuple(layout, where)
@@ -522,31 +523,37 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
     )
 
 
-def _probe_router_stand_in(layout: MoELayout, where: str) -> None:
-    """Reads, from one run of a bf16 stand-in of the router with random weights on the CPU (so that neither the
-    model's device, its dtype nor its weights change the answers: a model on the meta device, an fp32 model later
-    converted, a router still all zero):
+def _probe_router_stand_in(layout: MoELayout) -> None:
+    """Reads, from a bf16 stand-in of the router with random weights on the CPU (so that neither the model's device,
+    its dtype nor its weights change the answers: a model on the meta device, an fp32 model later converted, a router
+    still all zero):
     - router_takes_sequences: the forward fails on ``[N, H]`` hidden states and runs on ``[1, N, H]`` ones (AFMoE);
     - router_rounds_logits: its logits come out rounded to its weight's dtype, in that dtype or computed in it and
-      returned wider (Granite-MoE's ``.float()``); True where the stand-in runs on neither shape (a linear layer's
-      rule, most routers'; the routing probe on the real router then says what fails);
-    - router_returns_model_dtype: they come out in that dtype (the choice scores after them too: LFM2-MoE)."""
+      returned wider (Granite-MoE's ``.float()``);
+    - router_returns_model_dtype: they come out in that dtype (the choice scores after them too: LFM2-MoE).
+    Where the stand-in cannot be built or returns no logits tensor on either shape, both rounding flags are True (a
+    linear layer's rule, most routers'; the routing probe on the real router then says what fails, if anything)."""
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(8, layout.hidden_size, generator=generator).to(torch.bfloat16)
+    layout.router_rounds_logits = layout.router_returns_model_dtype = True
     layout.router_takes_sequences, logits = False, None
+    try:
+        router = _bf16_stand_in(layout.router, generator)
+        bias = _correction_bias(layout.router, layout.block)  # (a block's: the stand-in must not meet the real one)
+        bias = None if bias is None else _random_bf16(bias, generator)
+    except Exception:  # noqa: BLE001 - a router the stand-in cannot copy: the fallback above
+        return
     with torch.no_grad():
-        for shaped in (probe, probe.unsqueeze(0)):
+        for sequences in (False, True):
+            layout.router_takes_sequences = sequences
             try:
-                router = _bf16_stand_in(layout.router, generator)
-                bias = _correction_bias(layout.router, layout.block)  # (a block's: the stand-in must not meet it)
-                bias = None if bias is None else _random_bf16(bias, generator)
-                layout.router_takes_sequences = shaped.dim() == 3
-                logits = _logits_of(_router_forward(layout, probe, where, router, bias))
+                logits = _logits_of(_router_forward(layout, probe, None, router, bias))
+            except Exception:  # noqa: BLE001 - a router that fails on this shape: try the next
+                continue
+            if isinstance(logits, torch.Tensor):
                 break
-            except Exception:  # noqa: BLE001 - a router that fails on this shape (or as a stand-in): try the next
-                layout.router_takes_sequences = False
-    if logits is None:
-        layout.router_rounds_logits = layout.router_returns_model_dtype = True
+    if not isinstance(logits, torch.Tensor):
+        layout.router_takes_sequences = False
         return
     layout.router_returns_model_dtype = logits.dtype == torch.bfloat16
     # logits the router computes in fp32 from random weights are almost never all bf16 values (8 x E of them)
@@ -557,7 +564,8 @@ def _probe_router_stand_in(layout: MoELayout, where: str) -> None:
 def _bf16_stand_in(module: nn.Module, generator: torch.Generator) -> nn.Module:
     """A shallow copy of ``module`` and its submodules on the CPU whose floating-point parameters and buffers are
     random bf16 tensors of their shapes (_random_bf16), without hooks or an instance-level forward (an offload hook
-    would move them): forward runs bare."""
+    would move them). Other attributes are shared with ``module`` (a forward that mutates them mutates the
+    router's)."""
     stand_in = copy.copy(module)
     stand_in.__dict__.pop("forward", None)
     for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
@@ -634,7 +642,7 @@ def _router_forward(layout: MoELayout, x: torch.Tensor, where: str | None = None
     block's correction bias (``bias``, a stand-in of it, where given) where the forward takes it as an argument,
     required (``gate(hidden_states, self.e_score_correction_bias)``: MiniMax-M2, HY-V3) or defaulting to None (LFM2's
     ``expert_bias=None``, which its block passes). A router that takes ``[B, S, H]`` (MoELayout.router_takes_sequences)
-    gets ``[1, N, H]``, and its ``[1, N, ...]`` outputs come back as ``[N, ...]``."""
+    gets ``[1, N, H]``, and its ``[1, N, X]`` outputs come back as ``[N, X]``."""
     if not layout.router_takes_sequences:
         return _call_router(layout, x, where, router, bias)
     out = _call_router(layout, x.unsqueeze(0), where, router, bias)

@@ -378,7 +378,7 @@ def test_each_block_is_probed_once():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_meta_device_model_takes_the_routing_its_attributes_describe(family):
     """A model on the meta device (no probe can run) gets the routing its attributes describe: the probed one; and
-    whether its router rounds its logits (asked of a meta stand-in, which needs no values): DeepSeek-V3's does not."""
+    whether its router rounds its logits (asked of a CPU stand-in with random weights): DeepSeek-V3's does not."""
     import transformers
     from hf_models import tiny_config
 
@@ -391,8 +391,9 @@ def test_meta_device_model_takes_the_routing_its_attributes_describe(family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_rounding_probe_copies_no_router_state(family):
-    """Whether a router rounds its logits is asked of a stand-in that copies none of the router's state: a router
-    holding something that cannot be copied (a lock) is understood (DeepSeek-V3's False is no fallback answer)."""
+    """Whether a router rounds its logits is asked of a shallow stand-in (no deep copy of the router's state): a
+    router holding something that cannot be copied (a lock) is understood (DeepSeek-V3's False is no fallback
+    answer)."""
     import threading
 
     model = tiny_model(family)
@@ -809,6 +810,18 @@ def test_rounding_probe_on_the_meta_device_with_an_integer_buffer():
         block = _ArgumentRouterBlock(_IndexBufferRouter(), correction_bias=False)
     (lay,) = find_moe_layouts(_Model(block))
     assert not lay.router_rounds_logits and not lay.router_returns_model_dtype
+
+
+class _ListRouter(_Router):
+    def forward(self, x):
+        return list(super().forward(x))
+
+
+def test_router_returning_a_list_is_refused_saying_so():
+    """A router output that is no tensor or tuple reaches the routing probe's message (the stand-in read of its
+    logits' dtype raised an AttributeError before, which became an unclear "probe failed")."""
+    with pytest.raises(MoELayoutError, match="returns neither"):
+        find_moe_layouts(_Model(_ArgumentRouterBlock(_ListRouter(), correction_bias=False)))
 
 
 class _FailingRouter(_Router):
