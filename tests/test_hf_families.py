@@ -14,8 +14,8 @@ import torch
 import transformers
 from packaging.version import Version
 from hf_models import KERNEL_SIZES, StandInPredictors, selection_output
-from hf_more_families import E, FP32_ONLY, REFUSED, SINCE_TRANSFORMERS, SUPPORTED, V, build, has_model_type
-from test_hf import check_budgeted_blocks
+from hf_more_families import E, FP32_ONLY, REFUSED, SINCE_TRANSFORMERS, SUPPORTED, build, has_model_type
+from test_hf import check_budgeted_blocks, decode_ids, prompt_ids
 
 import base_moe
 from base_moe import hf
@@ -31,11 +31,6 @@ def _supported_model(name: str, **overrides):
     return build(model_type, {**keys, **overrides})
 
 
-def _prompt_and_step(batch: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, V, (batch, 8), generator=generator), torch.randint(3, V, (batch, 1), generator=generator)
-
-
 def _decode(model, prompt, step, **kwargs):
     """The prompt's logits and one cached decode step's output."""
     with torch.no_grad():
@@ -46,7 +41,7 @@ def _decode(model, prompt, step, **kwargs):
 @pytest.mark.parametrize("name", sorted(SUPPORTED))
 def test_family_without_a_binding_budget_gives_the_models_logits(name):
     model = _supported_model(name)
-    prompt, step = _prompt_and_step(batch=4, seed=2)
+    prompt, step = prompt_ids(batch=4, length=8, seed=2), decode_ids(batch=4, seed=2)
     want_prompt, want = _decode(copy.deepcopy(model), prompt, step, output_router_logits=True)
     patched = base_moe.apply(copy.deepcopy(model), budget=E, policy="router_sum")
     got_prompt, got = _decode(patched, prompt, step, output_router_logits=True)
@@ -66,7 +61,7 @@ def test_family_without_a_binding_budget_gives_the_models_logits(name):
 def test_family_under_a_budget_of_two(name):
     model = _supported_model(name)
     patched = base_moe.apply(model, budget=2, policy="router_sum", record=True)
-    _decode(patched, *_prompt_and_step(batch=8, seed=3))
+    _decode(patched, prompt_ids(batch=8, length=8, seed=3), decode_ids(batch=8, seed=3))
     layouts = hf.moe_layouts(patched)
     assert sorted(hf.selections(patched)) == sorted(layout.layer_index for layout in layouts)
     generator = torch.Generator().manual_seed(4)
@@ -116,7 +111,7 @@ def test_family_converted_after_apply(name, converts):
     """A model converted to bf16 after apply runs budgeted, unless its routing depends on the model's dtype (LFM2's
     bias on sigmoid scores in that dtype): that one must be applied after the conversion, and says so."""
     model = base_moe.apply(_supported_model(name), budget=2, policy="router_sum").to(torch.bfloat16)
-    prompt, step = _prompt_and_step(batch=4, seed=6)
+    prompt, step = prompt_ids(batch=4, length=8, seed=6), decode_ids(batch=4, seed=6)
     if converts:
         assert torch.isfinite(_decode(model, prompt, step)[1].logits).all()
     else:
@@ -143,5 +138,5 @@ def test_family_bf16_budgeted_blocks(name, device):
     model = _supported_model(name, **KERNEL_SIZES).to(device, torch.bfloat16)
     base_moe.apply(model, predictors=StandInPredictors(model), budget=3, policy="base", record=True)
     check_budgeted_blocks(model, batch=32, budget=3)
-    prompt, step = _prompt_and_step(batch=16, seed=5)
+    prompt, step = prompt_ids(batch=16, length=8, seed=5), decode_ids(batch=16, seed=5)
     assert torch.isfinite(_decode(model, prompt.to(device), step.to(device))[1].logits).all()
