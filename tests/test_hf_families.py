@@ -129,6 +129,16 @@ def test_nested_router_with_hooks_is_refused():
         base_moe.apply(model, budget=2, policy="router_sum")
 
 
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_meta_device_family_takes_the_probed_routing(name):
+    """On the meta device (no probe of the weights can run) the routing is the one the probe finds on the CPU, for
+    the families whose attributes do not tell it too (an fp32 stand-in of the router is probed): Cohere2-MoE's
+    ``expert_selection_fn="sigmoid"``, Jamba's renormalisation-free softmax beside an unread ``norm_topk_prob``."""
+    model = _supported_model(name)
+    probed = [layout.routing for layout in find_moe_layouts(model)]
+    assert [layout.routing for layout in find_moe_layouts(model.to("meta"))] == probed
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", sorted(set(SUPPORTED) - FP32_ONLY))
 def test_family_bf16_budgeted_blocks(name, device):
