@@ -486,15 +486,17 @@ def _candidate_routings(layout: MoELayout) -> list[Routing]:
         scorings = [Scoring.SOFTMAX_AFTER_TOPK, Scoring.SOFTMAX, Scoring.SIGMOID]
     else:
         scorings = [Scoring.SOFTMAX, Scoring.SOFTMAX_AFTER_TOPK, Scoring.SIGMOID]
+    # the attributes' group limit and factor are the first guesses; a block may carry ones it does not apply
+    # (DeepSeek-V2's topk_method="greedy" ignores its n_group)
+    group_options = dict.fromkeys([(n_group, topk_group) if n_group > 1 else (1, 1), (1, 1)])
+    scales = dict.fromkeys([scaling, 1.0])
     candidates = []
     for scoring in scorings:
-        groups = (n_group, topk_group) if scoring == Scoring.SIGMOID and n_group > 1 else (1, 1)
         renorms = [False] if scoring == Scoring.SOFTMAX_AFTER_TOPK else renorm_order
-        # the attribute's factor is the sigmoid rules' first guess; a block may carry one it does not apply
-        scales = dict.fromkeys([scaling, 1.0]) if scoring == Scoring.SIGMOID else [1.0]
-        for scale in scales:
-            for renorm in renorms:
-                candidates.append(Routing(int(top_k), scoring, renorm, groups[0], groups[1], scale))
+        for groups in group_options:
+            for scale in scales:
+                for renorm in renorms:
+                    candidates.append(Routing(int(top_k), scoring, renorm, groups[0], groups[1], scale))
     return candidates
 
 

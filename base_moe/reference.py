@@ -80,14 +80,16 @@ def choice_scores(logits: torch.Tensor, routing: Routing, correction_bias: torch
 
 
 def allowed_groups(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Boolean ``[T, E]``: experts in the token's top ``topk_group`` groups (DeepSeek-V3: a group's
-    score is the sum of its two best choice scores). All True without groups."""
+    """Boolean ``[T, E]``: experts in the token's top ``topk_group`` groups. A group's score is the sum of its two
+    best choice scores under SIGMOID scoring (DeepSeek-V3) and its best one under the softmax scorings (DeepSeek-V2's
+    ``group_limited_greedy`` takes the best softmax score; the choice scores are the logits, which softmax orders
+    alike). All True without groups."""
     T, E = choice.shape
     if routing.n_group <= 1:
         return torch.ones_like(choice, dtype=torch.bool)
     grouped = choice.view(T, routing.n_group, E // routing.n_group)
     best_two = torch.sort(grouped, dim=-1, descending=True).values[..., :2]
-    group_score = best_two[..., 0] + best_two[..., 1]
+    group_score = best_two[..., 0] + best_two[..., 1] if routing.scoring == Scoring.SIGMOID else best_two[..., 0]
     top_groups = _rank(group_score)[:, : routing.topk_group]
     allowed = torch.zeros(T, routing.n_group, dtype=torch.bool, device=choice.device)
     allowed.scatter_(1, top_groups, True)

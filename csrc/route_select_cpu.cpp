@@ -55,14 +55,16 @@ void choice_scores(const float* logits, const float* correction_bias, const Rout
   }
 }
 
-// DeepSeek-V3 group limit: experts of the token's top `topk_group` groups (group score: sum of its best two).
+// Group limit (DeepSeek-V3, DeepSeek-V2's group_limited_greedy): experts of the token's top `topk_group` groups
+// (group_score: the sum of its best two choice scores under sigmoid scoring, its best one under softmax).
 void allowed_experts(const float* choice, const RoutingParams& r, std::vector<uint8_t>& allowed) {
   std::fill(allowed.begin(), allowed.end(), 1);
   if (r.n_group <= 1) return;
   const int64_t group_size = r.num_experts / r.n_group;
   std::vector<Candidate> groups(r.n_group);
   for (int64_t grp = 0; grp < r.n_group; ++grp) {
-    const float score = top2_sum(choice, static_cast<int>(grp * group_size), static_cast<int>(group_size));
+    const float score = group_score(choice, static_cast<int>(grp * group_size), static_cast<int>(group_size),
+                                    r.scoring == Scoring::kSigmoid);
     groups[grp] = Candidate{true, true, score, static_cast<int32_t>(grp)};
   }
   std::partial_sort(groups.begin(), groups.begin() + r.topk_group, groups.end(), ranks_before);

@@ -310,10 +310,10 @@ def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED):
 
 
 def supported(spec: Spec) -> bool:
-    """A rule base_moe models, declared truthfully enough for it: no unsupported variant, groups declared, and a
-    routed_scaling_factor either absent, unapplied, or applied by a sigmoid rule (the only rules with a scale)."""
-    scaling_ok = spec.scaling is None or not spec.scaling_applied or spec.scoring == "sigmoid"
-    return spec.variant == "none" and spec.group_attrs and scaling_ok
+    """A rule base_moe models, declared truthfully enough for it: no unsupported variant (groups scored by their best
+    score are DeepSeek-V2's rule under softmax, unsupported under sigmoid), groups declared."""
+    group_max_ok = spec.variant == "group_max" and spec.scoring != "sigmoid"
+    return (spec.variant == "none" or group_max_ok) and spec.group_attrs
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -597,8 +597,6 @@ def test_bad_arguments_raise_clear_errors(device):
         (lambda: ops.route_cost(logits, routing, log_norms=log_norms[:, :8]), "log_norms must have"),
         (lambda: ops.select_fill(logits, torch.rand(2, 16, device=device), routing, budget=0), "budget"),
         (lambda: ops.select_fill(logits, torch.rand(2, 15, device=device), routing, budget=4), "batch_cost"),
-        (lambda: ops.route_select(logits, Routing(4, Scoring.SOFTMAX, n_group=4, topk_group=2), budget=4,
-                                  cost=Cost.ROUTER_SUM), "sigmoid"),
         (lambda: ops.route_select(logits, Routing(4, Scoring.SIGMOID, n_group=3, topk_group=2), budget=4,
                                   cost=Cost.ROUTER_SUM), "multiple of n_group"),
         (lambda: ops.route_select(logits, routing, budget=4, cost=Cost.ROUTER_SUM,
@@ -726,14 +724,15 @@ def test_softmax_weights_of_kept_experts_far_below_the_row_max(device, fill):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scoring", [Scoring.SIGMOID, Scoring.SOFTMAX, Scoring.SOFTMAX_AFTER_TOPK])
 @pytest.mark.parametrize("n_group", [4, 8])
-def test_group_score_ties_go_to_the_lower_group(device, n_group):
-    """Group-limited sigmoid routing without a correction bias, on logits drawn from three values: groups whose
-    top-two sums tie are common, and the lower group wins, as in the reference (every other sigmoid test adds a
-    random bias, under which group scores never tie)."""
+def test_group_score_ties_go_to_the_lower_group(device, scoring, n_group):
+    """Group-limited routing without a correction bias, on logits drawn from three values: groups whose scores (top-two
+    sums under sigmoid, best logits under softmax) tie are common, and the lower group wins, as in the reference
+    (every other sigmoid test adds a random bias, under which group scores never tie)."""
     g = torch.Generator().manual_seed(n_group)
     E = 4 * n_group
-    routing = Routing(4, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=2)
+    routing = Routing(4, scoring, renormalize=scoring != Scoring.SOFTMAX_AFTER_TOPK, n_group=n_group, topk_group=2)
     logits = torch.randint(0, 3, (512, E), generator=g).float()
     ids, weights, D = ops.route_cost(logits.to(device), routing, cost=Cost.ROUTER_SUM)
     exp_ids, exp_weights, exp_D = ref.route_cost(logits, None, None, 1, routing, Cost.ROUTER_SUM)

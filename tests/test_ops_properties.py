@@ -15,7 +15,7 @@ from test_ops import assert_kept_matches
 def selection_problems(draw):
     scoring = draw(st.sampled_from(list(Scoring)))
     n_group, topk_group = 1, 1
-    if scoring == Scoring.SIGMOID and draw(st.booleans()):
+    if draw(st.booleans()):
         n_group = draw(st.sampled_from([2, 4]))
         topk_group = draw(st.integers(1, n_group))
     E = n_group * draw(st.integers(2, 16))

@@ -50,6 +50,10 @@ def routings(E: int, k: int) -> dict[str, tuple[Routing, bool]]:
                 Routing(k, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=topk_group, scaling=2.5),
                 True,
             )
+            # DeepSeek-V2: softmax, groups by their best score, a routed scaling
+            cases[f"softmax_groups{n_group}_{topk_group}"] = (
+                Routing(k, Scoring.SOFTMAX, n_group=n_group, topk_group=topk_group, scaling=16.0), False
+            )
     return cases
 
 

@@ -51,8 +51,11 @@ BASE_MOE_HOST_DEVICE inline float sigmoid(float x) {
   return x <= -88.72283935546875f ? 0.0f : static_cast<float>(1.0 / (1.0 + ::exp(-static_cast<double>(x))));
 }
 
-// DeepSeek-V3's group score (reference.allowed_groups): the sum of the two largest of scores [first, first + n), n >= 2.
-BASE_MOE_HOST_DEVICE inline float top2_sum(const float* score, int first, int n) {
+// A group's score for the group limit (reference.allowed_groups), over its n >= 2 choice scores [first, first + n):
+// under sigmoid scoring DeepSeek-V3's sum of the two largest, under the softmax scorings the largest (DeepSeek-V2's
+// group_limited_greedy takes the largest softmax score; the choice scores there are the logits, which softmax orders
+// alike).
+BASE_MOE_HOST_DEVICE inline float group_score(const float* score, int first, int n, bool sum_of_two) {
   float best = -INFINITY, second = -INFINITY;
   for (int i = 0; i < n; ++i) {
     const float v = score[first + i];
@@ -63,7 +66,7 @@ BASE_MOE_HOST_DEVICE inline float top2_sum(const float* score, int first, int n)
       second = v;
     }
   }
-  return best + second;
+  return sum_of_two ? best + second : best;
 }
 
 // One routed slot's contribution to its expert's batch cost (reference.slot_costs): BASE's w^2 exp(2 log-norm), where a

@@ -72,7 +72,7 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
   }
   s.allowed = (1u << EPL) - 1u;
   if (GENERIC && p.n_group > 1) {
-    // DeepSeek-V3 group limit: group score = best + second best choice score; keep the top topk_group groups.
+    // group limit: keep the top topk_group groups by group_score (DeepSeek-V3's best two choice scores, V2's best one)
     __syncwarp();  // earlier readers of the scratch are done
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
@@ -82,7 +82,7 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
     __syncwarp();
     const int gs = p.group_size, ng = p.n_group;
     for (int grp = lane; grp < ng; grp += 32) {
-      group_scratch[grp] = top2_sum(scratch_row, grp * gs, gs);
+      group_scratch[grp] = group_score(scratch_row, grp * gs, gs, sig);
     }
     __syncwarp();
     for (int grp = lane; grp < ng; grp += 32) {
