@@ -27,7 +27,7 @@ struct RoutingParams {
   int64_t top_k;
   Scoring scoring;
   bool renormalize;
-  int64_t n_group;     // DeepSeek-V3 group-limited top-k; 1 = no groups
+  int64_t n_group;     // group-limited top-k (DeepSeek-V3, V2; group_score); 1 = no groups
   int64_t topk_group;  // groups each token may use
   double scaling;      // multiplies the final weights (routed_scaling_factor)
 };
