@@ -6,7 +6,8 @@ expert op and to HF by restricting the random routing to M random experts (every
 and M is passed to our op as its bound on active experts (``max_active_experts``), as the BASE layer does; the
 BASE layer runs its own selection (``select_experts`` with budget M, or M = E when dense) on random router and
 predictor weights. Times: median of CUDA-graph replays, each graph holding several calls that rotate among copies of
-the layer's expert weights so the L2 (50 MiB on the H100 and H200) never holds them; a device-to-device copy measured
+the layer's expert, router and predictor weights so the L2 (50 MiB on the H100 and H200) never holds them (each call
+streams more than 50 MiB of experts: at least 8 of 9.4 MB for Qwen3); a device-to-device copy measured
 in the same run gives the bandwidth ceiling (2 x bytes / time).
 The BASE layer is timed as consecutive layers (each selection follows the previous layer's slot sum, whose
 end its programmatic dependent launch may overlap), and behind the decoder layer's RMSNorm as in decode
@@ -211,7 +212,7 @@ def main():
         E = cfg["E"]
         expert_bytes = 3 * cfg["H"] * cfg["I"] * 2
         copies = [expert_weights(cfg, gen) for _ in range(COPIES)]
-        wr, wp, bp = router_weights(cfg, gen)
+        routers = [router_weights(cfg, gen) for _ in copies]  # each copy of the layer has its own (cold in L2)
         norm_weight = torch.ones(cfg["H"], device="cuda", dtype=torch.bfloat16)
         hf = None
         if not args.no_hf:
@@ -225,11 +226,13 @@ def main():
                 ours = expert_op_us(x, ids, w, copies, M)
                 budget = E if M is None else M
 
-                def select(h=x):
-                    return select_experts(h, cfg, wr, wp, bp, budget)
+                def select(router, h=x):
+                    return select_experts(h, cfg, *router, budget)
 
-                def layer(gu, dp, h=x):
-                    return torch.ops.base_moe.experts(h, *select(h), gu, dp, M)
+                def layer(gu, dp, router, h=x):
+                    return torch.ops.base_moe.experts(h, *select(router, h), gu, dp, M)
+
+                layers = list(zip(copies, routers))
 
                 def norm():  # the decoder layer's norm just before the MoE block
                     return F.rms_norm(x, (cfg["H"],), norm_weight, 1e-6)
@@ -239,15 +242,15 @@ def main():
 
                 base_us = base_norm_us = base_our_norm_us = base_active = norm_us = our_norm_us = None
                 try:  # the selection ops are developed elsewhere: report a failure, keep the expert-op numbers
-                    base_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp) for gu, dp in copies])
-                    sid = select()[0]
+                    base_us = time_graph([lambda gu=gu, dp=dp, r=r: layer(gu, dp, r) for (gu, dp), r in layers])
+                    sid = select(routers[0])[0]
                     base_active = int(torch.unique(sid[sid < E]).numel())
                     norm_us = time_graph([norm for _ in copies])
-                    base_norm_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp, norm())
-                                               for gu, dp in copies]) - norm_us
+                    base_norm_us = time_graph([lambda gu=gu, dp=dp, r=r: layer(gu, dp, r, norm())
+                                               for (gu, dp), r in layers]) - norm_us
                     our_norm_us = time_graph([our_norm for _ in copies])
-                    base_our_norm_us = time_graph([lambda gu=gu, dp=dp: layer(gu, dp, our_norm())
-                                                   for gu, dp in copies]) - norm_us
+                    base_our_norm_us = time_graph([lambda gu=gu, dp=dp, r=r: layer(gu, dp, r, our_norm())
+                                                   for (gu, dp), r in layers]) - norm_us
                 except Exception as exc:
                     print(f"BASE layer failed at T={T} M={M}: {exc!r}")
                 hf_us = None
@@ -309,6 +312,8 @@ def main():
     result = run_metadata(copy_bandwidth_TBps=copy_bw / 1e12, copy_bandwidth_start_end_TBps=[copy_start / 1e12,
                                                                                               copy_end / 1e12],
                           selection=selection,
+                          rotated_weights="expert, router and predictor weights: one set per copy, "
+                                          f"{COPIES} copies",
                           budget_method="expert op and HF: random softmax routing restricted to M random experts; "
                                         "BASE layer: its own selection with budget M on random router/predictor "
                                         "weights",

@@ -48,6 +48,8 @@ def fake_graph_time_us(calls, replays=25, rounds=1):
     elif calls[0].__name__ in ("norm", "our_norm"):
         us = US[calls[0].__name__]
     elif "layer" in names:
+        routers = {id(call.__defaults__[2]) for call in calls}  # (gu, dp, router): each copy its own router weights
+        assert len(routers) == len(calls)
         us = US["layer" + "".join(f"+{norm}" for norm in ("norm", "our_norm") if norm in names)]
     else:
         us = US["hf"]
