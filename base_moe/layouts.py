@@ -3,7 +3,7 @@
 A transformers 5.x MoE block has a router child (a ``weight [E, H]``, optionally a ``bias [E]``) that returns
 ``(logits, top_k_weights, top_k_index)``, an experts child holding fused 3-D weights (``gate_up_proj``,
 ``down_proj``), and optionally shared experts. Nothing here looks at class names: blocks are found by their
-parameters, and the routing rule (softmax/top-k, top-k/softmax, sigmoid with correction bias and groups,
+parameters, and the routing rule (softmax/top-k, top-k/softmax, sigmoid with correction bias; groups,
 renormalisation, scaling) is read from the router's attributes and then *verified* by running the router once
 on a probe input and comparing its output with :func:`base_moe.reference.route`.
 
@@ -486,18 +486,29 @@ def _candidate_routings(layout: MoELayout) -> list[Routing]:
         scorings = [Scoring.SOFTMAX_AFTER_TOPK, Scoring.SOFTMAX, Scoring.SIGMOID]
     else:
         scorings = [Scoring.SOFTMAX, Scoring.SOFTMAX_AFTER_TOPK, Scoring.SIGMOID]
-    # the attributes' group limit and factor are the first guesses; a block may carry ones it does not apply
-    # (DeepSeek-V2's topk_method="greedy" ignores its n_group)
-    group_options = dict.fromkeys([(n_group, topk_group) if n_group > 1 else (1, 1), (1, 1)])
+    # the attributes' factor is the first guess; a block may carry one it does not apply
     scales = dict.fromkeys([scaling, 1.0])
     candidates = []
     for scoring in scorings:
         renorms = [False] if scoring == Scoring.SOFTMAX_AFTER_TOPK else renorm_order
-        for groups in group_options:
+        for groups in _group_options(router, block, scoring, int(top_k), n_group, topk_group):
             for scale in scales:
                 for renorm in renorms:
                     candidates.append(Routing(int(top_k), scoring, renorm, groups[0], groups[1], scale))
     return candidates
+
+
+def _group_options(router, block, scoring: Scoring, top_k: int, n_group: int, topk_group: int) -> list[tuple]:
+    """The group limits to try, ``(n_group, topk_group)``, the likelier first. A declared limit comes first unless the
+    block says it routes greedily (DeepSeek-V2's ``topk_method="greedy"`` ignores its n_group) or, under softmax,
+    the limit cannot bind: a group scored by its best logit holds the token's best expert outside the other top
+    groups, so the top k always lie within the top ``k`` groups and ``topk_group >= top_k`` changes no routing (the
+    probe could not tell; backfill would then prefer the token's groups, which the model's own order does not)."""
+    if n_group <= 1:
+        return [(1, 1)]
+    greedy = _attr((router, block), "topk_method") == "greedy"
+    unbound = scoring != Scoring.SIGMOID and topk_group >= top_k
+    return [(1, 1), (n_group, topk_group)] if greedy or unbound else [(n_group, topk_group), (1, 1)]
 
 
 def _infer_routing(layout: MoELayout, where: str) -> Routing:
@@ -521,7 +532,7 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
             return routing
     raise MoELayoutError(
         f"{where}: its router's top-k weights match none of base_moe's routing rules (softmax then top-k, "
-        "top-k then softmax, sigmoid with correction bias and groups; with or without renormalisation)."
+        "top-k then softmax, sigmoid with correction bias; with or without groups, renormalisation, scaling)."
     )
 
 

@@ -84,8 +84,11 @@ def torch_routing(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | N
     T, E = logits.shape
     probs, choice = scores if scores is not None else routing_scores(logits, routing, bias)
     if routing.n_group > 1:
-        grouped = choice.view(T, routing.n_group, -1)
-        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        grouped = choice.view(T, routing.n_group, -1)  # groups scored as base_moe.reference.allowed_groups does
+        if routing.scoring == Scoring.SIGMOID:
+            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_score = grouped.max(dim=-1).values
         top_groups = group_score.topk(routing.topk_group, dim=-1).indices
         group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_groups, True)
         allowed = group_mask.repeat_interleave(E // routing.n_group, dim=1)
@@ -125,7 +128,9 @@ def torch_select(x, W_cat, b_cat, routing: Routing, bias, E: int, budget: int):
 
 
 def hf_router(x, W_r, routing: Routing, bias):
-    """The model's router as Hugging Face writes it (Qwen3-MoE / DeepSeek-V3)."""
+    """The model's router as Hugging Face writes it (Qwen3-MoE / DeepSeek-V3: no softmax rule with groups)."""
+    if routing.scoring != Scoring.SIGMOID and routing.n_group > 1:
+        raise ValueError("hf_router writes Qwen3-MoE's softmax router, which has no group limit")
     if routing.scoring == Scoring.SIGMOID:  # DeepseekV3TopkRouter: fp32 linear, sigmoid, bias, groups
         logits = F.linear(x.float(), W_r.float())
         scores = logits.sigmoid()

@@ -57,11 +57,13 @@ SUPPORTED = {
                                                 expert_selection_fn="sigmoid")),
     "deepseek_v2": ("deepseek_v2", _DEEPSEEK_V2),
     "deepseek_v2_renorm": ("deepseek_v2", dict(_DEEPSEEK_V2, norm_topk_prob=True)),
-    # DeepSeek-V2 itself: softmax, a group limit by the groups' best scores, a routed scaling of 16
-    "deepseek_v2_group_limited": ("deepseek_v2", dict(_DEEPSEEK_V2, routed_scaling_factor=16.0, **_GROUPS,
-                                                      topk_method="group_limited_greedy")),
-    # groups declared, not applied (topk_method="greedy"), and a scaling
-    "deepseek_v2_groups_unused": ("deepseek_v2", dict(_DEEPSEEK_V2, routed_scaling_factor=2.0, **_GROUPS)),
+    # DeepSeek-V2 itself: softmax, a group limit by the groups' best scores, a routed scaling of 16 (one group of two
+    # experts for top-2: the limit binds)
+    "deepseek_v2_group_limited": ("deepseek_v2", dict(_DEEPSEEK_V2, routed_scaling_factor=16.0, n_group=4,
+                                                      topk_group=1, topk_method="group_limited_greedy")),
+    # the same groups declared, not applied (topk_method="greedy"), and a scaling
+    "deepseek_v2_groups_unused": ("deepseek_v2", dict(_DEEPSEEK_V2, routed_scaling_factor=2.0, n_group=4,
+                                                      topk_group=1)),
     "dots1": ("dots1", _DOTS1),
     "dots1_groups": ("dots1", dict(_DOTS1, **_GROUPS)),
     "exaone_moe": ("exaone_moe", _EXAONE),

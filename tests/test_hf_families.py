@@ -129,6 +129,20 @@ def test_nested_router_with_hooks_is_refused():
         base_moe.apply(model, budget=2, policy="router_sum")
 
 
+@pytest.mark.parametrize("overrides, groups", [
+    ({}, (4, 1)),  # group_limited_greedy, one group for top-2: the limit binds
+    ({"topk_group": 2}, (1, 1)),  # two groups for top-2: a limit by the groups' best scores cannot bind
+    ({"topk_method": "greedy"}, (1, 1)),  # groups declared, not applied
+])
+def test_deepseek_v2_group_limit_taken_where_it_routes(overrides, groups):
+    """DeepSeek-V2's routing is detected with its group limit only where the limit changes the routing: otherwise
+    backfill would prefer the token's groups, which the model's own order does not."""
+    model = base_moe.apply(_supported_model("deepseek_v2_group_limited", **overrides), budget=E, policy="router_sum")
+    for layout in hf.moe_layouts(model):
+        assert (layout.routing.n_group, layout.routing.topk_group) == groups
+        assert layout.routing.scaling == 16.0
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", sorted(set(SUPPORTED) - FP32_ONLY))
 def test_family_bf16_budgeted_blocks(name, device):

@@ -49,6 +49,9 @@ UNSUPPORTED = ("square", "temperature", "other_topk", "group_max", "k_lie", "sha
 coincide with a supported rule, e.g. group_max with groups that never bind, reproduced). The last three are routers
 whose logits are not ``x @ weight.T + bias`` (defect B)."""
 
+UNUSED_GROUPS = "groups_unused"
+"""A variant base_moe must reproduce: n_group / topk_group declared and not applied (DeepSeek-V2's greedy routing)."""
+
 TEMPERATURES = (0.5, 2.0, 0.98, 1.02)
 """Softmax/sigmoid temperatures of the ``temperature`` variant (the last two near 1: defect A)."""
 
@@ -104,7 +107,7 @@ def _route(spec: Spec, logits: torch.Tensor, correction_bias, offset):
     if spec.variant == "other_topk":
         choice = choice + offset  # ranked by another score than the weights'
     margin = torch.full((logits.shape[0],), float("inf"))
-    if spec.n_group > 1:
+    if spec.n_group > 1 and spec.variant != UNUSED_GROUPS:
         grouped = choice.view(-1, spec.n_group, E // spec.n_group)
         if spec.variant == "group_max":
             group_scores = grouped.max(dim=-1).values  # DeepSeek-V2's rule, not V3's top-2 sum
@@ -275,18 +278,18 @@ class _Model(nn.Module):
 # The strategy
 # ---------------------------------------------------------------------------------------------------------------
 @st.composite
-def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED):
+def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED + (UNUSED_GROUPS,)):
     """A block with E 4-16, k 1..E-1, H 8-16."""
     E = draw(st.integers(4, 16))
     scoring = draw(st.sampled_from(["softmax", "softmax_after_topk", "sigmoid"]))
     variant = draw(st.sampled_from(variants))
     n_group, topk_group, group_attrs = 1, 1, True
     divisors = [g for g in range(2, E // 2 + 1) if E % g == 0]  # groups of two experts or more (top-2 sums)
-    if (scoring == "sigmoid" or variant == "group_max") and divisors and draw(st.booleans()):
+    if (scoring == "sigmoid" or variant in ("group_max", UNUSED_GROUPS)) and divisors and draw(st.booleans()):
         n_group = draw(st.sampled_from(divisors))
-        group_attrs = draw(st.booleans())
+        group_attrs = variant == UNUSED_GROUPS or draw(st.booleans())
         topk_group = draw(st.integers(1, n_group))
-    if variant == "group_max" and n_group == 1:
+    if variant in ("group_max", UNUSED_GROUPS) and n_group == 1:
         variant = "none"
     k = draw(st.integers(1, min(E - 1, topk_group * (E // n_group))))
     fp32 = dtype == torch.float32
@@ -311,9 +314,9 @@ def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED):
 
 def supported(spec: Spec) -> bool:
     """A rule base_moe models, declared truthfully enough for it: no unsupported variant (groups scored by their best
-    score are DeepSeek-V2's rule under softmax, unsupported under sigmoid), groups declared."""
+    score are DeepSeek-V2's rule under softmax, unsupported under sigmoid), groups applied only where declared."""
     group_max_ok = spec.variant == "group_max" and spec.scoring != "sigmoid"
-    return (spec.variant == "none" or group_max_ok) and spec.group_attrs
+    return (spec.variant in ("none", UNUSED_GROUPS) or group_max_ok) and spec.group_attrs
 
 
 # ---------------------------------------------------------------------------------------------------------------

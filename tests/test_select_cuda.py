@@ -50,10 +50,15 @@ def routings(E: int, k: int) -> dict[str, tuple[Routing, bool]]:
                 Routing(k, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=topk_group, scaling=2.5),
                 True,
             )
-            # DeepSeek-V2: softmax, groups by their best score, a routed scaling
+            # DeepSeek-V2 (softmax, groups by their best score, a routed scaling); renormalised at (4, 1)
+            renormalize = n_group == 4
             cases[f"softmax_groups{n_group}_{topk_group}"] = (
-                Routing(k, Scoring.SOFTMAX, n_group=n_group, topk_group=topk_group, scaling=16.0), False
+                Routing(k, Scoring.SOFTMAX, renormalize, n_group=n_group, topk_group=topk_group, scaling=16.0), False
             )
+            if n_group == 4:
+                cases["softmax_after_topk_groups4_1"] = (
+                    Routing(k, Scoring.SOFTMAX_AFTER_TOPK, n_group=4, topk_group=1), False
+                )
     return cases
 
 
