@@ -171,9 +171,10 @@ class MoELayout:
         return _router_choices(self, x)
 
     def correction_bias(self) -> torch.Tensor | None:
-        """DeepSeek-V3's ``e_score_correction_bias`` (fp32, contiguous) or None."""
+        """The selection bias (DeepSeek-V3's ``e_score_correction_bias``, ERNIE-4.5's, LFM2's ``expert_bias``) as an
+        fp32, contiguous ``[E]`` vector, or None."""
         bias = _correction_bias(self.router, self.block)
-        return None if bias is None else bias.float().contiguous()
+        return None if bias is None else bias.float().reshape(-1).contiguous()
 
     def expert_output(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """``E_u(x) [N, H]``: expert ``u``'s output, unweighted, computed in fp32 (no shared experts)."""
@@ -428,19 +429,23 @@ _SELECTION_BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 
 
 def _correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
+    """The selection bias the router adds to its expert scores: the router's or the block's own attribute, else one a
+    submodule of the router holds (ERNIE-4.5's ``gate.moe_statics.e_score_correction_bias``, shaped ``[1, E]``)."""
     for owner in (router, block):
         for name in _SELECTION_BIAS_NAMES:
             bias = getattr(owner, name, None)
             if isinstance(bias, torch.Tensor):
                 return bias
+    for name, tensor in [*router.named_parameters(), *router.named_buffers()]:
+        if name.rsplit(".", 1)[-1] in _SELECTION_BIAS_NAMES:
+            return tensor
     return None
 
 
 def _check_selection_biases_used(layout: MoELayout, where: str) -> None:
-    """A selection bias base_moe would not apply (one held deeper in the router, ERNIE-4.5's
-    ``gate.moe_statics.e_score_correction_bias``, or any under a softmax rule, which the ops rank by the logits alone)
-    is refused: a small one passes the routing probe and would then be ignored."""
-    used = _correction_bias(layout.router, layout.block) if layout.routing.scoring == Scoring.SIGMOID else None
+    """A selection bias base_moe would not apply (a second one, or any under top-k-then-softmax, which the ops rank
+    by the logits alone) is refused: a small one passes the routing probe and would then be ignored."""
+    used = _correction_bias(layout.router, layout.block) if _takes_selection_bias(layout.routing) else None
     tensors = [(f"{layout.router_name}.{n}" if n else layout.router_name, t)
                for n, t in [*layout.router.named_parameters(), *layout.router.named_buffers()]]
     tensors += [*layout.block.named_parameters(recurse=False), *layout.block.named_buffers(recurse=False)]
@@ -448,9 +453,14 @@ def _check_selection_biases_used(layout: MoELayout, where: str) -> None:
         if name.rsplit(".", 1)[-1] in _SELECTION_BIAS_NAMES and tensor is not used:
             raise MoELayoutError(
                 f"{where}: it holds a selection bias '{name}' that base_moe's routing rules would not apply (they "
-                "add one, the router's or the block's own e_score_correction_bias or expert_bias, to sigmoid scores "
-                "only)."
+                "add one, the router's or the block's e_score_correction_bias or expert_bias, to sigmoid scores or "
+                "softmax probabilities)."
             )
+
+
+def _takes_selection_bias(routing: Routing) -> bool:
+    """The rules the ops add a selection bias to the scores of: sigmoid (DeepSeek-V3) and softmax (ERNIE-4.5)."""
+    return routing.scoring in (Scoring.SIGMOID, Scoring.SOFTMAX)
 
 
 def _attr(modules, *names, default=None):
@@ -528,7 +538,7 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
     logits, weights, ids = logits.float(), weights.float(), ids.long()
     bias = layout.correction_bias()
     for routing in candidates:
-        if _matches(logits, weights, ids, routing, bias if routing.scoring == Scoring.SIGMOID else None, exact):
+        if _matches(logits, weights, ids, routing, bias if _takes_selection_bias(routing) else None, exact):
             return routing
     raise MoELayoutError(
         f"{where}: its router's top-k weights match none of base_moe's routing rules (softmax then top-k, "

@@ -17,7 +17,8 @@ class Scoring(enum.IntEnum):
     """How a model turns router logits into routed experts and routing weights."""
 
     SOFTMAX = 0
-    """softmax over all experts, then top-k (Qwen2/3-MoE, OLMoE, Mixtral)."""
+    """softmax over all experts, then top-k (Qwen2/3-MoE, OLMoE, Mixtral); with a correction bias, top-k of the
+    probabilities + the bias (ERNIE-4.5)."""
     SOFTMAX_AFTER_TOPK = 1
     """top-k on the logits, then softmax over the chosen k (GPT-OSS)."""
     SIGMOID = 2

@@ -101,6 +101,9 @@ def _route(spec: Spec, logits: torch.Tensor, correction_bias, offset):
     if spec.scoring == "sigmoid":
         scores = torch.sigmoid(logits)
         choice = scores + correction_bias.float() if correction_bias is not None else scores
+    elif correction_bias is not None:  # softmax probabilities + a selection bias (ERNIE-4.5)
+        scores = torch.softmax(logits, dim=-1)
+        choice = scores + correction_bias.float()
     else:
         scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else None
         choice = logits.clone()  # the softmax is monotonic: rank (and measure gaps) in logit space
@@ -301,7 +304,7 @@ def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED + (UNUS
     return Spec(
         E=E, k=k, H=draw(st.integers(8, 16)), I=draw(st.integers(2, 8)), dtype=dtype,
         interface=draw(st.sampled_from(["logits", "triple"])), scoring=scoring, renormalize=renormalize,
-        norm_attr=norm_attr, correction_bias=scoring == "sigmoid" and draw(st.booleans()),
+        norm_attr=norm_attr, correction_bias=scoring in ("sigmoid", "softmax") and draw(st.booleans()),
         n_group=n_group, topk_group=topk_group, group_attrs=group_attrs,
         scaling=scaling, scaling_applied=scaling_applied,
         router_bias=draw(st.booleans()), router_fp32=not fp32 and draw(st.booleans()),

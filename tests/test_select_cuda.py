@@ -41,6 +41,7 @@ def routings(E: int, k: int) -> dict[str, tuple[Routing, bool]]:
         "softmax_renorm": (Routing(k, Scoring.SOFTMAX, renormalize=True), False),
         "softmax": (Routing(k, Scoring.SOFTMAX), False),
         "softmax_after_topk": (Routing(k, Scoring.SOFTMAX_AFTER_TOPK), False),
+        "softmax_bias_renorm": (Routing(k, Scoring.SOFTMAX, renormalize=True), True),  # ERNIE-4.5
         "sigmoid_bias_renorm": (Routing(k, Scoring.SIGMOID, renormalize=True, scaling=2.5), True),
         "sigmoid": (Routing(k, Scoring.SIGMOID), False),
     }

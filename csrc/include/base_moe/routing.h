@@ -51,6 +51,19 @@ BASE_MOE_HOST_DEVICE inline float sigmoid(float x) {
   return x <= -88.72283935546875f ? 0.0f : static_cast<float>(1.0 / (1.0 + ::exp(-static_cast<double>(x))));
 }
 
+// Experts per lane of the CUDA routing warp, which holds expert u in lane u / EPL, register u % EPL (the instances of
+// csrc/route_select.cu): ceil(E / 32) rounded up to a power of two.
+BASE_MOE_HOST_DEVICE inline int experts_per_lane(int64_t E) {
+  int epl = 1;
+  while (32 * epl < E) epl *= 2;
+  return epl;
+}
+
+// exp(x) through double, rounded once: sigmoid's reason (the CPU, the GPU and the reference agree bit for bit).
+BASE_MOE_HOST_DEVICE inline float exp_rounded_once(float x) {
+  return static_cast<float>(::exp(static_cast<double>(x)));
+}
+
 // A group's score for the group limit (reference.allowed_groups), over its n >= 2 choice scores [first, first + n):
 // under sigmoid scoring DeepSeek-V3's sum of the two largest, under the softmax scorings the largest (DeepSeek-V2's
 // group_limited_greedy takes the largest softmax score; the choice scores there are the logits, which softmax orders

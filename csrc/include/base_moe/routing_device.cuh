@@ -46,6 +46,28 @@ __device__ __forceinline__ bool softmax_of_slots(const SelectParams& p, int scor
          (scoring == static_cast<int>(Scoring::kSoftmax) && p.renormalize);
 }
 
+// Softmax probabilities + selection bias (ERNIE-4.5) into s.choice, as the CPU op and the reference compute them
+// (route_select_cpu.cpp's biased_probabilities): exp_rounded_once(logit - max) over the denominator summed by each lane
+// over its experts in index order, then by warp_sum's butterfly.
+template <int EPL>
+__device__ __forceinline__ void biased_probabilities(int E, int lane, const float (&bias)[EPL], Token<EPL>& s) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    if (lane * EPL + j < E) m = max(m, cuda::ordered_bits(s.logit[j]));
+  }
+  const float max_logit = cuda::from_ordered_bits(cuda::warp_max_u32(m));
+  float e[EPL], sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    e[j] = lane * EPL + j < E ? exp_rounded_once(s.logit[j] - max_logit) : 0.0f;
+    sum += e[j];  // (+0 past E: exact, as the CPU's sum that skips them)
+  }
+  const float denominator = cuda::warp_sum(sum);
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) s.choice[j] = e[j] / denominator + bias[j];
+}
+
 // Computes the token's choice scores, group limit and softmax statistics from s.logit (and s.log_norm), which
 // the caller has loaded: lane l holds experts [l * EPL, (l + 1) * EPL). scratch_row: E floats, group_scratch:
 // 2 * n_group floats, both private to the warp. GENERIC = false: the caller knows the model scores by softmax
@@ -58,17 +80,21 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
   // the lane's correction biases loaded together: ptxas issued one load per expert after the previous expert's
   // sigmoid, a memory round trip each
   float bias[EPL];
-  const bool biased = sig && p.correction_bias != nullptr;
+  const bool biased = GENERIC && p.correction_bias != nullptr;  // (needs_generic_routing)
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int u = lane * EPL + j;
     bias[j] = biased && u < E ? p.correction_bias[u] : 0.0f;
   }
+  if (biased && !sig) {
+    biased_probabilities<EPL>(E, lane, bias, s);
+  } else {
 #pragma unroll
-  for (int j = 0; j < EPL; ++j) {
-    float c = s.logit[j];
-    if (sig) c = sigmoid(c) + bias[j];
-    s.choice[j] = c;
+    for (int j = 0; j < EPL; ++j) {
+      float c = s.logit[j];
+      if (sig) c = sigmoid(c) + bias[j];
+      s.choice[j] = c;
+    }
   }
   s.allowed = (1u << EPL) - 1u;
   if (GENERIC && p.n_group > 1) {
