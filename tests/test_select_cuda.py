@@ -463,7 +463,7 @@ def test_select_experts_launch_path(case):
     (dict(budget=0), "budget"),
     (dict(routing=Routing(17, Scoring.SOFTMAX)), "top_k must be in"),
     (dict(num_groups=3), "multiple of num_groups"),
-    (dict(correction_bias=True), "only used with sigmoid"),
+    (dict(correction_bias=True, routing=Routing(4, Scoring.SOFTMAX_AFTER_TOPK)), "only used with sigmoid"),
 ])
 def test_select_experts_checks_before_launching(bad, message):
     """An argument that route_select refuses is refused before router_predict runs: a failing call launches nothing,
