@@ -72,7 +72,12 @@ __device__ __forceinline__ void biased_probabilities(int E, int lane, const floa
 // the caller has loaded: lane l holds experts [l * EPL, (l + 1) * EPL). scratch_row: E floats, group_scratch:
 // 2 * n_group floats, both private to the warp. GENERIC = false: the caller knows the model scores by softmax
 // (Scoring::kSoftmax) without a group limit (n_group <= 1), and the other modes' code is left out.
-template <int EPL, bool GENERIC = true>
+// SOFTMAX_BIAS_OR_GROUPS (with GENERIC): the caller knows a softmax scoring with a selection bias (ERNIE-4.5:
+// biased_probabilities) or a group limit (DeepSeek-V2: groups by their best score) comes, which only those instances
+// carry; the others score groups by their best two (DeepSeek-V3's sigmoid rule). In the generic instances the float64
+// exps, inlined, grew the code by up to 27% and made a DeepSeek-like call 0.9 us slower on an H100, though it never ran
+// them (device_runs/session76.txt, call 4).
+template <int EPL, bool GENERIC = true, bool SOFTMAX_BIAS_OR_GROUPS = false>
 __device__ __forceinline__ void score_token(const SelectParams& p, int lane, float* scratch_row, float* group_scratch,
                                             Token<EPL>& s) {
   const int E = p.E, scoring = scoring_mode<GENERIC>(p);
@@ -80,13 +85,13 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
   // the lane's correction biases loaded together: ptxas issued one load per expert after the previous expert's
   // sigmoid, a memory round trip each
   float bias[EPL];
-  const bool biased = GENERIC && p.correction_bias != nullptr;  // (needs_generic_routing)
+  const bool biased = (sig || SOFTMAX_BIAS_OR_GROUPS) && p.correction_bias != nullptr;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int u = lane * EPL + j;
     bias[j] = biased && u < E ? p.correction_bias[u] : 0.0f;
   }
-  if (biased && !sig) {
+  if (SOFTMAX_BIAS_OR_GROUPS && biased) {
     biased_probabilities<EPL>(E, lane, bias, s);
   } else {
 #pragma unroll
@@ -108,7 +113,7 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
     __syncwarp();
     const int gs = p.group_size, ng = p.n_group;
     for (int grp = lane; grp < ng; grp += 32) {
-      group_scratch[grp] = group_score(scratch_row, grp * gs, gs, sig);
+      group_scratch[grp] = group_score(scratch_row, grp * gs, gs, !SOFTMAX_BIAS_OR_GROUPS);
     }
     __syncwarp();
     for (int grp = lane; grp < ng; grp += 32) {
