@@ -3,15 +3,19 @@
 # for ERNIE-4.5, both in route_select's new kSoftmaxBiasOrGroups instances). Before the call, on the branch:
 #   rm -rf notes/ab_main_csrc && mkdir -p notes/ab_main_csrc && git archive main csrc | tar -x -C notes/ab_main_csrc \
 #     --strip-components=1
-# (main's csrc, untracked: it travels with the tree). Runs the build, the whole CUDA suite (no -x), the selection
-# sanitizers, then an A/B/A of both models' selection (branch / main / branch): main's 81 instances compile to the same
-# machine code on the branch (session 76, compiled here), so the rows should agree within noise.
+# (main's csrc, untracked: it travels with the tree). `bash notes/s77_call1.sh tests` (~330 s): the build, the whole
+# CUDA suite (no -x), the selection sanitizers; then, warm, `bash notes/s77_call1.sh ab` (~250 s): an A/B/A of both
+# models' selection (branch / main / branch). Main's 81 instances compile to the same machine code on the branch
+# (session 76, compiled here), so the rows should agree within noise.
 python3 -c "import torch, transformers; print(torch.cuda.get_device_name(), torch.__version__, transformers.__version__)"
 bash notes/device_trial.sh | tail -1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if [ "$1" = tests ]; then
 timeout 260 python3 -m pytest -m cuda tests -q -p no:cacheprovider > $OUT/pytest_all.log 2>&1
 grep -E "^(FAILED|ERROR)" $OUT/pytest_all.log | cut -c1-220 | head -20; tail -1 $OUT/pytest_all.log
 bash notes/device_trial.sh selsan | grep -E "SUMMARY|selsan"
+echo "call wall $SECONDS s"; exit 0
+fi
 [ -d notes/ab_main_csrc ] || { echo "no notes/ab_main_csrc: no A/B"; exit 0; }
 bench() {
   timeout 100 python3 benchmarks/bench_select.py --replays 30 --out $OUT/bsel_$1.json > $OUT/bsel_$1.log 2>&1
