@@ -425,7 +425,7 @@ def _is_silu(act_fn) -> bool:
 
 _SELECTION_BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 """names of a bias a router adds to its expert scores for the top-k only (DeepSeek-V3 and its kin; LFM2's block holds
-``expert_bias``)."""
+``expert_bias``; ERNIE-4.5's router holds one in ``moe_statics``, added to softmax probabilities)."""
 
 
 def _correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
@@ -487,9 +487,16 @@ def _candidate_routings(layout: MoELayout) -> list[Routing]:
     n_group = int(_attr((router, block), "n_group", "num_group", default=1) or 1)
     topk_group = int(_attr((router, block), "topk_group", default=1) or 1)
     scaling = float(_attr((router, block), "routed_scaling_factor", "route_scale", default=1.0))  # AFMoE: route_scale
+
+    # DeepSeek-V2's topk_method names its softmax rules; a bias held deeper in the router is ERNIE-4.5's, on softmax
+    softmax_rule = _attr((router, block), "topk_method") in ("greedy", "group_limited_greedy")
+    direct_bias = any(isinstance(getattr(owner, name, None), torch.Tensor)
+                      for owner in (router, block) for name in _SELECTION_BIAS_NAMES)
+    sigmoid_like = not softmax_rule and (direct_bias or n_group > 1 or scaling != 1.0)
     norm = _attr((router, block), "norm_topk_prob")
+    if norm is None and softmax_rule:
+        norm = False  # DeepSeek-V2's router never renormalises (its config's norm_topk_prob goes unread)
     renorm_order = [bool(norm), not bool(norm)] if norm is not None else [True, False]
-    sigmoid_like = _correction_bias(router, block) is not None or n_group > 1 or scaling != 1.0
     if sigmoid_like:
         scorings = [Scoring.SIGMOID, Scoring.SOFTMAX, Scoring.SOFTMAX_AFTER_TOPK]
     elif layout.router_bias is not None:

@@ -114,7 +114,7 @@ def allowed_groups(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Boolean ``[T, E]``: experts in the token's top ``topk_group`` groups. A group's score is the sum of its two
     best choice scores under SIGMOID scoring (DeepSeek-V3) and its best one under the softmax scorings (DeepSeek-V2's
     ``group_limited_greedy`` takes the best softmax score; the choice scores are the logits, which softmax orders
-    alike). All True without groups."""
+    alike, or with a selection bias the probabilities + the bias). All True without groups."""
     T, E = choice.shape
     if routing.n_group <= 1:
         return torch.ones_like(choice, dtype=torch.bool)

@@ -129,6 +129,21 @@ def test_nested_router_with_hooks_is_refused():
         base_moe.apply(model, budget=2, policy="router_sum")
 
 
+META_ROUTING_UNKNOWN = {"cohere2_moe_sigmoid", "jamba", "jamba_renorm"}
+"""families whose routers' attributes do not tell their rule (Cohere2-MoE's sigmoid selection, Jamba's missing
+renormalisation flag): on the meta device, where no probe runs, detection takes the attributes' guess, which is wrong
+for these."""
+
+
+@pytest.mark.parametrize("name", sorted(set(SUPPORTED) - META_ROUTING_UNKNOWN))
+def test_meta_device_family_takes_the_probed_routing(name):
+    """On the meta device (no probe can run) the routing read from the attributes is the one the probe finds on the
+    CPU: ERNIE-4.5's bias one module down means softmax, DeepSeek-V2's topk_method softmax without renormalisation."""
+    model = _supported_model(name)
+    probed = [layout.routing for layout in find_moe_layouts(model)]
+    assert [layout.routing for layout in find_moe_layouts(model.to("meta"))] == probed
+
+
 @pytest.mark.parametrize("overrides, groups", [
     ({}, (4, 1)),  # group_limited_greedy, one group for top-2: the limit binds
     ({"topk_group": 2}, (1, 1)),  # two groups for top-2: a limit by the groups' best scores cannot bind

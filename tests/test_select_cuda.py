@@ -218,6 +218,19 @@ SELECT_CASES = _select_cases(48, seed=3) + [
     (1, 20, 200, 8, "sigmoid_groups8_4", "ties"),
     (3, 100, 128, 8, "softmax_renorm", "ties"),  # 65-128 tokens: 8-warp CTAs
     (2, 128, 256, 8, "sigmoid_groups8_4", "normal"),
+    # the softmax-with-bias-or-groups instances (ERNIE-4.5, DeepSeek-V2) at every experts-per-lane count, one and
+    # several chunks (the fill scores each token again), 4-, 8- and 16-warp CTAs; bias 0.1 N(0, 1) (make_inputs)
+    (2, 300, 60, 8, "softmax_bias_renorm", "normal"),
+    (1, 4096, 64, 6, "softmax_bias_renorm", "dup"),
+    (4, 16, 8, 2, "softmax_bias_renorm", "normal"),
+    (3, 100, 128, 8, "softmax_bias_renorm", "normal"),
+    (2, 40, 256, 8, "softmax_bias_renorm", "normal"),
+    (1, 64, 512, 16, "softmax_bias_renorm", "normal"),
+    (4, 16, 128, 8, "softmax_groups8_4", "normal"),
+    (2, 300, 256, 8, "softmax_groups8_4", "ties"),
+    (1, 1000, 64, 6, "softmax_groups4_1", "normal"),
+    (3, 64, 512, 16, "softmax_groups8_4", "dup"),
+    (2, 40, 128, 8, "softmax_after_topk_groups4_1", "normal"),
 ]
 
 

@@ -67,7 +67,7 @@ BASE_MOE_HOST_DEVICE inline float exp_rounded_once(float x) {
 // A group's score for the group limit (reference.allowed_groups), over its n >= 2 choice scores [first, first + n):
 // under sigmoid scoring DeepSeek-V3's sum of the two largest, under the softmax scorings the largest (DeepSeek-V2's
 // group_limited_greedy takes the largest softmax score; the choice scores there are the logits, which softmax orders
-// alike).
+// alike, or with a selection bias the probabilities + the bias).
 BASE_MOE_HOST_DEVICE inline float group_score(const float* score, int first, int n, bool sum_of_two) {
   float best = -INFINITY, second = -INFINITY;
   for (int i = 0; i < n; ++i) {

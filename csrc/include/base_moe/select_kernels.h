@@ -29,7 +29,7 @@ struct SelectParams {
   const float* logits;           // [G * B, E]
   const float* log_norms;        // rows of E, row stride ln_stride (0: broadcast); BASE cost only
   int64_t ln_stride;
-  const float* correction_bias;  // [E] or null (sigmoid only)
+  const float* correction_bias;  // [E] or null (sigmoid, or softmax: ERNIE-4.5)
   const float* batch_cost_in;    // [G, E] (select_fill)
   const bool* voting;            // [G * B]: the tokens whose slots add to D and make candidates; null: every token
   int32_t* ids;                  // [G * B, k]: routed ids (route_cost), final ids (select_fill / route_select)
