@@ -56,6 +56,10 @@ def routings(E: int, k: int) -> dict[str, tuple[Routing, bool]]:
             cases[f"softmax_groups{n_group}_{topk_group}"] = (
                 Routing(k, Scoring.SOFTMAX, renormalize, n_group=n_group, topk_group=topk_group, scaling=16.0), False
             )
+            if n_group == 8:  # a selection bias and a group limit together (the group's best probability + bias)
+                cases["softmax_bias_groups8_4"] = (
+                    Routing(k, Scoring.SOFTMAX, True, n_group=8, topk_group=4), True
+                )
             if n_group == 4:
                 cases["softmax_after_topk_groups4_1"] = (
                     Routing(k, Scoring.SOFTMAX_AFTER_TOPK, n_group=4, topk_group=1), False
@@ -231,6 +235,8 @@ SELECT_CASES = _select_cases(48, seed=3) + [
     (1, 1000, 64, 6, "softmax_groups4_1", "normal"),
     (3, 64, 512, 16, "softmax_groups8_4", "dup"),
     (2, 40, 128, 8, "softmax_after_topk_groups4_1", "normal"),
+    (2, 300, 256, 8, "softmax_bias_groups8_4", "normal"),
+    (4, 16, 64, 6, "softmax_bias_groups8_4", "normal"),
 ]
 
 
