@@ -61,7 +61,8 @@ enum class Plan {
 // Which routing code an instance carries: softmax without a group limit at budgets up to 32, without (kSoftmax) or with
 // (kSoftmaxVoting) the voting flags' code, or every scoring mode, group limit and budget with the flags' code (kGeneric:
 // needs_generic_routing) for sigmoid scoring and softmax without a selection bias or group limit, or the same code for
-// softmax with one of those (kSoftmaxBiasOrGroups: score_token's SOFTMAX_BIAS_OR_GROUPS).
+// softmax with one of those (kSoftmaxBiasOrGroups: needs_softmax_bias_or_groups, score_token's
+// SOFTMAX_BIAS_OR_GROUPS).
 enum class Variant { kSoftmax, kSoftmaxVoting, kGeneric, kSoftmaxBiasOrGroups };
 
 // The ranking reads the keys 16 bytes at a time: ceil(E / 4) of them, the keys past E zero (no candidate).
@@ -573,8 +574,7 @@ void launch_by_experts(const SelectParams& p, int groups, bool clusters, int dev
 void route_select_launch(SelectParams p, int groups, int device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   const bool clusters = cuda::device_has_clusters(device);
-  const bool softmax = p.scoring != static_cast<int>(Scoring::kSigmoid);
-  if (softmax && (p.correction_bias != nullptr || p.n_group > 1)) {
+  if (needs_softmax_bias_or_groups(p)) {
     launch_by_experts<Variant::kSoftmaxBiasOrGroups>(p, groups, clusters, device, stream);
   } else if (needs_generic_routing(p)) {
     launch_by_experts<Variant::kGeneric>(p, groups, clusters, device, stream);
