@@ -428,14 +428,22 @@ _SELECTION_BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 ``expert_bias``; ERNIE-4.5's router holds one in ``moe_statics``, added to softmax probabilities)."""
 
 
-def _correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
-    """The selection bias the router adds to its expert scores: the router's or the block's own attribute, else one a
-    submodule of the router holds (ERNIE-4.5's ``gate.moe_statics.e_score_correction_bias``, shaped ``[1, E]``)."""
+def _own_selection_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
+    """A selection bias held as the router's or the block's own attribute (DeepSeek-V3, LFM2), or None."""
     for owner in (router, block):
         for name in _SELECTION_BIAS_NAMES:
             bias = getattr(owner, name, None)
             if isinstance(bias, torch.Tensor):
                 return bias
+    return None
+
+
+def _correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
+    """The selection bias the router adds to its expert scores: the router's or the block's own attribute, else one a
+    submodule of the router holds (ERNIE-4.5's ``gate.moe_statics.e_score_correction_bias``, shaped ``[1, E]``)."""
+    bias = _own_selection_bias(router, block)
+    if bias is not None:
+        return bias
     for name, tensor in [*router.named_parameters(), *router.named_buffers()]:
         if name.rsplit(".", 1)[-1] in _SELECTION_BIAS_NAMES:
             return tensor
@@ -489,10 +497,10 @@ def _candidate_routings(layout: MoELayout) -> list[Routing]:
     scaling = float(_attr((router, block), "routed_scaling_factor", "route_scale", default=1.0))  # AFMoE: route_scale
 
     # DeepSeek-V2's topk_method names its softmax rules; a bias held deeper in the router is ERNIE-4.5's, on softmax
-    softmax_rule = _attr((router, block), "topk_method") in ("greedy", "group_limited_greedy")
-    direct_bias = any(isinstance(getattr(owner, name, None), torch.Tensor)
-                      for owner in (router, block) for name in _SELECTION_BIAS_NAMES)
-    sigmoid_like = not softmax_rule and (direct_bias or n_group > 1 or scaling != 1.0)
+    topk_method = _attr((router, block), "topk_method")
+    softmax_rule = topk_method in ("greedy", "group_limited_greedy")
+    own_bias = _own_selection_bias(router, block) is not None
+    sigmoid_like = not softmax_rule and (own_bias or n_group > 1 or scaling != 1.0)
     norm = _attr((router, block), "norm_topk_prob")
     if norm is None and softmax_rule:
         norm = False  # DeepSeek-V2's router never renormalises (its config's norm_topk_prob goes unread)
@@ -508,14 +516,14 @@ def _candidate_routings(layout: MoELayout) -> list[Routing]:
     candidates = []
     for scoring in scorings:
         renorms = [False] if scoring == Scoring.SOFTMAX_AFTER_TOPK else renorm_order
-        for groups in _group_options(router, block, scoring, int(top_k), n_group, topk_group):
+        for groups in _group_options(topk_method == "greedy", scoring, int(top_k), n_group, topk_group):
             for scale in scales:
                 for renorm in renorms:
                     candidates.append(Routing(int(top_k), scoring, renorm, groups[0], groups[1], scale))
     return candidates
 
 
-def _group_options(router, block, scoring: Scoring, top_k: int, n_group: int, topk_group: int) -> list[tuple]:
+def _group_options(greedy: bool, scoring: Scoring, top_k: int, n_group: int, topk_group: int) -> list[tuple]:
     """The group limits to try, ``(n_group, topk_group)``, the likelier first. A declared limit comes first unless the
     block says it routes greedily (DeepSeek-V2's ``topk_method="greedy"`` ignores its n_group) or, under softmax,
     the limit cannot bind: a group scored by its best logit holds the token's best expert outside the other top
@@ -523,7 +531,6 @@ def _group_options(router, block, scoring: Scoring, top_k: int, n_group: int, to
     probe could not tell; backfill would then prefer the token's groups, which the model's own order does not)."""
     if n_group <= 1:
         return [(1, 1)]
-    greedy = _attr((router, block), "topk_method") == "greedy"
     unbound = scoring != Scoring.SIGMOID and topk_group >= top_k
     return [(1, 1), (n_group, topk_group)] if greedy or unbound else [(n_group, topk_group), (1, 1)]
 
