@@ -137,6 +137,16 @@ def torch_select(x, W_cat, b_cat, routing: Routing, bias, E: int, budget: int):
     return final_ids, final_w, kept, counts[:, :E], D
 
 
+def hf_keep_top_groups(choice: torch.Tensor, group_scores: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """HF's group limit (DeepSeek-V2 and -V3 alike): the choice scores outside the token's ``topk_group`` best groups
+    by ``group_scores [T, n_group]`` set to 0."""
+    T, E = choice.shape
+    group_idx = torch.topk(group_scores, k=routing.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(T, routing.n_group, E // routing.n_group).reshape(T, -1)
+    return choice.masked_fill(~score_mask.bool(), 0.0)
+
+
 def hf_fp32_softmax_router(x, W_r, routing: Routing, bias):
     """DeepseekV2TopkRouter (greedy or group_limited_greedy) and Ernie4_5_MoeTopKRouter: fp32 linear, softmax, top-k of
     the probabilities (+ ERNIE's bias) within the best groups (a group's best probability), weights the probabilities
@@ -144,12 +154,8 @@ def hf_fp32_softmax_router(x, W_r, routing: Routing, bias):
     scores = F.linear(x.float(), W_r.float()).softmax(dim=-1)
     choice = scores + bias if bias is not None else scores
     if routing.n_group > 1:
-        T, E = choice.shape
-        group_scores = choice.view(T, routing.n_group, -1).max(dim=-1).values
-        group_idx = torch.topk(group_scores, k=routing.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(T, routing.n_group, E // routing.n_group).reshape(T, -1)
-        choice = choice.masked_fill(~score_mask.bool(), 0.0)
+        group_scores = choice.view(choice.shape[0], routing.n_group, -1).max(dim=-1).values
+        choice = hf_keep_top_groups(choice, group_scores, routing)
     ids = torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
     w = scores.gather(1, ids)
     if routing.renormalize:
@@ -165,12 +171,8 @@ def hf_router(x, W_r, routing: Routing, bias):
         logits = F.linear(x.float(), W_r.float())
         scores = logits.sigmoid()
         choice = scores + bias
-        T, E = choice.shape
-        group_scores = choice.view(T, routing.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=routing.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(T, routing.n_group, E // routing.n_group).reshape(T, -1)
-        choice = choice.masked_fill(~score_mask.bool(), 0.0)
+        group_scores = choice.view(choice.shape[0], routing.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = hf_keep_top_groups(choice, group_scores, routing)
         ids = torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
         w = scores.gather(1, ids)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
