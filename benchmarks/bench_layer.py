@@ -213,6 +213,7 @@ def main():
         expert_bytes = 3 * cfg["H"] * cfg["I"] * 2
         copies = [expert_weights(cfg, gen) for _ in range(COPIES)]
         routers = [router_weights(cfg, gen) for _ in copies]  # each copy of the layer has its own (cold in L2)
+        layers = list(zip(copies, routers))
         norm_weight = torch.ones(cfg["H"], device="cuda", dtype=torch.bfloat16)
         hf = None
         if not args.no_hf:
@@ -231,8 +232,6 @@ def main():
 
                 def layer(gu, dp, router, h=x):
                     return torch.ops.base_moe.experts(h, *select(router, h), gu, dp, M)
-
-                layers = list(zip(copies, routers))
 
                 def norm():  # the decoder layer's norm just before the MoE block
                     return F.rms_norm(x, (cfg["H"],), norm_weight, 1e-6)
