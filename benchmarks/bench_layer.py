@@ -289,7 +289,7 @@ def main():
                 variants.append(dict(batch=T, budget=M, active=active, us=res))
                 print(f"variants T={T:4d} M={str(M):4s} active={active:3d} " +
                       " ".join(f"{key}={val:6.1f}" for key, val in res.items()), flush=True)
-        del copies, hf
+        del copies, routers, layers, hf  # (layers holds the copies too)
         torch.cuda.empty_cache()
 
     # the copy again at the end, the faster of the two for every fraction (the conservative choice)
