@@ -539,7 +539,7 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
     candidates = _candidate_routings(layout)
     weight = layout.router_weight
     if weight.device.type == "meta":
-        return candidates[0]  # nothing to run: trust the attributes
+        return _stand_in_routing(layout, candidates)
     generator = torch.Generator().manual_seed(0)
     # 512 tokens: a rule that differs from a candidate on ~5% of tokens (an undeclared group limit) went unseen by
     # 64 about once in 150 random blocks; the router alone is cheap to run on them
@@ -547,17 +547,57 @@ def _infer_routing(layout: MoELayout, where: str) -> Routing:
     with torch.no_grad():
         logits, weights, ids = _router_choices(layout, probe, where)
         _check_router_logits(layout, probe, logits, where)
+    routing = _first_match(candidates, logits, weights, ids, layout.correction_bias())
+    if routing is None:
+        raise MoELayoutError(
+            f"{where}: its router's top-k weights match none of base_moe's routing rules (softmax then top-k, "
+            "top-k then softmax, sigmoid with correction bias; with or without groups, renormalisation, scaling)."
+        )
+    return routing
+
+
+def _first_match(candidates: list[Routing], logits, weights, ids, bias) -> Routing | None:
+    """The first of ``candidates`` that reproduces a router's choices (``ids``, ``weights``) from its ``logits``
+    and selection ``bias``; None if none does."""
     # weights the router computes in fp32 are matched to fp32 rounding, others to a half type's
     exact = weights.dtype == torch.float32 and logits.dtype == torch.float32
     logits, weights, ids = logits.float(), weights.float(), ids.long()
-    bias = layout.correction_bias()
     for routing in candidates:
         if _matches(logits, weights, ids, routing, bias if _takes_selection_bias(routing) else None, exact):
             return routing
-    raise MoELayoutError(
-        f"{where}: its router's top-k weights match none of base_moe's routing rules (softmax then top-k, "
-        "top-k then softmax, sigmoid with correction bias; with or without groups, renormalisation, scaling)."
-    )
+    return None
+
+
+def _stand_in_routing(layout: MoELayout, candidates: list[Routing]) -> Routing:
+    """The routing rule of a router on the meta device, whose weights hold no values to probe: the rule lies in its
+    code and attributes, so an fp32 stand-in of the router (and of the block, whose ``route_tokens_to_experts`` may
+    route its logits) with random weights and selection bias on the CPU is probed instead. The attributes alone
+    cannot tell every rule (Cohere2-MoE's ``expert_selection_fn="sigmoid"``, Jamba's unread ``norm_topk_prob``).
+    Where a stand-in cannot be built or run, or matches no rule, the attributes' guess (the first candidate)."""
+    generator = torch.Generator().manual_seed(0)
+    try:
+        router = _stand_in(layout.router, generator, torch.float32)
+        block = _block_stand_in(layout, router, generator)
+        bias = _correction_bias(router, block)
+        # logits of about unit size, as a trained router's: random unit weights on unit hidden states would give
+        # ~sqrt(H), whose saturated softmax could not tell a renormalisation
+        probe = torch.randn(512, layout.hidden_size, generator=generator) / layout.hidden_size**0.5
+        with torch.no_grad():
+            logits, weights, ids = _router_choices(layout, probe, None, router, block, bias)
+        routing = _first_match(candidates, logits, weights, ids, None if bias is None else bias.reshape(-1))
+    except Exception:  # noqa: BLE001 - a router or block the stand-in cannot copy or run: the attributes' guess
+        return candidates[0]
+    return candidates[0] if routing is None else routing
+
+
+def _block_stand_in(layout: MoELayout, router: nn.Module, generator: torch.Generator) -> nn.Module:
+    """A shallow copy of the block (hooks dropped) whose own floating-point parameters and buffers are random fp32
+    CPU tensors and whose router is ``router``; its other submodules (the experts) are the block's own, unused."""
+    block = _without_hooks(layout.block)
+    block._parameters, block._buffers = _random_tensors(layout.block, generator, torch.float32)
+    block._modules = dict(layout.block._modules)
+    block._modules[layout.router_name] = router  # (a router deeper than a child: the stand-in fails, the guess)
+    return block
 
 
 def _probe_router_stand_in(layout: MoELayout) -> None:
@@ -575,9 +615,9 @@ def _probe_router_stand_in(layout: MoELayout) -> None:
     layout.router_rounds_logits = layout.router_returns_model_dtype = True
     layout.router_takes_sequences, logits = False, None
     try:
-        router = _bf16_stand_in(layout.router, generator)
+        router = _stand_in(layout.router, generator, torch.bfloat16)
         bias = _correction_bias(layout.router, layout.block)  # (a block's: the stand-in must not meet the real one)
-        bias = None if bias is None else _random_bf16(bias, generator)
+        bias = None if bias is None else _random_like(bias, generator, torch.bfloat16)
     except Exception:  # noqa: BLE001 - a router the stand-in cannot copy: the fallback above
         return
     with torch.no_grad():
@@ -598,31 +638,43 @@ def _probe_router_stand_in(layout: MoELayout) -> None:
     layout.router_rounds_logits = layout.router_returns_model_dtype or rounded
 
 
-def _bf16_stand_in(module: nn.Module, generator: torch.Generator) -> nn.Module:
-    """A shallow copy of ``module`` and its submodules on the CPU whose floating-point parameters and buffers are
-    random bf16 tensors of their shapes (_random_bf16), without hooks or an instance-level forward (an offload hook
-    would move them). Other attributes are shared with ``module`` (a forward that mutates them mutates the
-    router's)."""
-    stand_in = copy.copy(module)
-    stand_in.__dict__.pop("forward", None)
-    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
-                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
-                  "_backward_hooks"):
-        setattr(stand_in, hooks, OrderedDict())
-    stand_in._parameters = {name: None if p is None else nn.Parameter(_random_bf16(p, generator), requires_grad=False)
-                            for name, p in module._parameters.items()}
-    stand_in._buffers = {name: None if b is None else _random_bf16(b, generator) for name, b in module._buffers.items()}
-    stand_in._modules = {name: None if m is None else _bf16_stand_in(m, generator)
+def _stand_in(module: nn.Module, generator: torch.Generator, dtype: torch.dtype) -> nn.Module:
+    """A shallow copy of ``module`` and its submodules on the CPU (hooks dropped: _without_hooks) whose
+    floating-point parameters and buffers are random tensors of their shapes in ``dtype`` (_random_like). Other
+    attributes are shared with ``module`` (a forward that mutates them mutates the router's)."""
+    stand_in = _without_hooks(module)
+    stand_in._parameters, stand_in._buffers = _random_tensors(module, generator, dtype)
+    stand_in._modules = {name: None if m is None else _stand_in(m, generator, dtype)
                          for name, m in module._modules.items()}
     return stand_in
 
 
-def _random_bf16(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """A CPU tensor of ``t``'s shape: random bf16 where ``t`` is floating point (as ``module.to(bfloat16)`` leaves
-    it), else a copy of ``t`` (an integer buffer's values may matter; zeros for one on the meta device)."""
+def _without_hooks(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` without hooks or an instance-level forward (an offload hook would move its
+    tensors)."""
+    copied = copy.copy(module)
+    copied.__dict__.pop("forward", None)
+    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+                  "_backward_hooks"):
+        setattr(copied, hooks, OrderedDict())
+    return copied
+
+
+def _random_tensors(module: nn.Module, generator: torch.Generator, dtype: torch.dtype) -> tuple[dict, dict]:
+    """``module``'s own parameters and buffers (not its submodules') as random stand-ins (_random_like)."""
+    parameters = {name: None if p is None else nn.Parameter(_random_like(p, generator, dtype), requires_grad=False)
+                  for name, p in module._parameters.items()}
+    buffers = {name: None if b is None else _random_like(b, generator, dtype) for name, b in module._buffers.items()}
+    return parameters, buffers
+
+
+def _random_like(t: torch.Tensor, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``t``'s shape: random values in ``dtype`` where ``t`` is floating point (as ``module.to(dtype)``
+    leaves it), else a copy of ``t`` (an integer buffer's values may matter; zeros for one on the meta device)."""
     if not t.is_floating_point():
         return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.detach().to("cpu")
-    return torch.randn(t.shape, generator=generator).to(torch.bfloat16)
+    return torch.randn(t.shape, generator=generator).to(dtype)
 
 
 def _check_router_logits(layout: MoELayout, probe: torch.Tensor, logits: torch.Tensor, where: str) -> None:
@@ -711,11 +763,13 @@ def _call_router(layout: MoELayout, x: torch.Tensor, where: str | None, router: 
     )
 
 
-def _router_choices(layout: MoELayout, x: torch.Tensor, where: str | None = None):
+def _router_choices(layout: MoELayout, x: torch.Tensor, where: str | None = None, router: nn.Module | None = None,
+                    block: nn.Module | None = None, bias: torch.Tensor | None = None):
     """The router's own choices on ``x [N, H]``: ``(logits, top_k_weights, top_k_index)``, from its output or, where
-    it returns logits only, from the block's ``route_tokens_to_experts``."""
-    out = _router_forward(layout, x, where)
-    route = getattr(layout.block, "route_tokens_to_experts", None)
+    it returns logits only, from the block's ``route_tokens_to_experts`` (of ``router``, ``block`` and ``bias``,
+    stand-ins of them, where given: _router_forward)."""
+    out = _router_forward(layout, x, where, router, bias)
+    route = getattr(layout.block if block is None else block, "route_tokens_to_experts", None)
     if isinstance(out, tuple) and len(out) >= 3:  # (logits, top_k_weights, top_k_index)
         return out[0], out[1], out[2]
     if isinstance(out, torch.Tensor) and callable(route):  # logits; the block routes them

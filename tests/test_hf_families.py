@@ -129,16 +129,11 @@ def test_nested_router_with_hooks_is_refused():
         base_moe.apply(model, budget=2, policy="router_sum")
 
 
-META_ROUTING_UNKNOWN = {"cohere2_moe_sigmoid", "jamba", "jamba_renorm"}
-"""families whose routers' attributes do not tell their rule (Cohere2-MoE's sigmoid selection, Jamba's missing
-renormalisation flag): on the meta device, where no probe runs, detection takes the attributes' guess, which is wrong
-for these."""
-
-
-@pytest.mark.parametrize("name", sorted(set(SUPPORTED) - META_ROUTING_UNKNOWN))
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
 def test_meta_device_family_takes_the_probed_routing(name):
-    """On the meta device (no probe can run) the routing read from the attributes is the one the probe finds on the
-    CPU: ERNIE-4.5's bias one module down means softmax, DeepSeek-V2's topk_method softmax without renormalisation."""
+    """On the meta device (no probe of the weights can run) the routing is the one the probe finds on the CPU, for
+    the families whose attributes do not tell it too (an fp32 stand-in of the router is probed): Cohere2-MoE's
+    ``expert_selection_fn="sigmoid"``, Jamba's renormalisation-free softmax beside an unread ``norm_topk_prob``."""
     model = _supported_model(name)
     probed = [layout.routing for layout in find_moe_layouts(model)]
     assert [layout.routing for layout in find_moe_layouts(model.to("meta"))] == probed

@@ -11,7 +11,7 @@ from hf_models import FAMILIES, NUM_EXPERTS, selection_output, tiny_model
 from torch import nn
 
 from base_moe import reference
-from base_moe.layouts import LOG_NORM_FLOOR, MoELayoutError, find_moe_layouts
+from base_moe.layouts import LOG_NORM_FLOOR, MoELayoutError, _candidate_routings, find_moe_layouts
 from base_moe.routing import Routing, Scoring
 
 EXPECTED = {
@@ -376,9 +376,10 @@ def test_each_block_is_probed_once():
 # Edge cases found by mutation testing
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
-def test_meta_device_model_takes_the_routing_its_attributes_describe(family):
-    """A model on the meta device (no probe can run) gets the routing its attributes describe: the probed one; and
-    whether its router rounds its logits (asked of a CPU stand-in with random weights): DeepSeek-V3's does not."""
+def test_meta_device_model_takes_the_probed_routing(family):
+    """A model on the meta device (no probe of its weights can run) gets the routing a CPU stand-in of its router
+    with random weights shows: the probed one; and whether its router rounds its logits (asked of a bf16 stand-in):
+    DeepSeek-V3's does not."""
     import transformers
     from hf_models import tiny_config
 
@@ -852,6 +853,49 @@ def test_router_that_fails_on_the_probe_is_refused_naming_the_block():
     with pytest.raises(MoELayoutError, match=r"'layers.1.mlp'.*router 'gate' or the block on a probe failed "
                                              r"\(RuntimeError: needs a sequence dimension\)"):
         find_moe_layouts(_Model(_ArgumentRouterBlock(_FailingRouter(), correction_bias=False)))
+
+
+class _SigmoidRouter(_Router):
+    """Top-k of the logits weighted by their sigmoids (Cohere2-MoE's ``expert_selection_fn="sigmoid"``): no attribute
+    says so."""
+
+    def forward(self, x):
+        logits = nn.functional.linear(x, self.weight)
+        values, ids = torch.topk(logits, 2, dim=-1)
+        return logits, values.sigmoid(), ids
+
+
+@pytest.mark.parametrize("make_block", [
+    lambda: _ArgumentRouterBlock(_SigmoidRouter(), correction_bias=False),
+    _RoutingBlock,  # the block routes the logits, with its own bias and scaling
+    _BiasArgumentBlock,  # the router takes the block's bias
+], ids=["sigmoid", "block_routes", "bias_argument"])
+def test_meta_device_block_takes_the_probed_routing(make_block):
+    """On the meta device a CPU stand-in of the router (and of the block, its own bias included) with random weights
+    is probed: the routing is the one a real block gives."""
+    (probed,) = find_moe_layouts(_Model(make_block()))
+    with torch.device("meta"):
+        model = _Model(make_block())
+    (lay,) = find_moe_layouts(model)
+    assert lay.routing == probed.routing
+
+
+def test_meta_device_routing_is_not_the_attributes_guess_where_they_do_not_tell():
+    """The sigmoid router's attributes (a top_k) describe softmax with renormalisation; the stand-in tells sigmoid."""
+    with torch.device("meta"):
+        model = _Model(_ArgumentRouterBlock(_SigmoidRouter(), correction_bias=False))
+    (lay,) = find_moe_layouts(model)
+    assert _candidate_routings(lay)[0] == Routing(2, Scoring.SOFTMAX, True)
+    assert lay.routing == Routing(2, Scoring.SIGMOID, False)
+
+
+def test_meta_device_router_the_stand_in_cannot_run_takes_the_attributes_guess():
+    """Where the stand-in fails (here the router's forward raises), a model on the meta device keeps the routing
+    its attributes describe, as before there was a stand-in."""
+    with torch.device("meta"):
+        model = _Model(_ArgumentRouterBlock(_FailingRouter(), correction_bias=False))
+    (lay,) = find_moe_layouts(model)
+    assert lay.routing == _candidate_routings(lay)[0] == Routing(2, Scoring.SOFTMAX, True)
 
 
 class _ScaleSharedExpert(nn.Module):
