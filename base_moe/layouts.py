@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -535,24 +536,25 @@ def _group_options(greedy: bool, scoring: Scoring, top_k: int, n_group: int, top
     return [(1, 1), (n_group, topk_group)] if greedy or unbound else [(n_group, topk_group), (1, 1)]
 
 
+_NO_RULE = ("match none of base_moe's routing rules (softmax then top-k, top-k then softmax, sigmoid with correction "
+            "bias; with or without groups, renormalisation, scaling)")
+
+
 def _infer_routing(layout: MoELayout, where: str) -> Routing:
     candidates = _candidate_routings(layout)
     weight = layout.router_weight
     if weight.device.type == "meta":
-        return _stand_in_routing(layout, candidates)
+        return _stand_in_routing(layout, candidates, where)
     generator = torch.Generator().manual_seed(0)
     # 512 tokens: a rule that differs from a candidate on ~5% of tokens (an undeclared group limit) went unseen by
     # 64 about once in 150 random blocks; the router alone is cheap to run on them
-    probe = torch.randn(512, layout.hidden_size, generator=generator).to(device=weight.device, dtype=layout.dtype)
+    probe = torch.randn(512, layout.hidden_size, generator=generator, device="cpu").to(weight.device, layout.dtype)
     with torch.no_grad():
         logits, weights, ids = _router_choices(layout, probe, where)
         _check_router_logits(layout, probe, logits, where)
     routing = _first_match(candidates, logits, weights, ids, layout.correction_bias())
     if routing is None:
-        raise MoELayoutError(
-            f"{where}: its router's top-k weights match none of base_moe's routing rules (softmax then top-k, "
-            "top-k then softmax, sigmoid with correction bias; with or without groups, renormalisation, scaling)."
-        )
+        raise MoELayoutError(f"{where}: its router's top-k weights {_NO_RULE}.")
     return routing
 
 
@@ -568,26 +570,41 @@ def _first_match(candidates: list[Routing], logits, weights, ids, bias) -> Routi
     return None
 
 
-def _stand_in_routing(layout: MoELayout, candidates: list[Routing]) -> Routing:
+def _stand_in_routing(layout: MoELayout, candidates: list[Routing], where: str) -> Routing:
     """The routing rule of a router on the meta device, whose weights hold no values to probe: the rule lies in its
     code and attributes, so an fp32 stand-in of the router (and of the block, whose ``route_tokens_to_experts`` may
     route its logits) with random weights and selection bias on the CPU is probed instead. The attributes alone
     cannot tell every rule (Cohere2-MoE's ``expert_selection_fn="sigmoid"``, Jamba's unread ``norm_topk_prob``).
-    Where a stand-in cannot be built or run, or matches no rule, the attributes' guess (the first candidate)."""
+    Where a stand-in cannot be built or run, the attributes' guess (the first candidate), with a warning; where it
+    runs and matches no rule, an error, as on a real device (a parameter that is a constant in the model, made random
+    here, could cause it: the message says to apply to the loaded model)."""
     generator = torch.Generator().manual_seed(0)
     try:
         router = _stand_in(layout.router, generator, torch.float32)
         block = _block_stand_in(layout, router, generator)
         bias = _correction_bias(router, block)
+        if bias is not None:
+            bias.mul_(0.1)  # of a trained bias's size: a unit one beside unit logits would hide a group limit
         # logits of about unit size, as a trained router's: random unit weights on unit hidden states would give
         # ~sqrt(H), whose saturated softmax could not tell a renormalisation
-        probe = torch.randn(512, layout.hidden_size, generator=generator) / layout.hidden_size**0.5
+        probe = torch.randn(512, layout.hidden_size, generator=generator, device="cpu") / layout.hidden_size**0.5
         with torch.no_grad():
             logits, weights, ids = _router_choices(layout, probe, None, router, block, bias)
-        routing = _first_match(candidates, logits, weights, ids, None if bias is None else bias.reshape(-1))
-    except Exception:  # noqa: BLE001 - a router or block the stand-in cannot copy or run: the attributes' guess
+    except Exception as error:  # noqa: BLE001 - a router or block the stand-in cannot copy or run: the guess
+        warnings.warn(
+            f"{where}: on the meta device, and a CPU copy of its router with random weights could not run "
+            f"({type(error).__name__}: {error}); its routing is taken from its attributes, unverified: "
+            f"{candidates[0]}. Apply base_moe to the loaded model to have it verified."
+        )
         return candidates[0]
-    return candidates[0] if routing is None else routing
+    routing = _first_match(candidates, logits, weights, ids, None if bias is None else bias.reshape(-1))
+    if routing is None:
+        raise MoELayoutError(
+            f"{where}: on the meta device, the top-k weights of a CPU copy of its router with random weights "
+            f"{_NO_RULE}. If the router holds a constant that random values change, apply base_moe to the loaded "
+            "model."
+        )
+    return routing
 
 
 def _block_stand_in(layout: MoELayout, router: nn.Module, generator: torch.Generator) -> nn.Module:
@@ -596,7 +613,7 @@ def _block_stand_in(layout: MoELayout, router: nn.Module, generator: torch.Gener
     block = _without_hooks(layout.block)
     block._parameters, block._buffers = _random_tensors(layout.block, generator, torch.float32)
     block._modules = dict(layout.block._modules)
-    block._modules[layout.router_name] = router  # (a router deeper than a child: the stand-in fails, the guess)
+    block._modules[layout.router_name] = router  # (router_name names a child: found among named_children)
     return block
 
 
@@ -611,7 +628,7 @@ def _probe_router_stand_in(layout: MoELayout) -> None:
     Where the stand-in cannot be built or returns no logits tensor on either shape, both rounding flags are True (a
     linear layer's rule, most routers'; the routing probe on the real router then says what fails, if anything)."""
     generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(8, layout.hidden_size, generator=generator).to(torch.bfloat16)
+    probe = torch.randn(8, layout.hidden_size, generator=generator, device="cpu").to(torch.bfloat16)
     layout.router_rounds_logits = layout.router_returns_model_dtype = True
     layout.router_takes_sequences, logits = False, None
     try:
@@ -673,8 +690,8 @@ def _random_like(t: torch.Tensor, generator: torch.Generator, dtype: torch.dtype
     """A CPU tensor of ``t``'s shape: random values in ``dtype`` where ``t`` is floating point (as ``module.to(dtype)``
     leaves it), else a copy of ``t`` (an integer buffer's values may matter; zeros for one on the meta device)."""
     if not t.is_floating_point():
-        return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.detach().to("cpu")
-    return torch.randn(t.shape, generator=generator).to(dtype)
+        return torch.zeros(t.shape, dtype=t.dtype, device="cpu") if t.is_meta else t.detach().to("cpu")
+    return torch.randn(t.shape, generator=generator, device="cpu").to(dtype)
 
 
 def _check_router_logits(layout: MoELayout, probe: torch.Tensor, logits: torch.Tensor, where: str) -> None:
@@ -799,7 +816,7 @@ def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
     if block in _VERIFIED_BLOCKS:
         return _VERIFIED_BLOCKS[block]
     generator = torch.Generator().manual_seed(1)
-    probe = torch.randn(1, 4, layout.hidden_size, generator=generator).to(device=weight.device, dtype=layout.dtype)
+    probe = torch.randn(1, 4, layout.hidden_size, generator=generator, device="cpu").to(weight.device, layout.dtype)
     forward = getattr(type(block), "_base_moe_original_class", type(block)).forward
     modes = [(module, module.training) for module in block.modules()]
     try:

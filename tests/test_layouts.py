@@ -894,8 +894,49 @@ def test_meta_device_router_the_stand_in_cannot_run_takes_the_attributes_guess()
     its attributes describe, as before there was a stand-in."""
     with torch.device("meta"):
         model = _Model(_ArgumentRouterBlock(_FailingRouter(), correction_bias=False))
-    (lay,) = find_moe_layouts(model)
+    with pytest.warns(UserWarning, match=r"'layers.1.mlp'.*could not run \(RuntimeError: needs a sequence dimension\); "
+                                         r"its routing is taken from its attributes, unverified"):
+        (lay,) = find_moe_layouts(model)
     assert lay.routing == _candidate_routings(lay)[0] == Routing(2, Scoring.SOFTMAX, True)
+
+
+def test_meta_device_router_matching_no_rule_is_refused():
+    """A stand-in that runs and matches no rule refuses the block, as the real router does (it was taken as the
+    attributes' softmax)."""
+    with torch.device("meta"):
+        model = _Model(_Block(mode="other"))
+    with pytest.raises(MoELayoutError, match=r"'layers.1.mlp' \(_Block\): on the meta device, the top-k weights of a "
+                                             r"CPU copy of its router with random weights match none of base_moe's"):
+        find_moe_layouts(model)
+
+
+class _UnnormalisedRoutingBlock(_RoutingBlock):
+    """Says ``norm_topk_prob=True`` and does not renormalise; ranks by the block's own bias."""
+
+    def route_tokens_to_experts(self, router_logits):
+        scores = router_logits.sigmoid()
+        ids = torch.topk(scores + self.e_score_correction_bias, 2, dim=-1).indices
+        return ids, scores.gather(1, ids) * self.routed_scaling_factor
+
+
+def test_meta_device_stand_in_routes_with_the_blocks_own_bias():
+    """The block's stand-in routes the stand-in router's logits with its own random bias, which the match is given:
+    the rule its attributes contradict (no renormalisation) is found (a meta bias, or none, fails the probe)."""
+    (probed,) = find_moe_layouts(_Model(_UnnormalisedRoutingBlock()))
+    with torch.device("meta"):
+        model = _Model(_UnnormalisedRoutingBlock())
+    (lay,) = find_moe_layouts(model)
+    assert lay.routing == probed.routing == Routing(2, Scoring.SIGMOID, False, scaling=1.5)
+    assert _candidate_routings(lay)[0] == Routing(2, Scoring.SIGMOID, True, scaling=1.5)
+
+
+def test_meta_device_detection_inside_a_meta_device_context():
+    """Detection run under ``with torch.device("meta")`` builds its stand-ins on the CPU all the same (their random
+    tensors and probes became meta tensors, and the probe failed)."""
+    with torch.device("meta"):
+        model = _Model(_ArgumentRouterBlock(_SigmoidRouter(), correction_bias=False))
+        (lay,) = find_moe_layouts(model)
+    assert lay.routing == Routing(2, Scoring.SIGMOID, False)
 
 
 class _ScaleSharedExpert(nn.Module):
