@@ -3,7 +3,7 @@
 A transformers 5.x MoE block has a router child (a ``weight [E, H]``, optionally a ``bias [E]``) that returns
 ``(logits, top_k_weights, top_k_index)``, an experts child holding fused 3-D weights (``gate_up_proj``,
 ``down_proj``), and optionally shared experts. Nothing here looks at class names: blocks are found by their
-parameters, and the routing rule (softmax/top-k, top-k/softmax, sigmoid with correction bias and groups,
+parameters, and the routing rule (softmax/top-k, top-k/softmax, sigmoid with correction bias; groups,
 renormalisation, scaling) is read from the router's attributes and then *verified* by running the router once
 on a probe input and comparing its output with :func:`base_moe.reference.route`.
 
@@ -172,9 +172,10 @@ class MoELayout:
         return _router_choices(self, x)
 
     def correction_bias(self) -> torch.Tensor | None:
-        """DeepSeek-V3's ``e_score_correction_bias`` (fp32, contiguous) or None."""
+        """The selection bias (DeepSeek-V3's ``e_score_correction_bias``, ERNIE-4.5's, LFM2's ``expert_bias``) as an
+        fp32, contiguous ``[E]`` vector, or None."""
         bias = _correction_bias(self.router, self.block)
-        return None if bias is None else bias.float().contiguous()
+        return None if bias is None else bias.float().reshape(-1).contiguous()
 
     def expert_output(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """``E_u(x) [N, H]``: expert ``u``'s output, unweighted, computed in fp32 (no shared experts)."""
@@ -425,10 +426,11 @@ def _is_silu(act_fn) -> bool:
 
 _SELECTION_BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 """names of a bias a router adds to its expert scores for the top-k only (DeepSeek-V3 and its kin; LFM2's block holds
-``expert_bias``)."""
+``expert_bias``; ERNIE-4.5's router holds one in ``moe_statics``, added to softmax probabilities)."""
 
 
-def _correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
+def _own_selection_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
+    """A selection bias held as the router's or the block's own attribute (DeepSeek-V3, LFM2), or None."""
     for owner in (router, block):
         for name in _SELECTION_BIAS_NAMES:
             bias = getattr(owner, name, None)
@@ -437,11 +439,22 @@ def _correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None
     return None
 
 
+def _correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
+    """The selection bias the router adds to its expert scores: the router's or the block's own attribute, else one a
+    submodule of the router holds (ERNIE-4.5's ``gate.moe_statics.e_score_correction_bias``, shaped ``[1, E]``)."""
+    bias = _own_selection_bias(router, block)
+    if bias is not None:
+        return bias
+    for name, tensor in [*router.named_parameters(), *router.named_buffers()]:
+        if name.rsplit(".", 1)[-1] in _SELECTION_BIAS_NAMES:
+            return tensor
+    return None
+
+
 def _check_selection_biases_used(layout: MoELayout, where: str) -> None:
-    """A selection bias base_moe would not apply (one held deeper in the router, ERNIE-4.5's
-    ``gate.moe_statics.e_score_correction_bias``, or any under a softmax rule, which the ops rank by the logits alone)
-    is refused: a small one passes the routing probe and would then be ignored."""
-    used = _correction_bias(layout.router, layout.block) if layout.routing.scoring == Scoring.SIGMOID else None
+    """A selection bias base_moe would not apply (a second one, or any under top-k-then-softmax, which the ops rank
+    by the logits alone) is refused: a small one passes the routing probe and would then be ignored."""
+    used = _correction_bias(layout.router, layout.block) if _takes_selection_bias(layout.routing) else None
     tensors = [(f"{layout.router_name}.{n}" if n else layout.router_name, t)
                for n, t in [*layout.router.named_parameters(), *layout.router.named_buffers()]]
     tensors += [*layout.block.named_parameters(recurse=False), *layout.block.named_buffers(recurse=False)]
@@ -449,9 +462,14 @@ def _check_selection_biases_used(layout: MoELayout, where: str) -> None:
         if name.rsplit(".", 1)[-1] in _SELECTION_BIAS_NAMES and tensor is not used:
             raise MoELayoutError(
                 f"{where}: it holds a selection bias '{name}' that base_moe's routing rules would not apply (they "
-                "add one, the router's or the block's own e_score_correction_bias or expert_bias, to sigmoid scores "
-                "only)."
+                "add one, the router's or the block's e_score_correction_bias or expert_bias, to sigmoid scores or "
+                "softmax probabilities)."
             )
+
+
+def _takes_selection_bias(routing: Routing) -> bool:
+    """The rules the ops add a selection bias to the scores of: sigmoid (DeepSeek-V3) and softmax (ERNIE-4.5)."""
+    return routing.scoring in (Scoring.SIGMOID, Scoring.SOFTMAX)
 
 
 def _attr(modules, *names, default=None):
@@ -478,29 +496,48 @@ def _candidate_routings(layout: MoELayout) -> list[Routing]:
     n_group = int(_attr((router, block), "n_group", "num_group", default=1) or 1)
     topk_group = int(_attr((router, block), "topk_group", default=1) or 1)
     scaling = float(_attr((router, block), "routed_scaling_factor", "route_scale", default=1.0))  # AFMoE: route_scale
+
+    # DeepSeek-V2's topk_method names its softmax rules; a bias held deeper in the router is ERNIE-4.5's, on softmax
+    topk_method = _attr((router, block), "topk_method")
+    softmax_rule = topk_method in ("greedy", "group_limited_greedy")
+    own_bias = _own_selection_bias(router, block) is not None
+    sigmoid_like = not softmax_rule and (own_bias or n_group > 1 or scaling != 1.0)
     norm = _attr((router, block), "norm_topk_prob")
+    if norm is None and softmax_rule:
+        norm = False  # DeepSeek-V2's router never renormalises (its config's norm_topk_prob goes unread)
     renorm_order = [bool(norm), not bool(norm)] if norm is not None else [True, False]
-    sigmoid_like = _correction_bias(router, block) is not None or n_group > 1 or scaling != 1.0
     if sigmoid_like:
         scorings = [Scoring.SIGMOID, Scoring.SOFTMAX, Scoring.SOFTMAX_AFTER_TOPK]
     elif layout.router_bias is not None:
         scorings = [Scoring.SOFTMAX_AFTER_TOPK, Scoring.SOFTMAX, Scoring.SIGMOID]
     else:
         scorings = [Scoring.SOFTMAX, Scoring.SOFTMAX_AFTER_TOPK, Scoring.SIGMOID]
+    # the attributes' factor is the first guess; a block may carry one it does not apply
+    scales = dict.fromkeys([scaling, 1.0])
     candidates = []
     for scoring in scorings:
-        groups = (n_group, topk_group) if scoring == Scoring.SIGMOID and n_group > 1 else (1, 1)
         renorms = [False] if scoring == Scoring.SOFTMAX_AFTER_TOPK else renorm_order
-        # the attribute's factor is the sigmoid rules' first guess; a block may carry one it does not apply
-        scales = dict.fromkeys([scaling, 1.0]) if scoring == Scoring.SIGMOID else [1.0]
-        for scale in scales:
-            for renorm in renorms:
-                candidates.append(Routing(int(top_k), scoring, renorm, groups[0], groups[1], scale))
+        for groups in _group_options(topk_method == "greedy", scoring, int(top_k), n_group, topk_group):
+            for scale in scales:
+                for renorm in renorms:
+                    candidates.append(Routing(int(top_k), scoring, renorm, groups[0], groups[1], scale))
     return candidates
 
 
+def _group_options(greedy: bool, scoring: Scoring, top_k: int, n_group: int, topk_group: int) -> list[tuple]:
+    """The group limits to try, ``(n_group, topk_group)``, the likelier first. A declared limit comes first unless the
+    block says it routes greedily (DeepSeek-V2's ``topk_method="greedy"`` ignores its n_group) or, under softmax,
+    the limit cannot bind: a group scored by its best logit holds the token's best expert outside the other top
+    groups, so the top k always lie within the top ``k`` groups and ``topk_group >= top_k`` changes no routing (the
+    probe could not tell; backfill would then prefer the token's groups, which the model's own order does not)."""
+    if n_group <= 1:
+        return [(1, 1)]
+    unbound = scoring != Scoring.SIGMOID and topk_group >= top_k
+    return [(1, 1), (n_group, topk_group)] if greedy or unbound else [(n_group, topk_group), (1, 1)]
+
+
 _NO_RULE = ("match none of base_moe's routing rules (softmax then top-k, top-k then softmax, sigmoid with correction "
-            "bias and groups; with or without renormalisation)")
+            "bias; with or without groups, renormalisation, scaling)")
 
 
 def _infer_routing(layout: MoELayout, where: str) -> Routing:
@@ -528,7 +565,7 @@ def _first_match(candidates: list[Routing], logits, weights, ids, bias) -> Routi
     exact = weights.dtype == torch.float32 and logits.dtype == torch.float32
     logits, weights, ids = logits.float(), weights.float(), ids.long()
     for routing in candidates:
-        if _matches(logits, weights, ids, routing, bias if routing.scoring == Scoring.SIGMOID else None, exact):
+        if _matches(logits, weights, ids, routing, bias if _takes_selection_bias(routing) else None, exact):
             return routing
     return None
 

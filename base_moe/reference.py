@@ -5,7 +5,8 @@ Conventions shared with the C++/CUDA ops:
 * Tokens are ``[T, ...]`` with ``T = G * B``: ``G`` independent decode batches ("groups") of ``B`` tokens,
   stored group after group.
 * All ranking is deterministic: larger score first, equal scores to the lower expert index.
-  Softmax is monotone, so softmax scorings rank experts by their logits.
+  Softmax is monotone, so softmax scorings rank experts by their logits (but for a selection bias added to the
+  probabilities: ERNIE-4.5).
 * The sentinel expert id ``E`` (= number of experts) marks an empty slot; its weight is 0.
 * The batch cost ``D[g, u]`` is summed over the tokens of group ``g`` in token order, in fp32.
 """
@@ -71,8 +72,38 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x <= _SIGMOID_ZERO_AT_OR_BELOW, 0.0, torch.sigmoid(x.double())).float()
 
 
+def experts_per_lane(num_experts: int) -> int:
+    """Experts per lane of the CUDA routing warp (``experts_per_lane`` in csrc/include/base_moe/routing.h): lane ``l``
+    holds experts ``[l * EPL, (l + 1) * EPL)``, ``EPL`` = ``ceil(E / 32)`` rounded up to a power of two."""
+    epl = 1
+    while 32 * epl < num_experts:
+        epl *= 2
+    return epl
+
+
+def biased_probabilities(logits: torch.Tensor, correction_bias: torch.Tensor) -> torch.Tensor:
+    """Softmax probabilities + selection bias (ERNIE-4.5's choice scores), computed as the ops compute them, so that all
+    three rank the same experts bit for bit: ``exp(x - max)`` through float64, rounded once, over a denominator summed
+    in the CUDA routing warp's order (each lane's experts in index order, then the 32 lanes' sums by an xor butterfly,
+    offsets 16, 8, 4, 2, 1)."""
+    T, E = logits.shape
+    exps = (logits - logits.max(dim=-1, keepdim=True).values).double().exp().float()
+    epl = experts_per_lane(E)
+    lanes = F.pad(exps, (0, 32 * epl - E)).view(T, 32, epl)
+    lane_sum = torch.zeros(T, 32, dtype=torch.float32, device=logits.device)
+    for j in range(epl):
+        lane_sum = lane_sum + lanes[..., j]
+    for offset in (16, 8, 4, 2, 1):
+        partner = torch.arange(32, device=logits.device) ^ offset
+        lane_sum = lane_sum + lane_sum[:, partner]
+    return exps / lane_sum[:, :1] + correction_bias.float()
+
+
 def choice_scores(logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None) -> torch.Tensor:
-    """The score experts are ranked by: the logits for softmax scorings, sigmoid + bias for SIGMOID."""
+    """The score experts are ranked by: the logits for softmax scorings (softmax is monotone), softmax probabilities +
+    bias for SOFTMAX with a selection bias (ERNIE-4.5), sigmoid (+ bias) for SIGMOID."""
+    if routing.scoring == Scoring.SOFTMAX and correction_bias is not None:
+        return biased_probabilities(logits, correction_bias)
     if routing.scoring != Scoring.SIGMOID:
         return logits
     scores = sigmoid(logits)
@@ -80,14 +111,16 @@ def choice_scores(logits: torch.Tensor, routing: Routing, correction_bias: torch
 
 
 def allowed_groups(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Boolean ``[T, E]``: experts in the token's top ``topk_group`` groups (DeepSeek-V3: a group's
-    score is the sum of its two best choice scores). All True without groups."""
+    """Boolean ``[T, E]``: experts in the token's top ``topk_group`` groups. A group's score is the sum of its two
+    best choice scores under SIGMOID scoring (DeepSeek-V3) and its best one under the softmax scorings (DeepSeek-V2's
+    ``group_limited_greedy`` takes the best softmax score; the choice scores are the logits, which softmax orders
+    alike, or with a selection bias the probabilities + the bias). All True without groups."""
     T, E = choice.shape
     if routing.n_group <= 1:
         return torch.ones_like(choice, dtype=torch.bool)
     grouped = choice.view(T, routing.n_group, E // routing.n_group)
     best_two = torch.sort(grouped, dim=-1, descending=True).values[..., :2]
-    group_score = best_two[..., 0] + best_two[..., 1]
+    group_score = best_two[..., 0] + best_two[..., 1] if routing.scoring == Scoring.SIGMOID else best_two[..., 0]
     top_groups = _rank(group_score)[:, : routing.topk_group]
     allowed = torch.zeros(T, routing.n_group, dtype=torch.bool, device=choice.device)
     allowed.scatter_(1, top_groups, True)

@@ -17,11 +17,12 @@ class Scoring(enum.IntEnum):
     """How a model turns router logits into routed experts and routing weights."""
 
     SOFTMAX = 0
-    """softmax over all experts, then top-k (Qwen2/3-MoE, OLMoE, Mixtral)."""
+    """softmax over all experts, then top-k (Qwen2/3-MoE, OLMoE, Mixtral); with a correction bias, top-k of the
+    probabilities + the bias (ERNIE-4.5)."""
     SOFTMAX_AFTER_TOPK = 1
     """top-k on the logits, then softmax over the chosen k (GPT-OSS)."""
     SIGMOID = 2
-    """sigmoid scores; top-k on score + correction bias, optionally group-limited (DeepSeek-V3)."""
+    """sigmoid scores; top-k on score + correction bias (DeepSeek-V3)."""
 
 
 class Cost(enum.IntEnum):
@@ -61,7 +62,9 @@ class Fill(enum.IntEnum):
 class Routing:
     """A model's routing rule, as the ops take it.
 
-    ``n_group``/``topk_group`` describe DeepSeek-V3's group-limited top-k (``n_group=1``: no groups);
+    ``n_group``/``topk_group`` describe a group-limited top-k (``n_group=1``: no groups): a token's experts come from
+    its ``topk_group`` best groups, a group scored by the sum of its two best choice scores under SIGMOID scoring
+    (DeepSeek-V3) and by its best one under the softmax scorings (DeepSeek-V2's ``group_limited_greedy``);
     ``scaling`` multiplies the final weights (DeepSeek-V3's ``routed_scaling_factor``).
     """
 

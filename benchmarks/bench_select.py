@@ -50,9 +50,18 @@ MODELS = {
         H=7168, E=256, routing=Routing(8, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, scaling=2.5),
         bias=True, round_logits=False,
     ),
+    # not in the issue's table (--models): the softmax rules with a group limit or a selection bias
+    "deepseek-v2-like": dict(
+        H=5120, E=160, routing=Routing(6, Scoring.SOFTMAX, n_group=8, topk_group=3, scaling=16.0), bias=False,
+        round_logits=False,
+    ),
+    "ernie-4.5-like": dict(H=2560, E=64, routing=Routing(6, Scoring.SOFTMAX, renormalize=True), bias=True,
+                           round_logits=False),
 }
 """round_logits: as the HF integration passes it (MoELayout.router_rounds_logits): Qwen3's linear router returns bf16
-logits, DeepSeek-V3's computes fp32 ones."""
+logits, DeepSeek-V3's, V2's and ERNIE-4.5's compute fp32 ones (their HF baselines get fp32 weights: no per-call cast)."""
+DEFAULT_MODELS = ("qwen3-30b-a3b", "deepseek-v3-like")
+"""the issue's table (#3)."""
 TOKENS = (1, 4, 16, 64, 256)
 BUDGET = 16
 L2_BYTES = 60 * 2**20  # an upper bound of the Hopper L2s (H100 and H200: 50 MiB), so rotations never fit
@@ -74,7 +83,8 @@ def routing_scores(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | 
     if routing.scoring == Scoring.SIGMOID:
         probs = torch.sigmoid(logits)
         return probs, probs + bias if bias is not None else probs
-    return torch.softmax(logits, dim=-1), logits
+    probs = torch.softmax(logits, dim=-1)
+    return probs, probs + bias if bias is not None else logits  # (ERNIE-4.5 ranks probabilities + its bias)
 
 
 def torch_routing(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None, keep: torch.Tensor | None = None,
@@ -84,8 +94,11 @@ def torch_routing(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | N
     T, E = logits.shape
     probs, choice = scores if scores is not None else routing_scores(logits, routing, bias)
     if routing.n_group > 1:
-        grouped = choice.view(T, routing.n_group, -1)
-        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        grouped = choice.view(T, routing.n_group, -1)  # groups scored as base_moe.reference.allowed_groups does
+        if routing.scoring == Scoring.SIGMOID:
+            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_score = grouped.max(dim=-1).values
         top_groups = group_score.topk(routing.topk_group, dim=-1).indices
         group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_groups, True)
         allowed = group_mask.repeat_interleave(E // routing.n_group, dim=1)
@@ -124,18 +137,42 @@ def torch_select(x, W_cat, b_cat, routing: Routing, bias, E: int, budget: int):
     return final_ids, final_w, kept, counts[:, :E], D
 
 
+def hf_keep_top_groups(choice: torch.Tensor, group_scores: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """HF's group limit (DeepSeek-V2 and -V3 alike): the choice scores outside the token's ``topk_group`` best groups
+    by ``group_scores [T, n_group]`` set to 0."""
+    T, E = choice.shape
+    group_idx = torch.topk(group_scores, k=routing.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(T, routing.n_group, E // routing.n_group).reshape(T, -1)
+    return choice.masked_fill(~score_mask.bool(), 0.0)
+
+
+def hf_fp32_softmax_router(x, W_r, routing: Routing, bias):
+    """DeepseekV2TopkRouter (greedy or group_limited_greedy) and Ernie4_5_MoeTopKRouter: fp32 linear, softmax, top-k of
+    the probabilities (+ ERNIE's bias) within the best groups (a group's best probability), weights the probabilities
+    (ERNIE renormalises, clamped at moe_norm_min), times the routed scaling."""
+    scores = F.linear(x.float(), W_r.float()).softmax(dim=-1)
+    choice = scores + bias if bias is not None else scores
+    if routing.n_group > 1:
+        group_scores = choice.view(choice.shape[0], routing.n_group, -1).max(dim=-1).values
+        choice = hf_keep_top_groups(choice, group_scores, routing)
+    ids = torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    if routing.renormalize:
+        w = w / w.sum(dim=-1, keepdim=True).clamp(min=1e-12)
+    return ids, w * routing.scaling
+
+
 def hf_router(x, W_r, routing: Routing, bias):
-    """The model's router as Hugging Face writes it (Qwen3-MoE / DeepSeek-V3)."""
+    """The model's router as Hugging Face writes it (Qwen3-MoE, DeepSeek-V3, and hf_fp32_softmax_router's)."""
+    if routing.scoring == Scoring.SOFTMAX and (routing.n_group > 1 or bias is not None or routing.scaling != 1.0):
+        return hf_fp32_softmax_router(x, W_r, routing, bias)
     if routing.scoring == Scoring.SIGMOID:  # DeepseekV3TopkRouter: fp32 linear, sigmoid, bias, groups
         logits = F.linear(x.float(), W_r.float())
         scores = logits.sigmoid()
         choice = scores + bias
-        T, E = choice.shape
-        group_scores = choice.view(T, routing.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=routing.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(T, routing.n_group, E // routing.n_group).reshape(T, -1)
-        choice = choice.masked_fill(~score_mask.bool(), 0.0)
+        group_scores = choice.view(choice.shape[0], routing.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = hf_keep_top_groups(choice, group_scores, routing)
         ids = torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
         w = scores.gather(1, ids)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -168,7 +205,7 @@ def bench_model(name: str, cfg: dict, replays: int, hidden: str = "rotated", wei
                 Wr=Wr, Wp=Wp, W_cat=torch.cat([Wr, Wp]),  # concatenated at load time
                 # HF keeps DeepSeek-V3's gate.weight in fp32 (_keep_in_fp32_modules_strict): its router reads fp32
                 # weights and casts nothing per call
-                Wr_hf=Wr.float() if routing.scoring == Scoring.SIGMOID else Wr,
+                Wr_hf=Wr if cfg["round_logits"] else Wr.float(),
                 bp=torch.randn(E, device=device, generator=gen) * 0.1,
                 bias=torch.randn(E, device=device, generator=gen) * 0.1 if cfg["bias"] else None,
             )
@@ -265,7 +302,7 @@ def main():
                         help="JSON path (default: benchmarks/results/bench_select.json, or bench_select_hot.json when "
                              "--hidden or --weights is hot)")
     parser.add_argument("--replays", type=positive_int, default=50)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(MODELS)}")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)),
                         help="tokens per call, comma-separated (the issue's table: %(default)s)")
     parser.add_argument("--hidden", choices=("rotated", "hot"), default="rotated",

@@ -88,12 +88,11 @@ RoutingParams check_routing(const Tensor& logits, const OptTensor& correction_bi
   BASE_MOE_CHECK(scoring >= 0 && scoring <= 2, "scoring must be 0 (softmax), 1 (softmax after top-k) or 2 (sigmoid), got ",
               scoring);
   const auto kind = static_cast<Scoring>(scoring);
-  BASE_MOE_CHECK(!correction_bias.has_value() || kind == Scoring::kSigmoid,
-              "correction_bias is only used with sigmoid scoring (scoring=2)");
+  BASE_MOE_CHECK(!correction_bias.has_value() || kind == Scoring::kSigmoid || kind == Scoring::kSoftmax,
+              "correction_bias is only used with sigmoid (scoring=2) or softmax (scoring=0) scoring");
   check_fp32_vector(correction_bias, E, logits, "correction_bias");
   BASE_MOE_CHECK(n_group >= 1, "n_group must be >= 1, got ", n_group);
   if (n_group > 1) {
-    BASE_MOE_CHECK(kind == Scoring::kSigmoid, "group-limited routing (n_group > 1) needs sigmoid scoring (scoring=2)");
     BASE_MOE_CHECK(E % n_group == 0, "the number of experts (", E, ") must be a multiple of n_group (", n_group, ")");
     BASE_MOE_CHECK(E / n_group >= 2, "each expert group needs at least 2 experts, got ", E / n_group);
     BASE_MOE_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group must be in [1, n_group=", n_group, "], got ",

@@ -60,8 +60,10 @@ enum class Plan {
 
 // Which routing code an instance carries: softmax without a group limit at budgets up to 32, without (kSoftmax) or with
 // (kSoftmaxVoting) the voting flags' code, or every scoring mode, group limit and budget with the flags' code (kGeneric:
-// needs_generic_routing).
-enum class Variant { kSoftmax, kSoftmaxVoting, kGeneric };
+// needs_generic_routing) for sigmoid scoring and softmax without a selection bias or group limit, or the same code for
+// softmax with one of those (kSoftmaxBiasOrGroups: needs_softmax_bias_or_groups, score_token's
+// SOFTMAX_BIAS_OR_GROUPS).
+enum class Variant { kSoftmax, kSoftmaxVoting, kGeneric, kSoftmaxBiasOrGroups };
 
 // The ranking reads the keys 16 bytes at a time: ceil(E / 4) of them, the keys past E zero (no candidate).
 __host__ __device__ inline int key_quads(int E) {
@@ -191,7 +193,8 @@ __device__ __forceinline__ float group_top1_offset(const SelectParams& p, int64_
 template <int EPL, int NW, Variant V, Plan kPlan>
 __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectParams p) {
   static_assert(NW % 2 == 0, "own_stride is odd only for an even NW");
-  constexpr bool GENERIC = V == Variant::kGeneric, VOTING = V != Variant::kSoftmax;
+  constexpr bool SOFTMAX_BIAS_OR_GROUPS = V == Variant::kSoftmaxBiasOrGroups;
+  constexpr bool GENERIC = V == Variant::kGeneric || SOFTMAX_BIAS_OR_GROUPS, VOTING = V != Variant::kSoftmax;
   constexpr bool kBroadcast = kPlan == Plan::kBroadcast;
   extern __shared__ __align__(16) float smem[];
   const int E = p.E, k = p.k, B = p.B, C = p.cluster, EPC = p.experts_per_cta;
@@ -279,7 +282,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
       const int64_t t = first_token + local;
       const bool votes = !VOTING || p.voting == nullptr || p.voting[t];  // a non-voting token: no cost, no candidate
       load_token<EPL>(p, t, lane, s);
-      score_token<EPL, GENERIC>(p, lane, my_row, my_group_scratch, s);
+      score_token<EPL, GENERIC, SOFTMAX_BIAS_OR_GROUPS>(p, lane, my_row, my_group_scratch, s);
       float w, log_norm;
       int32_t id;
       route_token<EPL, GENERIC>(p, s, lane, id, w, log_norm);
@@ -414,7 +417,7 @@ __global__ void __launch_bounds__(NW * 32, 1) route_select_kernel(const SelectPa
     const int64_t t = first_token + local;
     if (!single_chunk) {
       load_token<EPL>(p, t, lane, s);
-      score_token<EPL, GENERIC>(p, lane, my_row, my_group_scratch, s);
+      score_token<EPL, GENERIC, SOFTMAX_BIAS_OR_GROUPS>(p, lane, my_row, my_group_scratch, s);
       s.slot_id = lane < k ? p.ids[t * k + lane] : E;
       s.slot_weight = lane < k ? p.weights[t * k + lane] : 0.0f;
       __syncwarp();  // every lane has read its routed slot before any lane overwrites it
@@ -571,7 +574,9 @@ void launch_by_experts(const SelectParams& p, int groups, bool clusters, int dev
 void route_select_launch(SelectParams p, int groups, int device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   const bool clusters = cuda::device_has_clusters(device);
-  if (needs_generic_routing(p)) {
+  if (needs_softmax_bias_or_groups(p)) {
+    launch_by_experts<Variant::kSoftmaxBiasOrGroups>(p, groups, clusters, device, stream);
+  } else if (needs_generic_routing(p)) {
     launch_by_experts<Variant::kGeneric>(p, groups, clusters, device, stream);
   } else if (p.voting != nullptr) {
     launch_by_experts<Variant::kSoftmaxVoting>(p, groups, clusters, device, stream);

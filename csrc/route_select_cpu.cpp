@@ -43,8 +43,33 @@ void top_k_ids(std::vector<Candidate>& candidates, int64_t k, int32_t sentinel, 
   for (int64_t j = 0; j < k; ++j) ids[j] = candidates[j].eligible ? candidates[j].index : sentinel;
 }
 
-// The score experts are ranked by: logits for softmax scorings (softmax is monotone), sigmoid + bias else.
+// Softmax probabilities + selection bias (ERNIE-4.5), as the CUDA routing warp computes them: exp_rounded_once(x - max)
+// over the denominator summed lane by lane (each lane's experts in index order), then over the lanes in warp_sum's
+// butterfly order, so that the CPU, the GPU and the reference rank the same experts bit for bit.
+void biased_probabilities(const float* logits, const float* correction_bias, int64_t E, float* choice) {
+  constexpr int kLanes = 32;
+  const float max_logit = *std::max_element(logits, logits + E);
+  const int64_t epl = experts_per_lane(E);
+  float lane_sum[kLanes] = {};
+  for (int64_t u = 0; u < E; ++u) {
+    choice[u] = exp_rounded_once(logits[u] - max_logit);
+    lane_sum[u / epl] += choice[u];
+  }
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+    float level[kLanes];
+    for (int lane = 0; lane < kLanes; ++lane) level[lane] = lane_sum[lane] + lane_sum[lane ^ offset];
+    std::copy(level, level + kLanes, lane_sum);
+  }
+  for (int64_t u = 0; u < E; ++u) choice[u] = choice[u] / lane_sum[0] + correction_bias[u];
+}
+
+// The score experts are ranked by: logits for softmax scorings (softmax is monotone), softmax probabilities + bias for
+// softmax with a selection bias, sigmoid (+ bias) for sigmoid.
 void choice_scores(const float* logits, const float* correction_bias, const RoutingParams& r, float* choice) {
+  if (r.scoring == Scoring::kSoftmax && correction_bias != nullptr) {
+    biased_probabilities(logits, correction_bias, r.num_experts, choice);
+    return;
+  }
   for (int64_t u = 0; u < r.num_experts; ++u) {
     if (r.scoring != Scoring::kSigmoid) {
       choice[u] = logits[u];
@@ -55,14 +80,16 @@ void choice_scores(const float* logits, const float* correction_bias, const Rout
   }
 }
 
-// DeepSeek-V3 group limit: experts of the token's top `topk_group` groups (group score: sum of its best two).
+// Group limit (DeepSeek-V3, DeepSeek-V2's group_limited_greedy): experts of the token's top `topk_group` groups
+// (group_score: the sum of its best two choice scores under sigmoid scoring, its best one under softmax).
 void allowed_experts(const float* choice, const RoutingParams& r, std::vector<uint8_t>& allowed) {
   std::fill(allowed.begin(), allowed.end(), 1);
   if (r.n_group <= 1) return;
   const int64_t group_size = r.num_experts / r.n_group;
   std::vector<Candidate> groups(r.n_group);
   for (int64_t grp = 0; grp < r.n_group; ++grp) {
-    const float score = top2_sum(choice, static_cast<int>(grp * group_size), static_cast<int>(group_size));
+    const float score = group_score(choice, static_cast<int>(grp * group_size), static_cast<int>(group_size),
+                                    r.scoring == Scoring::kSigmoid);
     groups[grp] = Candidate{true, true, score, static_cast<int32_t>(grp)};
   }
   std::partial_sort(groups.begin(), groups.begin() + r.topk_group, groups.end(), ranks_before);

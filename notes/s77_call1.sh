@@ -14,6 +14,11 @@ if [ "$1" = tests ]; then
 timeout 260 python3 -m pytest -m cuda tests -q -p no:cacheprovider > $OUT/pytest_all.log 2>&1
 grep -E "^(FAILED|ERROR)" $OUT/pytest_all.log | cut -c1-220 | head -20; tail -1 $OUT/pytest_all.log
 bash notes/device_trial.sh selsan | grep -E "SUMMARY|selsan"
+# the detection's CPU tests against this machine's transformers 5.17 (the meta-device stand-in, wip/meta-stand-in)
+timeout 60 python3 -m pytest tests/test_layouts.py tests/test_hf_families.py -q -p no:cacheprovider -m "not cuda" \
+  > $OUT/pytest_layouts.log 2>&1; grep -E "^(FAILED|ERROR)" $OUT/pytest_layouts.log | cut -c1-200 | head; tail -1 $OUT/pytest_layouts.log
+timeout 100 python3 benchmarks/bench_select.py --models deepseek-v2-like,ernie-4.5-like --replays 30 \
+  --out $OUT/bsel_new_rules.json > $OUT/bsel_new_rules.log 2>&1; grep -E "^\| (deepseek|ernie)" $OUT/bsel_new_rules.log
 echo "call wall $SECONDS s"; exit 0
 fi
 [ -d notes/ab_main_csrc ] || { echo "no notes/ab_main_csrc: no A/B"; exit 0; }

@@ -57,7 +57,16 @@ SUPPORTED = {
                                                 expert_selection_fn="sigmoid")),
     "deepseek_v2": ("deepseek_v2", _DEEPSEEK_V2),
     "deepseek_v2_renorm": ("deepseek_v2", dict(_DEEPSEEK_V2, norm_topk_prob=True)),
+    # DeepSeek-V2 itself: softmax, a group limit by the groups' best scores, a routed scaling of 16 (one group of two
+    # experts for top-2: the limit binds)
+    "deepseek_v2_group_limited": ("deepseek_v2", dict(_DEEPSEEK_V2, routed_scaling_factor=16.0, n_group=4,
+                                                      topk_group=1, topk_method="group_limited_greedy")),
+    # the same groups declared, not applied (topk_method="greedy"), and a scaling
+    "deepseek_v2_groups_unused": ("deepseek_v2", dict(_DEEPSEEK_V2, routed_scaling_factor=2.0, n_group=4,
+                                                      topk_group=1)),
     "dots1": ("dots1", _DOTS1),
+    # softmax probabilities + a selection bias held one module down (gate.moe_statics), renormalised
+    "ernie4_5_moe": ("ernie4_5_moe", _ERNIE),
     "dots1_groups": ("dots1", dict(_DOTS1, **_GROUPS)),
     "exaone_moe": ("exaone_moe", _EXAONE),
     "exaone_moe_groups": ("exaone_moe", dict(_EXAONE, **_GROUPS)),
@@ -115,15 +124,6 @@ REFUSED = {
                           attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                           ffn_config={"ffn_hidden_size": 32, "moe_num_experts": E, "moe_top_k": K, "hidden_size": H}),
              "no fused 3-D", 0.2),
-    "deepseek_v2_group_limited": ("deepseek_v2", dict(_DEEPSEEK_V2, routed_scaling_factor=2.0, **_GROUPS,
-                                                      topk_method="group_limited_greedy"),
-                                  "match none of base_moe's routing rules", 0.2),
-    # softmax + a selection bias held in gate.moe_statics: refused by name, so that a small one is not ignored
-    "ernie4_5_moe": ("ernie4_5_moe", _ERNIE, "selection bias 'gate.moe_statics.e_score_correction_bias'", 1e-4),
-    "ernie4_5_moe_zero_bias": ("ernie4_5_moe", _ERNIE, "selection bias", 0.0),
-    # softmax then top-k with a routed scaling other than 1 (DeepSeek-V2's 16): base_moe scales sigmoid rules only
-    "deepseek_v2_scaled": ("deepseek_v2", dict(_DEEPSEEK_V2, routed_scaling_factor=16.0),
-                           "match none of base_moe's routing rules", 0.2),
     "jetmoe": ("jetmoe", dict(num_local_experts=E, kv_channels=16, num_key_value_heads=4, intermediate_size=32),
                "no fused 3-D", 0.2),
     "llama4_text": ("llama4_text", _LLAMA4, "do not match hidden size", 0.2),

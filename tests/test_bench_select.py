@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_select  # noqa: E402
 
-from base_moe import ops  # noqa: E402
+from base_moe import ops, reference  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(bench_select.MODELS))
@@ -152,3 +152,19 @@ def test_selection_figures(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(sys, "argv", sys.argv + ["--weights", "hot"])  # weights from L2: no HBM bandwidth
     bench_select.main()
     assert json.loads(out.read_text())["rows"][0]["weight_bandwidth_TBps"] is None
+
+
+@pytest.mark.parametrize("name", list(bench_select.MODELS))
+def test_hf_router_routes_as_the_reference(name):
+    """The HF baseline computes each model's own rule: on fp32 inputs its experts and weights are base_moe's
+    reference routing's (DeepSeek-V2's groups by their best probability, ERNIE-4.5's probabilities + bias)."""
+    cfg = bench_select.MODELS[name]
+    E, routing, H = cfg["E"], cfg["routing"], 256
+    gen = torch.Generator().manual_seed(E)
+    x, Wr = torch.randn(64, H, generator=gen), torch.randn(E, H, generator=gen) / H**0.5
+    bias = torch.randn(E, generator=gen) * 0.01 if cfg["bias"] else None
+    ids, w = bench_select.hf_router(x, Wr, routing, bias)
+    ref_ids, ref_w = reference.route(x @ Wr.T, routing, bias)
+    order, ref_order = ids.argsort(dim=1), ref_ids.long().argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), ref_ids.long().gather(1, ref_order))
+    torch.testing.assert_close(w.float().gather(1, order), ref_w.gather(1, ref_order), rtol=1e-5, atol=1e-6)

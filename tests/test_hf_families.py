@@ -89,9 +89,6 @@ def test_family_refused_with_a_reason(name):
 META_UNREFUSED = {"cohere2_moe_average"}
 """refused families a model on the meta device is not refused for: the check of the block's output (how it combines
 routed and shared experts) runs the experts, which hold no values there."""
-META_REASONS = {name: "match none of base_moe's routing rules" for name in ("ernie4_5_moe", "ernie4_5_moe_zero_bias")}
-"""refused on the meta device for another reason: ERNIE-4.5's selection bias, unapplied by base_moe's rules, is random
-in the stand-in, large enough to change the routing, which then matches no rule."""
 
 
 @pytest.mark.parametrize("name", sorted(set(REFUSED) - META_UNREFUSED))
@@ -102,7 +99,7 @@ def test_family_refused_on_the_meta_device_too(name):
     if not has_model_type(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     model = build(model_type, keys, bias_scale).to("meta")
-    with pytest.raises(MoELayoutError, match=re.escape(META_REASONS.get(name, reason))):
+    with pytest.raises(MoELayoutError, match=re.escape(reason)):
         find_moe_layouts(model)
 
 
@@ -157,6 +154,20 @@ def test_meta_device_family_takes_the_probed_routing(name):
     model = _supported_model(name)
     probed = [layout.routing for layout in find_moe_layouts(model)]
     assert [layout.routing for layout in find_moe_layouts(model.to("meta"))] == probed
+
+
+@pytest.mark.parametrize("overrides, groups", [
+    ({}, (4, 1)),  # group_limited_greedy, one group for top-2: the limit binds
+    ({"topk_group": 2}, (1, 1)),  # two groups for top-2: a limit by the groups' best scores cannot bind
+    ({"topk_method": "greedy"}, (1, 1)),  # groups declared, not applied
+])
+def test_deepseek_v2_group_limit_taken_where_it_routes(overrides, groups):
+    """DeepSeek-V2's routing is detected with its group limit only where the limit changes the routing: otherwise
+    backfill would prefer the token's groups, which the model's own order does not."""
+    model = base_moe.apply(_supported_model("deepseek_v2_group_limited", **overrides), budget=E, policy="router_sum")
+    for layout in hf.moe_layouts(model):
+        assert (layout.routing.n_group, layout.routing.topk_group) == groups
+        assert layout.routing.scaling == 16.0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

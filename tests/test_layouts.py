@@ -702,21 +702,40 @@ class _StaticsRouter(_Router):
 
 
 class _UnusedBiasBlock(_Block):
-    """A softmax block holding a selection bias (zero, so the routing probe cannot tell it is there)."""
+    """A softmax block holding two selection biases (zero, so the routing probe cannot tell), its router's, which
+    base_moe reads, and its own."""
 
     def __init__(self):
         super().__init__()
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(4))
         self.register_buffer("expert_bias", torch.zeros(4))
 
 
-@pytest.mark.parametrize("block, name", [(_ArgumentRouterBlock(_StaticsRouter(), correction_bias=False),
+@pytest.mark.parametrize("block, name", [(_ArgumentRouterBlock(_StaticsRouter(), correction_bias=True),
                                           "gate.moe_statics.e_score_correction_bias"),
                                          (_UnusedBiasBlock(), "expert_bias")])
 def test_selection_bias_base_moe_would_not_apply_is_refused(block, name):
-    """A selection bias under a softmax rule, or held where base_moe does not read it, is refused even while zero:
-    a small one passes the routing probe and would then be ignored."""
+    """A second selection bias beside the one base_moe reads (the router's own, then the block's) is refused even while
+    zero: a small one passes the routing probe and would then be ignored."""
     with pytest.raises(MoELayoutError, match=rf"'layers.1.mlp'.*selection bias '{re.escape(name)}'"):
         find_moe_layouts(_Model(block))
+
+
+def test_selection_bias_added_to_softmax_probabilities():
+    """ERNIE-4.5's shape: the bias one module down (``[1, E]``) is read, and the ops' rule (softmax probabilities plus
+    the bias, top-k, weights the probabilities) reproduces the router's choices."""
+    router = _StaticsRouter()
+    with torch.no_grad():
+        router.moe_statics.e_score_correction_bias.copy_(torch.randn(1, 4) * 0.2)
+    (lay,) = find_moe_layouts(_Model(_ArgumentRouterBlock(router, correction_bias=False)))
+    assert lay.routing == Routing(2, Scoring.SOFTMAX, False)
+    assert torch.equal(lay.correction_bias(), router.moe_statics.e_score_correction_bias.reshape(-1))
+    logits, weights, ids = lay.router_choices(torch.randn(256, 8))
+    ref_ids, ref_weights = reference.route(logits.float(), lay.routing, lay.correction_bias())
+    assert not torch.equal(ref_ids, reference.route(logits.float(), lay.routing)[0])  # the bias changes choices
+    order, ref_order = ids.argsort(dim=1), ref_ids.long().argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), ref_ids.long().gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))
 
 
 class _NestedRouter(nn.Module):

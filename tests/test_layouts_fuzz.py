@@ -49,6 +49,9 @@ UNSUPPORTED = ("square", "temperature", "other_topk", "group_max", "k_lie", "sha
 coincide with a supported rule, e.g. group_max with groups that never bind, reproduced). The last three are routers
 whose logits are not ``x @ weight.T + bias`` (defect B)."""
 
+UNUSED_GROUPS = "groups_unused"
+"""A variant base_moe must reproduce: n_group / topk_group declared and not applied (DeepSeek-V2's greedy routing)."""
+
 TEMPERATURES = (0.5, 2.0, 0.98, 1.02)
 """Softmax/sigmoid temperatures of the ``temperature`` variant (the last two near 1: defect A)."""
 
@@ -98,13 +101,16 @@ def _route(spec: Spec, logits: torch.Tensor, correction_bias, offset):
     if spec.scoring == "sigmoid":
         scores = torch.sigmoid(logits)
         choice = scores + correction_bias.float() if correction_bias is not None else scores
+    elif correction_bias is not None:  # softmax probabilities + a selection bias (ERNIE-4.5)
+        scores = torch.softmax(logits, dim=-1)
+        choice = scores + correction_bias.float()
     else:
         scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else None
         choice = logits.clone()  # the softmax is monotonic: rank (and measure gaps) in logit space
     if spec.variant == "other_topk":
         choice = choice + offset  # ranked by another score than the weights'
     margin = torch.full((logits.shape[0],), float("inf"))
-    if spec.n_group > 1:
+    if spec.n_group > 1 and spec.variant != UNUSED_GROUPS:
         grouped = choice.view(-1, spec.n_group, E // spec.n_group)
         if spec.variant == "group_max":
             group_scores = grouped.max(dim=-1).values  # DeepSeek-V2's rule, not V3's top-2 sum
@@ -275,18 +281,18 @@ class _Model(nn.Module):
 # The strategy
 # ---------------------------------------------------------------------------------------------------------------
 @st.composite
-def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED):
+def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED + (UNUSED_GROUPS,)):
     """A block with E 4-16, k 1..E-1, H 8-16."""
     E = draw(st.integers(4, 16))
     scoring = draw(st.sampled_from(["softmax", "softmax_after_topk", "sigmoid"]))
     variant = draw(st.sampled_from(variants))
     n_group, topk_group, group_attrs = 1, 1, True
     divisors = [g for g in range(2, E // 2 + 1) if E % g == 0]  # groups of two experts or more (top-2 sums)
-    if (scoring == "sigmoid" or variant == "group_max") and divisors and draw(st.booleans()):
+    if (scoring == "sigmoid" or variant in ("group_max", UNUSED_GROUPS)) and divisors and draw(st.booleans()):
         n_group = draw(st.sampled_from(divisors))
-        group_attrs = draw(st.booleans())
+        group_attrs = variant == UNUSED_GROUPS or draw(st.booleans())
         topk_group = draw(st.integers(1, n_group))
-    if variant == "group_max" and n_group == 1:
+    if variant in ("group_max", UNUSED_GROUPS) and n_group == 1:
         variant = "none"
     k = draw(st.integers(1, min(E - 1, topk_group * (E // n_group))))
     fp32 = dtype == torch.float32
@@ -298,7 +304,7 @@ def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED):
     return Spec(
         E=E, k=k, H=draw(st.integers(8, 16)), I=draw(st.integers(2, 8)), dtype=dtype,
         interface=draw(st.sampled_from(["logits", "triple"])), scoring=scoring, renormalize=renormalize,
-        norm_attr=norm_attr, correction_bias=scoring == "sigmoid" and draw(st.booleans()),
+        norm_attr=norm_attr, correction_bias=scoring in ("sigmoid", "softmax") and draw(st.booleans()),
         n_group=n_group, topk_group=topk_group, group_attrs=group_attrs,
         scaling=scaling, scaling_applied=scaling_applied,
         router_bias=draw(st.booleans()), router_fp32=not fp32 and draw(st.booleans()),
@@ -310,10 +316,10 @@ def specs(draw, dtype: torch.dtype, variants=("none",) * 3 + UNSUPPORTED):
 
 
 def supported(spec: Spec) -> bool:
-    """A rule base_moe models, declared truthfully enough for it: no unsupported variant, groups declared, and a
-    routed_scaling_factor either absent, unapplied, or applied by a sigmoid rule (the only rules with a scale)."""
-    scaling_ok = spec.scaling is None or not spec.scaling_applied or spec.scoring == "sigmoid"
-    return spec.variant == "none" and spec.group_attrs and scaling_ok
+    """A rule base_moe models, declared truthfully enough for it: no unsupported variant (groups scored by their best
+    score are DeepSeek-V2's rule under softmax, unsupported under sigmoid), groups applied only where declared."""
+    group_max_ok = spec.variant == "group_max" and spec.scoring != "sigmoid"
+    return (spec.variant in ("none", UNUSED_GROUPS) or group_max_ok) and spec.group_attrs
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ from base_moe.routing import MAX_EXPERTS
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
+BIASED_SOFTMAX = Routing(6, Scoring.SOFTMAX, renormalize=True, scaling=1.0)
+"""ERNIE-4.5-21B-A3B's rule: softmax probabilities + a selection bias, top-6 of 64, renormalised (random_bias)."""
+
 # (E, k, routing) combinations covering every scoring rule
 ROUTINGS = [
     (8, 2, Routing(2, Scoring.SOFTMAX, renormalize=True)),
@@ -29,6 +32,7 @@ ROUTINGS = [
     (64, 6, Routing(6, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, scaling=2.5)),
     (16, 3, Routing(3, Scoring.SIGMOID, renormalize=False)),
     (24, 4, Routing(4, Scoring.SOFTMAX, renormalize=True, scaling=0.5)),  # TOP1_UNION's offset: max(1, scaling)
+    (64, 6, BIASED_SOFTMAX),
 ]
 
 
@@ -40,6 +44,9 @@ def random_logits(T: int, E: int, device: str, ties: bool) -> torch.Tensor:
 
 
 def random_bias(routing: Routing, E: int, device: str) -> torch.Tensor | None:
+    """A selection bias for the sigmoid rules and BIASED_SOFTMAX (of the scale of its probabilities, ~1 / E)."""
+    if routing == BIASED_SOFTMAX:
+        return torch.randn(E, device=device) * 0.01
     return torch.randn(E, device=device) * 0.05 if routing.scoring == Scoring.SIGMOID else None
 
 
@@ -288,7 +295,7 @@ def test_select_experts_equals_router_predict_then_route_select(device, E, k, ro
     wr = (torch.randn(E, H, device=device) / H**0.5).to(torch.bfloat16)
     wp = (torch.randn(E, H, device=device) / H**0.5).to(torch.bfloat16) if predict else None
     bp = torch.randn(E, device=device) if predict else None
-    bias = torch.randn(E, device=device) * 0.1 if routing.scoring == Scoring.SIGMOID else None
+    bias = random_bias(routing, E, device)
     out = ops.select_experts(x, wr, routing, budget=max(1, E // 3), num_groups=G, cost=cost, fill=fill,
                              predictor_weight=wp, predictor_bias=bp, correction_bias=bias, round_logits=round_logits)
     logits, log_norms = out[0], out[1]
@@ -597,12 +604,10 @@ def test_bad_arguments_raise_clear_errors(device):
         (lambda: ops.route_cost(logits, routing, log_norms=log_norms[:, :8]), "log_norms must have"),
         (lambda: ops.select_fill(logits, torch.rand(2, 16, device=device), routing, budget=0), "budget"),
         (lambda: ops.select_fill(logits, torch.rand(2, 15, device=device), routing, budget=4), "batch_cost"),
-        (lambda: ops.route_select(logits, Routing(4, Scoring.SOFTMAX, n_group=4, topk_group=2), budget=4,
-                                  cost=Cost.ROUTER_SUM), "sigmoid"),
         (lambda: ops.route_select(logits, Routing(4, Scoring.SIGMOID, n_group=3, topk_group=2), budget=4,
                                   cost=Cost.ROUTER_SUM), "multiple of n_group"),
-        (lambda: ops.route_select(logits, routing, budget=4, cost=Cost.ROUTER_SUM,
-                                  correction_bias=torch.zeros(16, device=device)), "correction_bias"),
+        (lambda: ops.route_select(logits, Routing(4, Scoring.SOFTMAX_AFTER_TOPK), budget=4, cost=Cost.ROUTER_SUM,
+                                  correction_bias=torch.zeros(16, device=device)), "correction_bias is only used"),
         (lambda: ops.route_select(logits, routing, budget=4, cost=Cost.ROUTER_SUM,
                                   voting=torch.ones(8, dtype=torch.int32, device=device)), "voting must be bool"),
         (lambda: ops.route_cost(logits, routing, cost=Cost.ROUTER_SUM,
@@ -726,20 +731,63 @@ def test_softmax_weights_of_kept_experts_far_below_the_row_max(device, fill):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scoring", [Scoring.SIGMOID, Scoring.SOFTMAX, Scoring.SOFTMAX_AFTER_TOPK])
 @pytest.mark.parametrize("n_group", [4, 8])
-def test_group_score_ties_go_to_the_lower_group(device, n_group):
-    """Group-limited sigmoid routing without a correction bias, on logits drawn from three values: groups whose
-    top-two sums tie are common, and the lower group wins, as in the reference (every other sigmoid test adds a
-    random bias, under which group scores never tie)."""
+def test_group_score_ties_go_to_the_lower_group(device, scoring, n_group):
+    """Group-limited routing without a correction bias, on logits drawn from three values: groups whose scores (top-two
+    sums under sigmoid, best logits under softmax) tie are common, and the lower group wins, as in the reference
+    (every other sigmoid test adds a random bias, under which group scores never tie)."""
     g = torch.Generator().manual_seed(n_group)
     E = 4 * n_group
-    routing = Routing(4, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=2)
+    routing = Routing(4, scoring, renormalize=scoring != Scoring.SOFTMAX_AFTER_TOPK, n_group=n_group, topk_group=2)
     logits = torch.randint(0, 3, (512, E), generator=g).float()
     ids, weights, D = ops.route_cost(logits.to(device), routing, cost=Cost.ROUTER_SUM)
     exp_ids, exp_weights, exp_D = ref.route_cost(logits, None, None, 1, routing, Cost.ROUTER_SUM)
     assert torch.equal(ids.cpu(), exp_ids)
     torch.testing.assert_close(weights.cpu(), exp_weights, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(D.cpu(), exp_D, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E", [8, 64, 160])
+def test_biased_softmax_ties_go_to_the_lower_expert(device, E):
+    """Softmax probabilities + a zero selection bias, on logits drawn from three values: equal probabilities are
+    common, and the ops compute them bit for bit as the reference (the denominator in the CUDA warp's order), so ties
+    go to the lower expert in both, in the routing and in backfill."""
+    g = torch.Generator().manual_seed(E)
+    routing = Routing(4, Scoring.SOFTMAX, renormalize=True)
+    logits = torch.randint(0, 3, (256, E), generator=g).float()
+    bias = torch.zeros(E)
+    ids, _, D = ops.route_cost(logits.to(device), routing, cost=Cost.ROUTER_SUM, correction_bias=bias.to(device))
+    exp_ids, _, exp_D = ref.route_cost(logits, None, bias, 1, routing, Cost.ROUTER_SUM)
+    assert torch.equal(ids.cpu(), exp_ids)
+    out = ops.select_fill(logits.to(device), exp_D.to(device), routing, budget=E // 2, correction_bias=bias.to(device))
+    assert torch.equal(out[0].cpu(), ref.select_fill(logits, exp_D, bias, routing, E // 2, Fill.BACKFILL)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E", [20, 64, 128, 160, 512])  # 1, 2, 4, 8 and 16 experts per lane of the CUDA warp
+def test_biased_softmax_ranks_bit_for_bit_like_the_reference(device, E):
+    """A bias of 0.5 - softmax (in float64) puts every choice score within a few ulps of 0.5, so the ranking rests on
+    the probabilities' last bits: the ops must compute them as the reference does (exp through float64, the denominator
+    in the CUDA warp's order). torch's own softmax + bias ranks ~7% of these tokens otherwise."""
+    g = torch.Generator().manual_seed(E)
+    routing = Routing(6, Scoring.SOFTMAX, renormalize=True)
+    for _ in range(100):
+        logits = torch.randn(1, E, generator=g) * 2
+        bias = (0.5 - torch.softmax(logits.double(), -1)).float().reshape(-1)
+        ids = ops.route_cost(logits.to(device), routing, cost=Cost.ROUTER_SUM, correction_bias=bias.to(device))[0]
+        assert torch.equal(ids.cpu(), ref.route(logits, routing, bias)[0])
+
+
+def test_biased_probabilities_are_softmax_plus_bias():
+    """reference.biased_probabilities is softmax + bias to fp32 rounding (its summation order is the ops', not
+    torch's)."""
+    g = torch.Generator().manual_seed(0)
+    for E in (4, 33, 64, 512):
+        logits, bias = torch.randn(64, E, generator=g) * 3, torch.randn(E, generator=g) * 0.01
+        got = ref.biased_probabilities(logits, bias)
+        torch.testing.assert_close(got, torch.softmax(logits.double(), -1).float() + bias, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("device", DEVICES)

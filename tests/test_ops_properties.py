@@ -15,7 +15,7 @@ from test_ops import assert_kept_matches
 def selection_problems(draw):
     scoring = draw(st.sampled_from(list(Scoring)))
     n_group, topk_group = 1, 1
-    if scoring == Scoring.SIGMOID and draw(st.booleans()):
+    if draw(st.booleans()):
         n_group = draw(st.sampled_from([2, 4]))
         topk_group = draw(st.integers(1, n_group))
     E = n_group * draw(st.integers(2, 16))
@@ -32,7 +32,8 @@ def selection_problems(draw):
         logits = torch.randn(G * B, E, generator=gen) * 3
     log_norms = torch.randn(G * B, E, generator=gen)
     # without a bias, sigmoid group scores tie as often as the logits do
-    bias = torch.randn(E, generator=gen) * 0.1 if scoring == Scoring.SIGMOID and draw(st.booleans()) else None
+    biased = scoring in (Scoring.SIGMOID, Scoring.SOFTMAX) and draw(st.booleans())  # (ERNIE-4.5: softmax + bias)
+    bias = torch.randn(E, generator=gen) * 0.1 if biased else None
     return dict(
         logits=logits, log_norms=log_norms, bias=bias, routing=routing, G=G,
         budget=draw(st.integers(1, E + 2)), cost=draw(st.sampled_from(list(Cost))),

@@ -41,6 +41,7 @@ def routings(E: int, k: int) -> dict[str, tuple[Routing, bool]]:
         "softmax_renorm": (Routing(k, Scoring.SOFTMAX, renormalize=True), False),
         "softmax": (Routing(k, Scoring.SOFTMAX), False),
         "softmax_after_topk": (Routing(k, Scoring.SOFTMAX_AFTER_TOPK), False),
+        "softmax_bias_renorm": (Routing(k, Scoring.SOFTMAX, renormalize=True), True),  # ERNIE-4.5
         "sigmoid_bias_renorm": (Routing(k, Scoring.SIGMOID, renormalize=True, scaling=2.5), True),
         "sigmoid": (Routing(k, Scoring.SIGMOID), False),
     }
@@ -50,6 +51,19 @@ def routings(E: int, k: int) -> dict[str, tuple[Routing, bool]]:
                 Routing(k, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=topk_group, scaling=2.5),
                 True,
             )
+            # DeepSeek-V2 (softmax, groups by their best score, a routed scaling); renormalised at (4, 1)
+            renormalize = n_group == 4
+            cases[f"softmax_groups{n_group}_{topk_group}"] = (
+                Routing(k, Scoring.SOFTMAX, renormalize, n_group=n_group, topk_group=topk_group, scaling=16.0), False
+            )
+            if n_group == 8:  # a selection bias and a group limit together (the group's best probability + bias)
+                cases["softmax_bias_groups8_4"] = (
+                    Routing(k, Scoring.SOFTMAX, True, n_group=8, topk_group=4), True
+                )
+            if n_group == 4:
+                cases["softmax_after_topk_groups4_1"] = (
+                    Routing(k, Scoring.SOFTMAX_AFTER_TOPK, n_group=4, topk_group=1), False
+                )
     return cases
 
 
@@ -208,6 +222,21 @@ SELECT_CASES = _select_cases(48, seed=3) + [
     (1, 20, 200, 8, "sigmoid_groups8_4", "ties"),
     (3, 100, 128, 8, "softmax_renorm", "ties"),  # 65-128 tokens: 8-warp CTAs
     (2, 128, 256, 8, "sigmoid_groups8_4", "normal"),
+    # the softmax-with-bias-or-groups instances (ERNIE-4.5, DeepSeek-V2) at every experts-per-lane count, one and
+    # several chunks (the fill scores each token again), 4-, 8- and 16-warp CTAs; bias 0.1 N(0, 1) (make_inputs)
+    (2, 300, 60, 8, "softmax_bias_renorm", "normal"),
+    (1, 4096, 64, 6, "softmax_bias_renorm", "dup"),
+    (4, 16, 8, 2, "softmax_bias_renorm", "normal"),
+    (3, 100, 128, 8, "softmax_bias_renorm", "normal"),
+    (2, 40, 256, 8, "softmax_bias_renorm", "normal"),
+    (1, 64, 512, 16, "softmax_bias_renorm", "normal"),
+    (4, 16, 128, 8, "softmax_groups8_4", "normal"),
+    (2, 300, 256, 8, "softmax_groups8_4", "ties"),
+    (1, 1000, 64, 6, "softmax_groups4_1", "normal"),
+    (3, 64, 512, 16, "softmax_groups8_4", "dup"),
+    (2, 40, 128, 8, "softmax_after_topk_groups4_1", "normal"),
+    (2, 300, 256, 8, "softmax_bias_groups8_4", "normal"),
+    (4, 16, 64, 6, "softmax_bias_groups8_4", "normal"),
 ]
 
 
@@ -453,7 +482,7 @@ def test_select_experts_launch_path(case):
     (dict(budget=0), "budget"),
     (dict(routing=Routing(17, Scoring.SOFTMAX)), "top_k must be in"),
     (dict(num_groups=3), "multiple of num_groups"),
-    (dict(correction_bias=True), "only used with sigmoid"),
+    (dict(correction_bias=True, routing=Routing(4, Scoring.SOFTMAX_AFTER_TOPK)), "only used with sigmoid"),
 ])
 def test_select_experts_checks_before_launching(bad, message):
     """An argument that route_select refuses is refused before router_predict runs: a failing call launches nothing,

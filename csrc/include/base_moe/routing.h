@@ -27,7 +27,7 @@ struct RoutingParams {
   int64_t top_k;
   Scoring scoring;
   bool renormalize;
-  int64_t n_group;     // DeepSeek-V3 group-limited top-k; 1 = no groups
+  int64_t n_group;     // group-limited top-k (DeepSeek-V3, V2; group_score); 1 = no groups
   int64_t topk_group;  // groups each token may use
   double scaling;      // multiplies the final weights (routed_scaling_factor)
 };
@@ -51,8 +51,24 @@ BASE_MOE_HOST_DEVICE inline float sigmoid(float x) {
   return x <= -88.72283935546875f ? 0.0f : static_cast<float>(1.0 / (1.0 + ::exp(-static_cast<double>(x))));
 }
 
-// DeepSeek-V3's group score (reference.allowed_groups): the sum of the two largest of scores [first, first + n), n >= 2.
-BASE_MOE_HOST_DEVICE inline float top2_sum(const float* score, int first, int n) {
+// Experts per lane of the CUDA routing warp, which holds expert u in lane u / EPL, register u % EPL (the instances of
+// csrc/route_select.cu): ceil(E / 32) rounded up to a power of two.
+BASE_MOE_HOST_DEVICE inline int experts_per_lane(int64_t E) {
+  int epl = 1;
+  while (32 * epl < E) epl *= 2;
+  return epl;
+}
+
+// exp(x) through double, rounded once: sigmoid's reason (the CPU, the GPU and the reference agree bit for bit).
+BASE_MOE_HOST_DEVICE inline float exp_rounded_once(float x) {
+  return static_cast<float>(::exp(static_cast<double>(x)));
+}
+
+// A group's score for the group limit (reference.allowed_groups), over its n >= 2 choice scores [first, first + n):
+// under sigmoid scoring DeepSeek-V3's sum of the two largest, under the softmax scorings the largest (DeepSeek-V2's
+// group_limited_greedy takes the largest softmax score; the choice scores there are the logits, which softmax orders
+// alike, or with a selection bias the probabilities + the bias).
+BASE_MOE_HOST_DEVICE inline float group_score(const float* score, int first, int n, bool sum_of_two) {
   float best = -INFINITY, second = -INFINITY;
   for (int i = 0; i < n; ++i) {
     const float v = score[first + i];
@@ -63,7 +79,7 @@ BASE_MOE_HOST_DEVICE inline float top2_sum(const float* score, int first, int n)
       second = v;
     }
   }
-  return best + second;
+  return sum_of_two ? best + second : best;
 }
 
 // One routed slot's contribution to its expert's batch cost (reference.slot_costs): BASE's w^2 exp(2 log-norm), where a

@@ -46,11 +46,38 @@ __device__ __forceinline__ bool softmax_of_slots(const SelectParams& p, int scor
          (scoring == static_cast<int>(Scoring::kSoftmax) && p.renormalize);
 }
 
+// Softmax probabilities + selection bias (ERNIE-4.5) into s.choice, as the CPU op and the reference compute them
+// (route_select_cpu.cpp's biased_probabilities): exp_rounded_once(logit - max) over the denominator summed by each lane
+// over its experts in index order, then by warp_sum's butterfly.
+template <int EPL>
+__device__ __forceinline__ void biased_probabilities(int E, int lane, const float (&bias)[EPL], Token<EPL>& s) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    if (lane * EPL + j < E) m = max(m, cuda::ordered_bits(s.logit[j]));
+  }
+  const float max_logit = cuda::from_ordered_bits(cuda::warp_max_u32(m));
+  float e[EPL], sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    e[j] = lane * EPL + j < E ? exp_rounded_once(s.logit[j] - max_logit) : 0.0f;
+    sum += e[j];  // (+0 past E: exact, as the CPU's sum that skips them)
+  }
+  const float denominator = cuda::warp_sum(sum);
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) s.choice[j] = e[j] / denominator + bias[j];
+}
+
 // Computes the token's choice scores, group limit and softmax statistics from s.logit (and s.log_norm), which
 // the caller has loaded: lane l holds experts [l * EPL, (l + 1) * EPL). scratch_row: E floats, group_scratch:
 // 2 * n_group floats, both private to the warp. GENERIC = false: the caller knows the model scores by softmax
 // (Scoring::kSoftmax) without a group limit (n_group <= 1), and the other modes' code is left out.
-template <int EPL, bool GENERIC = true>
+// SOFTMAX_BIAS_OR_GROUPS (with GENERIC): the caller knows a softmax scoring with a selection bias (ERNIE-4.5:
+// biased_probabilities) or a group limit (DeepSeek-V2: groups by their best score) comes, which only those instances
+// carry; the others score groups by their best two (DeepSeek-V3's sigmoid rule). In the generic instances the float64
+// exps, inlined, grew the code by up to 27% and made a DeepSeek-like call 0.9 us slower on an H100, though it never ran
+// them (device_runs/session76.txt, call 4).
+template <int EPL, bool GENERIC = true, bool SOFTMAX_BIAS_OR_GROUPS = false>
 __device__ __forceinline__ void score_token(const SelectParams& p, int lane, float* scratch_row, float* group_scratch,
                                             Token<EPL>& s) {
   const int E = p.E, scoring = scoring_mode<GENERIC>(p);
@@ -58,21 +85,25 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
   // the lane's correction biases loaded together: ptxas issued one load per expert after the previous expert's
   // sigmoid, a memory round trip each
   float bias[EPL];
-  const bool biased = sig && p.correction_bias != nullptr;
+  const bool biased = (sig || SOFTMAX_BIAS_OR_GROUPS) && p.correction_bias != nullptr;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int u = lane * EPL + j;
     bias[j] = biased && u < E ? p.correction_bias[u] : 0.0f;
   }
+  if (SOFTMAX_BIAS_OR_GROUPS && biased) {
+    biased_probabilities<EPL>(E, lane, bias, s);
+  } else {
 #pragma unroll
-  for (int j = 0; j < EPL; ++j) {
-    float c = s.logit[j];
-    if (sig) c = sigmoid(c) + bias[j];
-    s.choice[j] = c;
+    for (int j = 0; j < EPL; ++j) {
+      float c = s.logit[j];
+      if (sig) c = sigmoid(c) + bias[j];
+      s.choice[j] = c;
+    }
   }
   s.allowed = (1u << EPL) - 1u;
   if (GENERIC && p.n_group > 1) {
-    // DeepSeek-V3 group limit: group score = best + second best choice score; keep the top topk_group groups.
+    // group limit: keep the top topk_group groups by group_score (DeepSeek-V3's best two choice scores, V2's best one)
     __syncwarp();  // earlier readers of the scratch are done
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
@@ -82,7 +113,7 @@ __device__ __forceinline__ void score_token(const SelectParams& p, int lane, flo
     __syncwarp();
     const int gs = p.group_size, ng = p.n_group;
     for (int grp = lane; grp < ng; grp += 32) {
-      group_scratch[grp] = top2_sum(scratch_row, grp * gs, gs);
+      group_scratch[grp] = group_score(scratch_row, grp * gs, gs, !SOFTMAX_BIAS_OR_GROUPS);
     }
     __syncwarp();
     for (int grp = lane; grp < ng; grp += 32) {

@@ -29,7 +29,7 @@ struct SelectParams {
   const float* logits;           // [G * B, E]
   const float* log_norms;        // rows of E, row stride ln_stride (0: broadcast); BASE cost only
   int64_t ln_stride;
-  const float* correction_bias;  // [E] or null (sigmoid only)
+  const float* correction_bias;  // [E] or null (sigmoid, or softmax: ERNIE-4.5)
   const float* batch_cost_in;    // [G, E] (select_fill)
   const bool* voting;            // [G * B]: the tokens whose slots add to D and make candidates; null: every token
   int32_t* ids;                  // [G * B, k]: routed ids (route_cost), final ids (select_fill / route_select)
@@ -59,6 +59,12 @@ inline int owned_experts_per_cta(int E, int C) {
   int n = 1;
   while (n * C < E) n *= 2;
   return n;
+}
+
+// Whether a selection needs the generic instances that score the softmax rules with a selection bias (ERNIE-4.5) or a
+// group limit (DeepSeek-V2: groups by their best score); route_select asks this before needs_generic_routing.
+inline bool needs_softmax_bias_or_groups(const SelectParams& p) {
+  return p.scoring != static_cast<int>(Scoring::kSigmoid) && (p.correction_bias != nullptr || p.n_group > 1);
 }
 
 // Whether a selection needs the kernels' generic instances: a scoring mode other than softmax, DeepSeek's group limit
