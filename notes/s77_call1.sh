@@ -1,12 +1,15 @@
 #!/bin/bash
-# The GPU call that merges wip/softmax-bias (session 76: group-limited softmax for DeepSeek-V2, softmax + selection bias
-# for ERNIE-4.5, both in route_select's new kSoftmaxBiasOrGroups instances). Before the call, on the branch:
-#   rm -rf notes/ab_main_csrc && mkdir -p notes/ab_main_csrc && git archive main csrc | tar -x -C notes/ab_main_csrc \
+# The GPU call written to merge wip/softmax-bias (session 76: group-limited softmax for DeepSeek-V2, softmax +
+# selection bias for ERNIE-4.5, both in route_select's kSoftmaxBiasOrGroups instances). Session 77 got too little
+# device time for it and merged after notes/s77_call2.sh's leaner run; this call is what is left to run, at main's head.
+# Before it:
+#   rm -rf notes/ab_main_csrc && mkdir -p notes/ab_main_csrc && git archive 1c58867 csrc | tar -x -C notes/ab_main_csrc \
 #     --strip-components=1
-# (main's csrc, untracked: it travels with the tree). `bash notes/s77_call1.sh tests` (~330 s): the build, the whole
-# CUDA suite (no -x), the selection sanitizers; then, warm, `bash notes/s77_call1.sh ab` (~250 s): an A/B/A of both
-# models' selection (branch / main / branch). Main's 81 instances compile to the same machine code on the branch
-# (session 76, compiled here), so the rows should agree within noise.
+# (the csrc before the merge, untracked: it travels with the tree; delete it after, `duplicates` reads it).
+# `bash notes/s77_call1.sh tests` (~330 s): the build, the whole CUDA suite (no -x), the selection sanitizers, the new
+# shapes' selection; then, warm, `bash notes/s77_call1.sh ab` (~250 s): an A/B/A of both models' selection (head /
+# before / head). The 81 instances from before compile to the same machine code at the head (session 76, compiled
+# here), so the rows should agree within noise.
 python3 -c "import torch, transformers; print(torch.cuda.get_device_name(), torch.__version__, transformers.__version__)"
 bash notes/device_trial.sh | tail -1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
