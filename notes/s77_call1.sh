@@ -3,8 +3,8 @@
 # selection bias for ERNIE-4.5, both in route_select's kSoftmaxBiasOrGroups instances). Session 77 got too little
 # device time for it and merged after notes/s77_call2.sh's leaner run; this call is what is left to run, at main's head.
 # Before it:
-#   rm -rf notes/ab_main_csrc && mkdir -p notes/ab_main_csrc && git archive 1c58867 csrc | tar -x -C notes/ab_main_csrc \
-#     --strip-components=1
+#   rm -rf notes/ab_main_csrc && mkdir -p notes/ab_main_csrc &&
+#     git archive 1c58867 csrc | tar -x -C notes/ab_main_csrc --strip-components=1
 # (the csrc before the merge, untracked: it travels with the tree; delete it after, `duplicates` reads it).
 # `bash notes/s77_call1.sh tests` (~330 s): the build, the whole CUDA suite (no -x), the selection sanitizers, the new
 # shapes' selection; then, warm, `bash notes/s77_call1.sh ab` (~250 s): an A/B/A of both models' selection (head /
