@@ -575,9 +575,10 @@ def _stand_in_routing(layout: MoELayout, candidates: list[Routing], where: str) 
     code and attributes, so an fp32 stand-in of the router (and of the block, whose ``route_tokens_to_experts`` may
     route its logits) with random weights and selection bias on the CPU is probed instead. The attributes alone
     cannot tell every rule (Cohere2-MoE's ``expert_selection_fn="sigmoid"``, Jamba's unread ``norm_topk_prob``).
-    Where a stand-in cannot be built or run, the attributes' guess (the first candidate), with a warning; where it
-    runs and matches no rule, an error, as on a real device (a parameter that is a constant in the model, made random
-    here, could cause it: the message says to apply to the loaded model)."""
+    Where a stand-in cannot be built or run, the attributes' guess (the first candidate), with a warning. An error,
+    as on a real device, where the router's interface is one base_moe does not call (arguments, outputs) or where the
+    stand-in runs and matches no rule (a parameter that is a constant in the model, made random here, could cause
+    that: the message says to apply to the loaded model)."""
     generator = torch.Generator().manual_seed(0)
     try:
         router = _stand_in(layout.router, generator, torch.float32)
@@ -589,7 +590,9 @@ def _stand_in_routing(layout: MoELayout, candidates: list[Routing], where: str) 
         # ~sqrt(H), whose saturated softmax could not tell a renormalisation
         probe = torch.randn(512, layout.hidden_size, generator=generator, device="cpu") / layout.hidden_size**0.5
         with torch.no_grad():
-            logits, weights, ids = _router_choices(layout, probe, None, router, block, bias)
+            logits, weights, ids = _router_choices(layout, probe, where, router, block, bias)
+    except MoELayoutError:  # an interface base_moe does not call (arguments, outputs): refused, as on a real device
+        raise
     except Exception as error:  # noqa: BLE001 - a router or block the stand-in cannot copy or run: the guess
         warnings.warn(
             f"{where}: on the meta device, and a CPU copy of its router with random weights could not run "

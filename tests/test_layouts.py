@@ -910,6 +910,19 @@ def test_meta_device_router_matching_no_rule_is_refused():
         find_moe_layouts(model)
 
 
+@pytest.mark.parametrize("make_block, refusal", [
+    (lambda: _ArgumentRouterBlock(_TemperatureRouter()), r"takes arguments base_moe does not know \(temperature\)"),
+    (_PairRouterBlock, "returns neither"),
+], ids=["unknown_argument", "weights_and_ids"])
+def test_meta_device_router_interface_base_moe_does_not_call_is_refused(make_block, refusal):
+    """A router whose arguments or outputs base_moe does not know is refused on the meta device as on a real one (its
+    stand-in's refusal was taken for a stand-in that cannot run: a warning and the attributes' guess)."""
+    with torch.device("meta"):
+        model = _Model(make_block())
+    with pytest.raises(MoELayoutError, match=rf"'layers.1.mlp' \(_\w+\).*router 'gate' {refusal}"):
+        find_moe_layouts(model)
+
+
 class _UnnormalisedRoutingBlock(_RoutingBlock):
     """Says ``norm_topk_prob=True`` and does not renormalise; ranks by the block's own bias."""
 
