@@ -118,7 +118,7 @@ FP32_ONLY = {"lfm2_moe", "lfm2_moe_nobias_scale2"}
 bf16, which base_moe's fp32 scores do not reproduce; detection refuses it there."""
 
 REFUSED = {
-    # name: (model_type, config keys, a fragment of the MoELayoutError, selection-bias scale)
+    # name: (model_type, config keys, a regex searched in the MoELayoutError, selection-bias scale)
     "cohere2_moe_average": ("cohere2_moe", _COHERE2, "not the weighted sum of its routed experts", 0.2),
     "dbrx": ("dbrx", dict(d_model=H, n_heads=4, n_layers=LAYERS, max_seq_len=64,
                           attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
@@ -129,7 +129,9 @@ REFUSED = {
     "llama4_text": ("llama4_text", _LLAMA4, "do not match hidden size", 0.2),
     "longcat_flash": ("longcat_flash", dict(_MLA, head_dim=8, num_layers=LAYERS, n_routed_experts=E,
                                             zero_expert_num=2, moe_topk=K, expert_ffn_hidden_size=32,
-                                            ffn_hidden_size=64, routed_scaling_factor=2.0), "no router found", 0.2),
+                                            ffn_hidden_size=64, routed_scaling_factor=2.0),
+                      # 5.17's experts module holds the zero experts' gate_up rows: refused for its weights' shapes
+                      "no router found|do not match hidden size", 0.2),
     "phimoe": ("phimoe", dict(num_local_experts=E, intermediate_size=32), "match none of base_moe's routing rules",
                0.2),
 }

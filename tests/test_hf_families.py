@@ -7,7 +7,6 @@ MoELayoutError that says why."""
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
@@ -82,7 +81,7 @@ def test_family_refused_with_a_reason(name):
     if not has_model_type(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     model = build(model_type, keys, bias_scale)
-    with pytest.raises(MoELayoutError, match=re.escape(reason)):
+    with pytest.raises(MoELayoutError, match=reason):
         find_moe_layouts(model)
 
 
@@ -99,7 +98,7 @@ def test_family_refused_on_the_meta_device_too(name):
     if not has_model_type(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     model = build(model_type, keys, bias_scale).to("meta")
-    with pytest.raises(MoELayoutError, match=re.escape(reason)):
+    with pytest.raises(MoELayoutError, match=reason):
         find_moe_layouts(model)
 
 
