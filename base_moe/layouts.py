@@ -19,7 +19,7 @@ import re
 import warnings
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -245,12 +245,12 @@ def find_moe_layouts(model: nn.Module) -> list[MoELayout]:
     and ``down_proj`` weights (so a hybrid model's convolutions, also 3-D, are not taken for experts). Raises
     :class:`MoELayoutError` (a ``ValueError``) naming the module when such a block is not understood.
     """
-    layouts = []
+    layouts, stand_in_checks = [], {}
     for name, module in model.named_modules():
         experts_name = _experts_child(module)
         if experts_name is None:
             continue
-        layouts.append(_describe(name, module, experts_name, ordinal=len(layouts)))
+        layouts.append(_describe(name, module, experts_name, len(layouts), stand_in_checks))
     _check_distinct_layer_indices(layouts)
     return layouts
 
@@ -276,7 +276,9 @@ def _experts_child(module: nn.Module) -> str | None:
     return None
 
 
-def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> MoELayout:
+def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int, stand_in_checks: dict) -> MoELayout:
+    """The layout of one block (``stand_in_checks``: _returns_tuple's answers for blocks on the meta device, by
+    _structure_key, for this model's detection)."""
     where = f"MoE block '{name}' ({type(block).__name__})"
     experts = getattr(block, experts_name)
     if isinstance(experts, nn.ModuleList):
@@ -360,7 +362,7 @@ def _describe(name: str, block: nn.Module, experts_name: str, ordinal: int) -> M
         _probe_router_stand_in(layout)
         layout.routing = _infer_routing(layout, where)
         _check_selection_biases_used(layout, where)
-        layout.returns_router_scores = _returns_tuple(layout, where)
+        layout.returns_router_scores = _returns_tuple(layout, where, stand_in_checks)
     except (MoELayoutError, torch.OutOfMemoryError):
         raise
     except Exception as error:  # a router or block that fails on base_moe's probe: say which, not only where in HF
@@ -658,13 +660,15 @@ def _probe_router_stand_in(layout: MoELayout) -> None:
     layout.router_rounds_logits = layout.router_returns_model_dtype or rounded
 
 
-def _stand_in(module: nn.Module, generator: torch.Generator, dtype: torch.dtype) -> nn.Module:
+def _stand_in(module: nn.Module, generator: torch.Generator, dtype: torch.dtype,
+              view_above: int | None = None) -> nn.Module:
     """A shallow copy of ``module`` and its submodules on the CPU (hooks dropped: _without_hooks) whose
-    floating-point parameters and buffers are random tensors of their shapes in ``dtype`` (_random_like). Other
-    attributes are shared with ``module`` (a forward that mutates them mutates the router's)."""
+    floating-point parameters and buffers are random tensors of their shapes in ``dtype`` (_random_like; views for
+    those of more than ``view_above`` elements). Other attributes are shared with ``module`` (a forward that mutates
+    them mutates the router's)."""
     stand_in = _without_hooks(module)
-    stand_in._parameters, stand_in._buffers = _random_tensors(module, generator, dtype)
-    stand_in._modules = {name: None if m is None else _stand_in(m, generator, dtype)
+    stand_in._parameters, stand_in._buffers = _random_tensors(module, generator, dtype, view_above)
+    stand_in._modules = {name: None if m is None else _stand_in(m, generator, dtype, view_above)
                          for name, m in module._modules.items()}
     return stand_in
 
@@ -681,20 +685,36 @@ def _without_hooks(module: nn.Module) -> nn.Module:
     return copied
 
 
-def _random_tensors(module: nn.Module, generator: torch.Generator, dtype: torch.dtype) -> tuple[dict, dict]:
+def _random_tensors(module: nn.Module, generator: torch.Generator, dtype: torch.dtype,
+                    view_above: int | None = None) -> tuple[dict, dict]:
     """``module``'s own parameters and buffers (not its submodules') as random stand-ins (_random_like)."""
-    parameters = {name: None if p is None else nn.Parameter(_random_like(p, generator, dtype), requires_grad=False)
+    parameters = {name: None if p is None else nn.Parameter(_random_like(p, generator, dtype, view_above),
+                                                            requires_grad=False)
                   for name, p in module._parameters.items()}
-    buffers = {name: None if b is None else _random_like(b, generator, dtype) for name, b in module._buffers.items()}
+    buffers = {name: None if b is None else _random_like(b, generator, dtype, view_above)
+               for name, b in module._buffers.items()}
     return parameters, buffers
 
 
-def _random_like(t: torch.Tensor, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+def _random_like(t: torch.Tensor, generator: torch.Generator, dtype: torch.dtype,
+                 view_above: int | None = None) -> torch.Tensor:
     """A CPU tensor of ``t``'s shape: random values in ``dtype`` where ``t`` is floating point (as ``module.to(dtype)``
-    leaves it), else a copy of ``t`` (an integer buffer's values may matter; zeros for one on the meta device)."""
+    leaves it), else a copy of ``t`` (an integer buffer's values may matter; zeros for one on the meta device).
+    Where ``t`` is a bank of matrices ``[E, ...]`` (an experts module's weights) of more than ``view_above`` elements,
+    a view whose matrix ``e`` starts ``e`` elements into one random matrix's storage: distinct, contiguous matrices
+    (the matmuls' fast path) in the memory of one."""
     if not t.is_floating_point():
         return torch.zeros(t.shape, dtype=t.dtype, device="cpu") if t.is_meta else t.detach().to("cpu")
+    if view_above is not None and t.dim() >= 3 and t.numel() > view_above:
+        matrix = t[0].numel()
+        storage = torch.randn(matrix + t.shape[0] - 1, generator=generator, device="cpu").to(dtype)
+        return storage.as_strided(t.shape, (1, *torch.empty(t.shape[1:], device="meta").stride()))
     return torch.randn(t.shape, generator=generator, device="cpu").to(dtype)
+
+
+# banks of expert matrices in a block's stand-in (_stand_in_returns_tuple) stored as overlapping views above this size
+# (16 MB in fp32): Qwen3-30B-A3B's gate_up_proj alone would be 1.6 GB of random values per block
+_VIEW_ABOVE_NUMEL = 1 << 22
 
 
 def _check_router_logits(layout: MoELayout, probe: torch.Tensor, logits: torch.Tensor, where: str) -> None:
@@ -807,19 +827,70 @@ def _router_choices(layout: MoELayout, x: torch.Tensor, where: str | None = None
 _VERIFIED_BLOCKS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
-def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
+def _returns_tuple(layout: MoELayout, where: str, stand_in_checks: dict) -> bool:
     """Whether the block's forward returns ``(hidden, router_scores)``. Run once, in eval mode, on a few probe
     tokens, and verified: the block's output must be what base_moe computes from the router's own choices (its
     routed experts, weighted, plus its shared experts), so that a block that combines them otherwise (Cohere2-MoE's
-    ``(routed + shared) / 2``) is refused rather than computed wrongly."""
-    weight = layout.router_weight
-    if weight.device.type == "meta":
-        return False
+    ``(routed + shared) / 2``) is refused rather than computed wrongly. A block on the meta device is run as a CPU
+    stand-in with random fp32 weights (_stand_in_returns_tuple), once per structure in a model (a decoder's blocks
+    are alike: DeepSeek-V3's 58 would take ~50 s), and not kept with the block, whose weights may be loaded later."""
     block = layout.block
-    if block in _VERIFIED_BLOCKS:
-        return _VERIFIED_BLOCKS[block]
+    if layout.router_weight.device.type == "meta":
+        key = _structure_key(block)
+        if key not in stand_in_checks:
+            stand_in_checks[key] = _stand_in_returns_tuple(layout, where)
+        return stand_in_checks[key]
+    if block not in _VERIFIED_BLOCKS:
+        _VERIFIED_BLOCKS[block] = _checked_output_is_tuple(layout, where)
+    return _VERIFIED_BLOCKS[block]
+
+
+def _structure_key(block: nn.Module) -> tuple:
+    """What a block's stand-in check depends on: its modules' names and classes, their attributes (numbers, strings
+    and tuples of them by value, other objects, such as the model's config, by identity) and their tensors' names,
+    shapes and dtypes. Two blocks with one key run the same code on the same shapes."""
+    def value(v):
+        plain = (int, float, str, bool, type(None))
+        if isinstance(v, plain) or isinstance(v, tuple) and all(isinstance(x, plain) for x in v):
+            return v
+        return ("id", id(v))
+
+    return tuple(
+        (name, type(module), tuple(sorted((k, value(v)) for k, v in vars(module).items() if not k.startswith("_"))),
+         tuple((n, tuple(t.shape), t.dtype) for n, t in [*module._parameters.items(), *module._buffers.items()]
+               if t is not None))
+        for name, module in block.named_modules()
+    )
+
+
+def _stand_in_returns_tuple(layout: MoELayout, where: str | None) -> bool:
+    """_checked_output_is_tuple on a CPU stand-in of the whole block (router, experts, shared experts) with random
+    fp32 weights, the experts' as overlapping views of one matrix (a bank of experts would take gigabytes): a block on
+    the meta device whose output is a tuple (GPT-OSS) or that combines its experts otherwise (Cohere2-MoE's average)
+    is told as on a real device. Where the stand-in cannot run (an experts implementation without a CPU path), the
+    guess that it returns a tensor, with a warning."""
     generator = torch.Generator().manual_seed(1)
-    probe = torch.randn(1, 4, layout.hidden_size, generator=generator, device="cpu").to(weight.device, layout.dtype)
+    try:
+        stand_in = replace(layout, block=_stand_in(layout.block, generator, torch.float32, _VIEW_ABOVE_NUMEL))
+        return _checked_output_is_tuple(stand_in, where)
+    except MoELayoutError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a block the stand-in cannot copy or run: the guess
+        warnings.warn(
+            f"{where or layout.name}: on the meta device, and a CPU copy of the block with random weights could not "
+            f"run ({type(error).__name__}: {error}); base_moe takes it to return its output as one tensor, the sum "
+            "of its routed and shared experts, unverified. Apply base_moe to the loaded model to have it verified."
+        )
+        return False
+
+
+def _checked_output_is_tuple(layout: MoELayout, where: str | None) -> bool:
+    """Runs the block on probe tokens and checks its output against its router's choices (_returns_tuple); whether
+    that output is a tuple."""
+    block, weight = layout.block, layout.router_weight
+    generator = torch.Generator().manual_seed(1)
+    # two tokens: a stand-in's experts compute on copies of their weights (a few MB per expert the tokens choose)
+    probe = torch.randn(1, 2, layout.hidden_size, generator=generator, device="cpu").to(weight.device, layout.dtype)
     forward = getattr(type(block), "_base_moe_original_class", type(block)).forward
     modes = [(module, module.training) for module in block.modules()]
     try:
@@ -843,5 +914,4 @@ def _returns_tuple(layout: MoELayout, where: str | None = None) -> bool:
             f"experts (relative difference {relative:.3g} on a probe); "
             "base_moe does not understand how this block combines them."
         )
-    _VERIFIED_BLOCKS[block] = isinstance(out, tuple)
-    return _VERIFIED_BLOCKS[block]
+    return isinstance(out, tuple)

@@ -7,6 +7,7 @@ MoELayoutError that says why."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -85,15 +86,11 @@ def test_family_refused_with_a_reason(name):
         find_moe_layouts(model)
 
 
-META_UNREFUSED = {"cohere2_moe_average"}
-"""refused families a model on the meta device is not refused for: the check of the block's output (how it combines
-routed and shared experts) runs the experts, which hold no values there."""
-
-
-@pytest.mark.parametrize("name", sorted(set(REFUSED) - META_UNREFUSED))
+@pytest.mark.parametrize("name", sorted(REFUSED))
 def test_family_refused_on_the_meta_device_too(name):
     """On the meta device the same reason refuses the family: PhiMoE's sparsemixer routing is no rule of base_moe's
-    for a CPU stand-in of its router either (it was taken as the attributes' softmax)."""
+    for a CPU stand-in of its router either (it was taken as the attributes' softmax), and Cohere2-MoE's average of
+    its routed and shared experts is seen on a CPU stand-in of the block (it was taken as their sum)."""
     model_type, keys, reason, bias_scale = REFUSED[name]
     if not has_model_type(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
@@ -149,10 +146,14 @@ def test_nested_router_with_hooks_is_refused():
 def test_meta_device_family_takes_the_probed_routing(name):
     """On the meta device (no probe of the weights can run) the routing is the one the probe finds on the CPU, for
     the families whose attributes do not tell it too (an fp32 stand-in of the router is probed): Cohere2-MoE's
-    ``expert_selection_fn="sigmoid"``, Jamba's renormalisation-free softmax beside an unread ``norm_topk_prob``."""
+    ``expert_selection_fn="sigmoid"``, Jamba's renormalisation-free softmax beside an unread ``norm_topk_prob``. The
+    block's output check runs on a CPU stand-in of the block there, with no warning that it could not."""
     model = _supported_model(name)
-    probed = [layout.routing for layout in find_moe_layouts(model)]
-    assert [layout.routing for layout in find_moe_layouts(model.to("meta"))] == probed
+    probed = [(layout.routing, layout.returns_router_scores) for layout in find_moe_layouts(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        on_meta = find_moe_layouts(model.to("meta"))
+    assert [(layout.routing, layout.returns_router_scores) for layout in on_meta] == probed
 
 
 @pytest.mark.parametrize("overrides, groups", [

@@ -11,7 +11,7 @@ from hf_models import FAMILIES, NUM_EXPERTS, selection_output, tiny_model
 from torch import nn
 
 from base_moe import reference
-from base_moe.layouts import LOG_NORM_FLOOR, MoELayoutError, _candidate_routings, find_moe_layouts
+from base_moe.layouts import LOG_NORM_FLOOR, MoELayoutError, _candidate_routings, _random_like, find_moe_layouts
 from base_moe.routing import Routing, Scoring
 
 EXPECTED = {
@@ -388,6 +388,8 @@ def test_meta_device_model_takes_the_probed_routing(family):
     layouts = find_moe_layouts(model)
     assert [lay.routing for lay in layouts] == [EXPECTED[family]["routing"]] * 2
     assert [lay.router_rounds_logits for lay in layouts] == [family != "deepseek_v3"] * 2
+    # from a CPU stand-in of the whole block (it was taken as False: GPT-OSS's decoder layer then unpacked a tensor)
+    assert [lay.returns_router_scores for lay in layouts] == [family == "gpt_oss"] * 2
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -921,6 +923,93 @@ def test_meta_device_router_interface_base_moe_does_not_call_is_refused(make_blo
         model = _Model(make_block())
     with pytest.raises(MoELayoutError, match=rf"'layers.1.mlp' \(_\w+\).*router 'gate' {refusal}"):
         find_moe_layouts(model)
+
+
+def test_meta_device_block_combining_its_experts_otherwise_is_refused():
+    """A block on the meta device is run as a CPU stand-in, so averaging its routed and shared experts is refused
+    there too (it was accepted and computed as their sum); the summing block is understood."""
+    with torch.device("meta"):
+        averaging, summing = _Model(_SharedBlock(average=True)), _Model(_SharedBlock(average=False))
+    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*not the weighted sum of its routed experts plus its "
+                                             "shared experts"):
+        find_moe_layouts(averaging)
+    (lay,) = find_moe_layouts(summing)
+    assert lay.shared_names == ("shared_experts",) and not lay.returns_router_scores
+
+
+class _TwoBlockModel(nn.Module):
+    def __init__(self, first, second):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Module(), nn.Module()])
+        self.layers[0].mlp, self.layers[1].mlp = first, second
+
+
+class _CountingBlock(_SharedBlock):
+    runs = 0
+
+    def forward(self, hidden):
+        type(self).runs += 1
+        return super().forward(hidden)
+
+
+def test_meta_device_blocks_alike_are_run_once_and_blocks_that_differ_each():
+    """The stand-in check runs once per block structure in a model (classes, attributes, shapes): a second block
+    with another attribute value (here averaging, refused) is checked on its own."""
+    with torch.device("meta"):
+        alike = _TwoBlockModel(_CountingBlock(average=False), _CountingBlock(average=False))
+        differing = _TwoBlockModel(_SharedBlock(average=False), _SharedBlock(average=True))
+    _CountingBlock.runs = 0
+    assert len(find_moe_layouts(alike)) == 2 and _CountingBlock.runs == 1
+    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*not the weighted sum"):
+        find_moe_layouts(differing)
+
+
+def test_meta_device_answer_is_not_kept_for_the_loaded_block():
+    """A block checked on the meta device is checked again once its weights are loaded (the real check, not the
+    stand-in's answer)."""
+    with torch.device("meta"):
+        model = _Model(_SharedBlock(average=False))
+    find_moe_layouts(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    model.layers[1].mlp.average = True
+    with pytest.raises(MoELayoutError, match="not the weighted sum"):
+        find_moe_layouts(model)
+
+
+class _CpuFailingBlock(_SharedBlock):
+    """Its forward fails off its own device (an experts implementation without a CPU path); its router runs."""
+
+    def forward(self, hidden):
+        if hidden.device.type == "cpu":
+            raise RuntimeError("no CPU kernel")
+        return super().forward(hidden)
+
+
+def test_meta_device_block_the_stand_in_cannot_run_is_taken_unverified_with_a_warning():
+    with torch.device("meta"):
+        model = _Model(_CpuFailingBlock(average=False))
+    with pytest.warns(UserWarning, match=r"'layers.1.mlp'.*a CPU copy of the block with random weights could not run "
+                                         r"\(RuntimeError: no CPU kernel\); base_moe takes it to return its output as "
+                                         "one tensor"):
+        (lay,) = find_moe_layouts(model)
+    assert lay.routing == Routing(2, Scoring.SOFTMAX, False) and not lay.returns_router_scores
+
+
+def test_large_stand_in_expert_banks_are_views_of_one_matrix():
+    """A block stand-in's expert banks hold distinct matrices, each contiguous, in the memory of about one (matrix
+    ``e`` starts ``e`` elements into it); smaller tensors and matrices are fully random."""
+    generator = torch.Generator().manual_seed(0)
+    bank = torch.empty(4, 6, 5, device="meta")
+    view = _random_like(bank, generator, torch.float32, view_above=100)
+    assert view.shape == bank.shape and view.untyped_storage().nbytes() == (30 + 3) * 4
+    assert all(view[e].is_contiguous() for e in range(4))
+    assert torch.equal(view[1].flatten()[:-1], view[0].flatten()[1:]) and not torch.equal(view[1], view[0])
+    for small in (bank, torch.empty(40, 5, device="meta")):  # at the bound; a 2-D matrix
+        full = _random_like(small, generator, torch.float32, view_above=120 if small.dim() == 3 else 100)
+        assert full.is_contiguous() and full.unique().numel() == small.numel()
 
 
 class _UnnormalisedRoutingBlock(_RoutingBlock):
