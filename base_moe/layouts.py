@@ -847,8 +847,9 @@ def _returns_tuple(layout: MoELayout, where: str, stand_in_checks: dict) -> bool
 
 def _structure_key(block: nn.Module) -> tuple:
     """What a block's stand-in check depends on: its modules' names and classes, their attributes (numbers, strings
-    and tuples of them by value, other objects, such as the model's config, by identity) and their tensors' names,
-    shapes and dtypes. Two blocks with one key run the same code on the same shapes."""
+    and tuples of them by value, other objects, such as the model's config, by identity; not an instance-level
+    ``forward``, an offload hook's, which the stand-in drops) and their tensors' names, shapes and dtypes. Two blocks
+    with one key run the same code on the same shapes."""
     def value(v):
         plain = (int, float, str, bool, type(None))
         if isinstance(v, plain) or isinstance(v, tuple) and all(isinstance(x, plain) for x in v):
@@ -856,7 +857,8 @@ def _structure_key(block: nn.Module) -> tuple:
         return ("id", id(v))
 
     return tuple(
-        (name, type(module), tuple(sorted((k, value(v)) for k, v in vars(module).items() if not k.startswith("_"))),
+        (name, type(module), tuple(sorted((k, value(v)) for k, v in vars(module).items()
+                                          if not k.startswith("_") and k != "forward")),
          tuple((n, tuple(t.shape), t.dtype) for n, t in [*module._parameters.items(), *module._buffers.items()]
                if t is not None))
         for name, module in block.named_modules()
@@ -872,7 +874,10 @@ def _stand_in_returns_tuple(layout: MoELayout, where: str | None) -> bool:
     generator = torch.Generator().manual_seed(1)
     try:
         stand_in = replace(layout, block=_stand_in(layout.block, generator, torch.float32, _VIEW_ABOVE_NUMEL))
-        return _checked_output_is_tuple(stand_in, where)
+        _run_experts_eagerly(stand_in.experts)
+        return _checked_output_is_tuple(stand_in, f"{where} (on the meta device, checked on a CPU copy of the block "
+                                                  "with random weights: apply base_moe to the loaded model if the "
+                                                  "block holds a constant that random values change)")
     except MoELayoutError:
         raise
     except Exception as error:  # noqa: BLE001 - a block the stand-in cannot copy or run: the guess
@@ -884,12 +889,22 @@ def _stand_in_returns_tuple(layout: MoELayout, where: str | None) -> bool:
         return False
 
 
+def _run_experts_eagerly(experts: nn.Module) -> None:
+    """Has a stand-in's experts module (a transformers experts class, which dispatches on its config's
+    ``_experts_implementation``) loop over the chosen experts: ``batched_mm`` gathers a copy of an expert's matrices
+    per token slot (1.6 GB each for Jamba-1.5-Large's), and the stand-in's config is a copy, the model's untouched."""
+    config = getattr(experts, "config", None)
+    if getattr(config, "_experts_implementation", "eager") != "eager":
+        experts.config = copy.copy(config)
+        experts.config._experts_implementation = "eager"
+
+
 def _checked_output_is_tuple(layout: MoELayout, where: str | None) -> bool:
     """Runs the block on probe tokens and checks its output against its router's choices (_returns_tuple); whether
     that output is a tuple."""
     block, weight = layout.block, layout.router_weight
     generator = torch.Generator().manual_seed(1)
-    # two tokens: a stand-in's experts compute on copies of their weights (a few MB per expert the tokens choose)
+    # two tokens: each expert they choose multiplies a whole matrix pair on the CPU (a stand-in's, fp32)
     probe = torch.randn(1, 2, layout.hidden_size, generator=generator, device="cpu").to(weight.device, layout.dtype)
     forward = getattr(type(block), "_base_moe_original_class", type(block)).forward
     modes = [(module, module.training) for module in block.modules()]
@@ -907,7 +922,7 @@ def _checked_output_is_tuple(layout: MoELayout, where: str | None) -> bool:
     got, want = hidden.reshape(-1, layout.hidden_size).float(), expected.float()
     tolerance = 1e-5 if layout.dtype == torch.float32 else 2e-2
     difference = float((got - want).norm())
-    if difference > tolerance * float(want.norm()) + 1e-6:
+    if not difference <= tolerance * float(want.norm()) + 1e-6:  # (a NaN is a mismatch)
         relative = difference / max(float(want.norm()), 1e-30)
         raise MoELayoutError(
             f"{where or layout.name}: its output is not the weighted sum of its routed experts plus its shared "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import types
+import warnings
 
 import pytest
 import torch
@@ -958,6 +961,8 @@ def test_meta_device_blocks_alike_are_run_once_and_blocks_that_differ_each():
     with torch.device("meta"):
         alike = _TwoBlockModel(_CountingBlock(average=False), _CountingBlock(average=False))
         differing = _TwoBlockModel(_SharedBlock(average=False), _SharedBlock(average=True))
+    for layer in alike.layers:  # an instance-level forward, as accelerate's offload hook sets, keeps them alike
+        layer.mlp.forward = functools.partial(type(layer.mlp).forward, layer.mlp)
     _CountingBlock.runs = 0
     assert len(find_moe_layouts(alike)) == 2 and _CountingBlock.runs == 1
     with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*not the weighted sum"):
@@ -977,6 +982,41 @@ def test_meta_device_answer_is_not_kept_for_the_loaded_block():
     model.layers[1].mlp.average = True
     with pytest.raises(MoELayoutError, match="not the weighted sum"):
         find_moe_layouts(model)
+
+
+class _DispatchingExperts(_FusedExperts):
+    """Dispatches on its config's ``_experts_implementation`` as transformers' experts classes do; ``batched_mm``
+    (a copy of an expert's matrices per token slot: gigabytes for a large model's stand-in) stands refused here."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(_experts_implementation="batched_mm")
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        if self.config._experts_implementation != "eager":
+            raise RuntimeError("a copy per token slot")
+        return super().forward(hidden, top_k_index, top_k_weights)
+
+
+def test_meta_device_stand_in_runs_its_experts_eagerly_and_leaves_the_models_config():
+    with torch.device("meta"):
+        block = _SharedBlock(average=False)
+        block.experts = _DispatchingExperts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "could not run"
+        (lay,) = find_moe_layouts(_Model(block))
+    assert lay.routing == Routing(2, Scoring.SOFTMAX, False)
+    assert block.experts.config._experts_implementation == "batched_mm"
+
+
+class _NanBlock(_Block):
+    def forward(self, hidden):
+        return super().forward(hidden) * float("nan")
+
+
+def test_block_whose_output_is_nan_is_refused():
+    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*not the weighted sum"):
+        find_moe_layouts(_Model(_NanBlock()))
 
 
 class _CpuFailingBlock(_SharedBlock):
