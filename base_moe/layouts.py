@@ -574,8 +574,9 @@ def _first_match(candidates: list[Routing], logits, weights, ids, bias) -> Routi
 
 def _stand_in_routing(layout: MoELayout, candidates: list[Routing], where: str) -> Routing:
     """The routing rule of a router on the meta device, whose weights hold no values to probe: the rule lies in its
-    code and attributes, so an fp32 stand-in of the router (and of the block, whose ``route_tokens_to_experts`` may
-    route its logits) with random weights and selection bias on the CPU is probed instead. The attributes alone
+    code and attributes, so a stand-in of the router (and of the block, whose ``route_tokens_to_experts`` may route
+    its logits) with random weights and selection bias on the CPU, in the model's dtype (in which a router may rank:
+    LFM2-MoE's bf16 sums), is probed instead. The attributes alone
     cannot tell every rule (Cohere2-MoE's ``expert_selection_fn="sigmoid"``, Jamba's unread ``norm_topk_prob``).
     Where a stand-in cannot be built or run, the attributes' guess (the first candidate), with a warning. An error,
     as on a real device, where the router's interface is one base_moe does not call (arguments, outputs) or where the
@@ -583,14 +584,15 @@ def _stand_in_routing(layout: MoELayout, candidates: list[Routing], where: str) 
     that: the message says to apply to the loaded model)."""
     generator = torch.Generator().manual_seed(0)
     try:
-        router = _stand_in(layout.router, generator, torch.float32)
-        block = _block_stand_in(layout, router, generator)
+        router = _stand_in(layout.router, generator, layout.dtype)
+        block = _block_stand_in(layout, router, generator, layout.dtype)
         bias = _correction_bias(router, block)
         if bias is not None:
             bias.mul_(0.1)  # of a trained bias's size: a unit one beside unit logits would hide a group limit
         # logits of about unit size, as a trained router's: random unit weights on unit hidden states would give
         # ~sqrt(H), whose saturated softmax could not tell a renormalisation
         probe = torch.randn(512, layout.hidden_size, generator=generator, device="cpu") / layout.hidden_size**0.5
+        probe = probe.to(layout.dtype)
         with torch.no_grad():
             logits, weights, ids = _router_choices(layout, probe, where, router, block, bias)
     except MoELayoutError:  # an interface base_moe does not call (arguments, outputs): refused, as on a real device
@@ -612,11 +614,12 @@ def _stand_in_routing(layout: MoELayout, candidates: list[Routing], where: str) 
     return routing
 
 
-def _block_stand_in(layout: MoELayout, router: nn.Module, generator: torch.Generator) -> nn.Module:
-    """A shallow copy of the block (hooks dropped) whose own floating-point parameters and buffers are random fp32
-    CPU tensors and whose router is ``router``; its other submodules (the experts) are the block's own, unused."""
+def _block_stand_in(layout: MoELayout, router: nn.Module, generator: torch.Generator, dtype: torch.dtype) -> nn.Module:
+    """A shallow copy of the block (hooks dropped) whose own floating-point parameters and buffers are random CPU
+    tensors in ``dtype`` and whose router is ``router``; its other submodules (the experts) are the block's own,
+    unused."""
     block = _without_hooks(layout.block)
-    block._parameters, block._buffers = _random_tensors(layout.block, generator, torch.float32)
+    block._parameters, block._buffers = _random_tensors(layout.block, generator, dtype)
     block._modules = dict(layout.block._modules)
     block._modules[layout.router_name] = router  # (router_name names a child: found among named_children)
     return block
