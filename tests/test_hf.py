@@ -254,6 +254,30 @@ def test_predictors_follow_the_router_from_their_calibrated_values():
         assert torch.equal(state.predictor_weight, calibrated)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_applied_on_the_meta_device_then_loaded(family):
+    """The init_empty_weights flow: base_moe.apply on a model built on the meta device, then its weights loaded;
+    without a binding budget a cached decode step gives the loaded model's own logits (GPT-OSS's block, which returns
+    a tuple, was taken on meta to return a tensor, which its decoder layer then unpacked)."""
+    from hf_models import tiny_config
+
+    loaded = tiny_model(family)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(family), experts_implementation="eager")
+    base_moe.apply(model.eval(), budget=NUM_EXPERTS, policy="router_sum", record=True)
+    model.to_empty(device="cpu")
+    model.load_state_dict(loaded.state_dict())
+    with torch.no_grad():
+        for name, buffer in loaded.named_buffers():  # the non-persistent ones too (rotary frequencies)
+            model.get_buffer(name).copy_(buffer)
+    prompt, step = prompt_ids(), decode_ids(batch=4)
+    with torch.no_grad():
+        want = loaded(step, past_key_values=loaded(prompt, use_cache=True).past_key_values, use_cache=True).logits
+        got = model(step, past_key_values=model(prompt, use_cache=True).past_key_values, use_cache=True).logits
+    assert len(selections(model)) == len(moe_layouts(model)) > 0  # the decode step ran base_moe's blocks
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(float(want.abs().max()), 1.0))
+
+
 def test_statistics_policy_with_an_offloaded_router():
     """accelerate-style offload puts the router's weight on "meta" between its forwards: a statistics policy, which
     runs after the router has returned, must not follow the router's device there."""
