@@ -576,8 +576,8 @@ def _stand_in_routing(layout: MoELayout, candidates: list[Routing], where: str) 
     """The routing rule of a router on the meta device, whose weights hold no values to probe: the rule lies in its
     code and attributes, so a stand-in of the router (and of the block, whose ``route_tokens_to_experts`` may route
     its logits) with random weights and selection bias on the CPU, in the model's dtype (in which a router may rank:
-    LFM2-MoE's bf16 sums), is probed instead. The attributes alone
-    cannot tell every rule (Cohere2-MoE's ``expert_selection_fn="sigmoid"``, Jamba's unread ``norm_topk_prob``).
+    LFM2-MoE's bf16 sums), is probed instead. The attributes alone cannot tell every rule (Cohere2-MoE's
+    ``expert_selection_fn="sigmoid"``, Jamba's unread ``norm_topk_prob``).
     Where a stand-in cannot be built or run, the attributes' guess (the first candidate), with a warning. An error,
     as on a real device, where the router's interface is one base_moe does not call (arguments, outputs) or where the
     stand-in runs and matches no rule (a parameter that is a constant in the model, made random here, could cause
