@@ -667,8 +667,8 @@ def _stand_in(module: nn.Module, generator: torch.Generator, dtype: torch.dtype,
               view_above: int | None = None) -> nn.Module:
     """A shallow copy of ``module`` and its submodules on the CPU (hooks dropped: _without_hooks) whose
     floating-point parameters and buffers are random tensors of their shapes in ``dtype`` (_random_like; views for
-    those of more than ``view_above`` elements). Other attributes are shared with ``module`` (a forward that mutates
-    them mutates the router's)."""
+    those of more than ``view_above`` elements). Other attributes are shared with ``module``, but for its containers
+    (_without_hooks)."""
     stand_in = _without_hooks(module)
     stand_in._parameters, stand_in._buffers = _random_tensors(module, generator, dtype, view_above)
     stand_in._modules = {name: None if m is None else _stand_in(m, generator, dtype, view_above)
@@ -678,9 +678,13 @@ def _stand_in(module: nn.Module, generator: torch.Generator, dtype: torch.dtype,
 
 def _without_hooks(module: nn.Module) -> nn.Module:
     """A shallow copy of ``module`` without hooks or an instance-level forward (an offload hook would move its
-    tensors)."""
+    tensors), whose own lists, dicts and sets are copies (a forward that records into one, such as a count of routed
+    tokens, records the probe's into the stand-in's)."""
     copied = copy.copy(module)
     copied.__dict__.pop("forward", None)
+    for name, value in vars(module).items():
+        if not name.startswith("_") and isinstance(value, (list, dict, set)):
+            setattr(copied, name, copy.copy(value))
     for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
                   "_backward_hooks"):

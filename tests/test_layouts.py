@@ -1019,6 +1019,27 @@ def test_block_whose_output_is_nan_is_refused():
         find_moe_layouts(_Model(_NanBlock()))
 
 
+class _CountingRouter(_Router):
+    """Records how many tokens each call routes (a router's own statistics, in a list)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens_seen = []
+
+    def forward(self, x):
+        self.tokens_seen.append(x.shape[0])
+        return super().forward(x)
+
+
+def test_meta_device_stand_ins_record_into_their_own_containers():
+    """The stand-ins' probes are not recorded into the model's router (its list was shared with theirs)."""
+    with torch.device("meta"):
+        model = _Model(_ArgumentRouterBlock(_CountingRouter(), correction_bias=False))
+    (lay,) = find_moe_layouts(model)
+    assert lay.routing == Routing(2, Scoring.SOFTMAX, False)
+    assert model.layers[1].mlp.gate.tokens_seen == []
+
+
 class _CpuFailingBlock(_SharedBlock):
     """Its forward fails off its own device (an experts implementation without a CPU path); its router runs."""
 
