@@ -591,8 +591,8 @@ def _stand_in_routing(layout: MoELayout, candidates: list[Routing], where: str) 
             bias.mul_(0.1)  # of a trained bias's size: a unit one beside unit logits would hide a group limit
         # logits of about unit size, as a trained router's: random unit weights on unit hidden states would give
         # ~sqrt(H), whose saturated softmax could not tell a renormalisation
-        probe = torch.randn(512, layout.hidden_size, generator=generator, device="cpu") / layout.hidden_size**0.5
-        probe = probe.to(layout.dtype)
+        probe = (torch.randn(512, layout.hidden_size, generator=generator, device="cpu") / layout.hidden_size**0.5).to(
+            layout.dtype)
         with torch.no_grad():
             logits, weights, ids = _router_choices(layout, probe, where, router, block, bias)
     except MoELayoutError:  # an interface base_moe does not call (arguments, outputs): refused, as on a real device
@@ -872,7 +872,7 @@ def _structure_key(block: nn.Module) -> tuple:
     )
 
 
-def _stand_in_returns_tuple(layout: MoELayout, where: str | None) -> bool:
+def _stand_in_returns_tuple(layout: MoELayout, where: str) -> bool:
     """_checked_output_is_tuple on a CPU stand-in of the whole block (router, experts, shared experts) with random
     fp32 weights, the experts' as overlapping views of one matrix (a bank of experts would take gigabytes): a block on
     the meta device whose output is a tuple (GPT-OSS) or that combines its experts otherwise (Cohere2-MoE's average)
@@ -889,7 +889,7 @@ def _stand_in_returns_tuple(layout: MoELayout, where: str | None) -> bool:
         raise
     except Exception as error:  # noqa: BLE001 - a block the stand-in cannot copy or run: the guess
         warnings.warn(
-            f"{where or layout.name}: on the meta device, and a CPU copy of the block with random weights could not "
+            f"{where}: on the meta device, and a CPU copy of the block with random weights could not "
             f"run ({type(error).__name__}: {error}); base_moe takes it to return its output as one tensor, the sum "
             "of its routed and shared experts, unverified. Apply base_moe to the loaded model to have it verified."
         )
@@ -906,7 +906,7 @@ def _run_experts_eagerly(experts: nn.Module) -> None:
         experts.config._experts_implementation = "eager"
 
 
-def _checked_output_is_tuple(layout: MoELayout, where: str | None) -> bool:
+def _checked_output_is_tuple(layout: MoELayout, where: str) -> bool:
     """Runs the block on probe tokens and checks its output against its router's choices (_returns_tuple); whether
     that output is a tuple."""
     block, weight = layout.block, layout.router_weight
@@ -932,7 +932,7 @@ def _checked_output_is_tuple(layout: MoELayout, where: str | None) -> bool:
     if not difference <= tolerance * float(want.norm()) + 1e-6:  # (a NaN is a mismatch)
         relative = difference / max(float(want.norm()), 1e-30)
         raise MoELayoutError(
-            f"{where or layout.name}: its output is not the weighted sum of its routed experts plus its shared "
+            f"{where}: its output is not the weighted sum of its routed experts plus its shared "
             f"experts (relative difference {relative:.3g} on a probe); "
             "base_moe does not understand how this block combines them."
         )

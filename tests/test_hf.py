@@ -273,8 +273,8 @@ def test_applied_on_the_meta_device_then_loaded(family):
     prompt, step = prompt_ids(), decode_ids(batch=4)
     with torch.no_grad():
         want = loaded(step, past_key_values=loaded(prompt, use_cache=True).past_key_values, use_cache=True).logits
-        got = model(step, past_key_values=model(prompt, use_cache=True).past_key_values, use_cache=True).logits
-    assert len(selections(model)) == len(moe_layouts(model)) > 0  # the decode step ran base_moe's blocks
+    _, got, recorded = _prompt_and_step(model, prompt, step)
+    assert len(recorded) == len(moe_layouts(model)) > 0  # the decode step ran base_moe's blocks
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(float(want.abs().max()), 1.0))
 
 

@@ -275,10 +275,14 @@ class _BiasArgumentBlock(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self, block):
+    """``block`` in layer 1; ``first``, where given, in layer 0."""
+
+    def __init__(self, block, first=None):
         super().__init__()
         self.layers = nn.ModuleList([nn.Module(), nn.Module()])
         self.layers[1].mlp = block
+        if first is not None:
+            self.layers[0].mlp = first
 
 
 def test_hand_written_block_is_understood():
@@ -940,13 +944,6 @@ def test_meta_device_block_combining_its_experts_otherwise_is_refused():
     assert lay.shared_names == ("shared_experts",) and not lay.returns_router_scores
 
 
-class _TwoBlockModel(nn.Module):
-    def __init__(self, first, second):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Module(), nn.Module()])
-        self.layers[0].mlp, self.layers[1].mlp = first, second
-
-
 class _CountingBlock(_SharedBlock):
     runs = 0
 
@@ -959,8 +956,8 @@ def test_meta_device_blocks_alike_are_run_once_and_blocks_that_differ_each():
     """The stand-in check runs once per block structure in a model (classes, attributes, shapes): a second block
     with another attribute value (here averaging, refused) is checked on its own."""
     with torch.device("meta"):
-        alike = _TwoBlockModel(_CountingBlock(average=False), _CountingBlock(average=False))
-        differing = _TwoBlockModel(_SharedBlock(average=False), _SharedBlock(average=True))
+        alike = _Model(_CountingBlock(average=False), first=_CountingBlock(average=False))
+        differing = _Model(_SharedBlock(average=True), first=_SharedBlock(average=False))
     for layer in alike.layers:  # an instance-level forward, as accelerate's offload hook sets, keeps them alike
         layer.mlp.forward = functools.partial(type(layer.mlp).forward, layer.mlp)
     _CountingBlock.runs = 0
