@@ -362,8 +362,9 @@ def evaluate(
         repeats: timing repeats (median).
         byte_level: each token is a byte, so the unit is bits per byte (default: a vocabulary of exactly 256).
 
-    Returns a JSON-ready dict: ``protocol``, ``model``, ``predictors``, ``unit``, ``dense`` (bits, union per layer,
-    time), ``results`` (one entry per policy and budget), ``machine`` and ``seconds``.
+    Returns a dict (pass it through :func:`json_ready` for strict JSON: a one-batch run's standard errors are NaN):
+    ``protocol``, ``model``, ``predictors``, ``unit``, ``dense`` (bits, union per layer, time), ``results`` (one entry
+    per policy and budget), ``machine`` and ``seconds``.
     """
     start = time.perf_counter()
     check_prefill(prefill, seq)

@@ -30,7 +30,8 @@ What a patched block does with a call:
 The decoder layer's norm just before a patched block (``post_attention_layernorm``) is re-classed too where it is
 Hugging Face's Llama-style RMSNorm (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3; not GPT-OSS's): while the
 budget is on it runs ``base_moe.ops.rms_norm``, torch's computation bit for bit on the CPU, and on CUDA a kernel that
-lets the block's selection kernel start copying its weights while the norm runs. Where the decoder layer itself is
+lets the block's selection kernel start copying its weights while the norm runs (a build without CUDA kernels keeps
+the model's norm on a GPU). Where the decoder layer itself is
 one of those families' (by class name), it is re-classed as well, so that its residual add and that norm run as one
 ``base_moe.ops.add_rms_norm`` (:func:`post_attention` does the same for loops that call a layer's modules).
 """
@@ -48,8 +49,8 @@ from torch import nn
 
 from . import ops, reference
 from .layouts import MoELayout, MoELayoutError, find_moe_layouts
-from .policies import (SUBSTITUTE, DecodeStep, FillRule, Policy, Selection, get_policy, has_kernel,
-                       parse_fill, substitute_dropped)
+from .policies import (SUBSTITUTE, DecodeStep, FillRule, Policy, Selection, available_policies, get_policy,
+                       has_kernel, parse_fill, substitute_dropped)
 from .routing import MAX_EXPERTS, MAX_TOP_K, Fill, exact_int
 
 __all__ = ["apply", "configure", "restore", "is_applied", "moe_layouts", "selections", "post_attention",
@@ -119,7 +120,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     0). ``experts``: ``"auto"`` (default: base_moe's expert op where it takes the layout, dtype and device, else the
     model's), ``"base_moe"`` (the same, but refused where a block lacks the fused SiLU layout, e.g. GPT-OSS) or ``"hf"``
     (the model's own experts module). ``norm``: ``"auto"`` (default: while the budget is on, base_moe's ``add_rms_norm``
-    for a Llama-style decoder layer's residual add and norm before each block, or ``rms_norm`` for the norm alone) or
+    for a Llama-style decoder layer's residual add and norm before each block, or ``rms_norm`` for the norm alone, on
+    the CPU and on a GPU the build has kernels for) or
     ``"model"`` (the model's own modules always). ``record``: keep each block's last selection, read with
     ``base_moe.hf.selections(model)`` (default False). ``finished_tokens``: ``None`` (default: every token of a
     decode batch votes), ``"auto"`` (the pad and EOS token ids of ``model.generation_config``, else
@@ -144,8 +146,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     found = find_moe_layouts(model)
     if not found:
         raise ValueError(
-            f"no MoE block found in {type(model).__name__}: base_moe looks for modules with an 'experts' child "
-            "holding fused 3-D expert weights (transformers >= 5 MoE models)"
+            f"no MoE block found in {type(model).__name__}: base_moe looks for modules with a child (usually "
+            "'experts') holding fused 3-D gate_up_proj / down_proj expert weights (transformers >= 5 MoE models)"
         )
     patched = [layout.name for layout in found if hasattr(layout.block, "_base_moe")]
     if patched:
@@ -314,7 +316,7 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
     if s.active and s.policy.needs_predictors and predictors is None:
         raise ValueError(
             f"policy '{s.policy.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path "
-            "(policies without predictors: router_sum, router_sq, frequency, top1_union, oracle)"
+            f"(policies without predictors: {', '.join(_policies_without_predictors())})"
         )
     if s.active and s.substitutes:
         _require_similarity(predictors, found)
@@ -325,6 +327,12 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
                 "(from base_moe.calibrate(...), which stores them)"
             )
     return s
+
+
+def _policies_without_predictors() -> list[str]:
+    """The registered policies that run without calibration (no predictors, no calibration statistics)."""
+    return [name for name in available_policies()
+            if not (get_policy(name).needs_predictors or get_policy(name).needs_statistics)]
 
 
 def _require_similarity(predictors, layouts: list[MoELayout]) -> None:
@@ -597,11 +605,14 @@ class AutogradFallbackWarning(UserWarning):
 
 
 def _runs_base_moe_norm(state: _BlockState, hidden_states: torch.Tensor, norm: nn.Module) -> bool:
-    """Whether base_moe's norm op replaces ``norm``: while the budget is on with norm='auto', except where that would
-    drop something the module call gives: autograd (the ops have no backward; with add_rms_norm the whole residual
-    stream would lose its history) and the norm's hooks (user hooks, accelerate's offload)."""
+    """Whether base_moe's norm op replaces ``norm``: while the budget is on with norm='auto', on a device the build has
+    the norm kernels for (a build without CUDA kernels keeps the model's norm on a GPU), except where that would drop
+    something the module call gives: autograd (the ops have no backward; with add_rms_norm the whole residual stream
+    would lose its history) and the norm's hooks (user hooks, accelerate's offload)."""
     s = state.settings
     if not (s.active and s.norm == "auto" and hidden_states.dtype == norm.weight.dtype in _OP_DTYPES):
+        return False
+    if not all(has_kernel(op, hidden_states.device) for op in ("rms_norm", "add_rms_norm")):
         return False
     if _records_gradients(norm, hidden_states):
         return False

@@ -27,7 +27,8 @@ Policies that choose A another way (plain PyTorch over :mod:`base_moe.reference`
 | ``oea`` (``oea:k0=K``) | OEA(k0): A = union of every token's top-k0 (no budget); each token then takes its top-k within A |
 | ``lynx`` (``lynx:threshold=X``) | Lynx-style confidence bins: a routed slot scores ``decay^bin``, ``bin = floor(log(w_top1 / w) / width)``
   (at most ``bins - 1``); A = top-M by the batch sum, or every expert whose sum reaches ``threshold`` (no budget) |
-| ``topk_reduce`` (``topk_reduce:k=K``) | every token keeps its top-k' of k (default k // 2), rescaled to its routed total (not batch-aware) |
+| ``topk_reduce`` (``topk_reduce:k=K``) | every token keeps its top-k' of k (default max(1, k // 2)), rescaled to its
+  routed total (not batch-aware) |
 
 Fill rules (:func:`parse_fill`): ``backfill``, ``drop`` and ``drop_renorm`` are the ops' (:class:`Fill`);
 ``substitute`` (SERE-like) runs the policy with ``drop`` and then moves each dropped slot, with its
@@ -319,7 +320,8 @@ def _has_cuda_kernel(op: str) -> bool:
 
 _CUDA_KERNELS = {
     op: _has_cuda_kernel(op)
-    for op in ("router_predict", "route_cost", "route_select", "select_fill", "select_experts", "experts")
+    for op in ("router_predict", "route_cost", "route_select", "select_fill", "select_experts", "experts", "rms_norm",
+               "add_rms_norm")
 }
 
 

@@ -239,14 +239,14 @@ class Predictors:
         sizes = {layout.hidden_size for layout in layouts}
         if sizes and sizes != {self.hidden_size}:
             problems.append(f"hidden size: predictors have {self.hidden_size}, the model has {sorted(sizes)}")
-        else:
-            experts = [
-                f"layer {i}: {self.weight[i].shape[0]} vs {found[i].num_experts}"
-                for i in self.layers
-                if i in found and self.weight[i].shape[0] != found[i].num_experts
-            ]
-            if experts:
-                problems.append("expert count (predictors vs model): " + ", ".join(experts[:4]) + (" ..." if len(experts) > 4 else ""))
+        experts = [
+            f"layer {i}: {self.weight[i].shape[0]} vs {found[i].num_experts}"
+            for i in self.layers
+            if i in found and self.weight[i].shape[0] != found[i].num_experts
+        ]
+        if experts:
+            more = " ..." if len(experts) > 4 else ""
+            problems.append("expert count (predictors vs model): " + ", ".join(experts[:4]) + more)
         if problems:
             source = self.metadata.get("model_name_or_path")
             where = f" (calibrated on {source})" if source else ""

@@ -48,8 +48,8 @@ TORCH_LIBRARY(base_moe, m) {
   m.def("add_rms_norm(Tensor hidden, Tensor residual, Tensor weight, float eps) -> (Tensor normed, Tensor sum)");
   // Stage 4: the routed experts' output for the final ids and weights (SiLU-gated, HF v5 layout).
   // max_active_experts: an upper bound on the distinct experts in expert_ids that the caller knows (a budget);
-  // the CUDA kernels size their grid by it and pick their tile configuration with it (any value gives a correct
-  // result, it is not a promise; two values may differ by bf16 rounding, the same value gives the same bits).
+  // the CUDA kernels size their grid by it and pick their tile configuration with it (any value >= 1 gives a
+  // correct result, it is not a promise; two values may differ by bf16 rounding, the same value gives the same bits).
   m.def(
       "experts(Tensor hidden, Tensor expert_ids, Tensor expert_weights, Tensor gate_up_proj, Tensor down_proj, "
       "int? max_active_experts=None) -> Tensor");

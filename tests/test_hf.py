@@ -454,6 +454,31 @@ def test_hooked_norm_runs_as_the_model_module():
     assert len(seen) == 1 and op.call_count == len(layouts) - 1
 
 
+def _without_norm_kernels(op: str, device: torch.device) -> bool:
+    """has_kernel as on a device the build has no norm kernels for (a GPU, with a build without CUDA kernels)."""
+    return op not in ("rms_norm", "add_rms_norm")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # past_key_values: renamed after 5.17
+def test_a_device_without_the_norm_kernels_keeps_the_models_norms():
+    """Where the build has no norm kernel for the device (mimicked on the CPU), the norms and decoder layers before the
+    patched blocks run the model's own modules, so a budgeted decode step gives norm='model''s logits; the blocks stay
+    budgeted. (With a build without CUDA kernels such a step on a GPU raised in ops.add_rms_norm.)"""
+    model = fresh("qwen3_moe")
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
+    step = decode_ids(batch=4)
+    layers = len(moe_layouts(model))
+    no_norm_op = AssertionError("a norm op ran")
+    with mock.patch.object(hf, "has_kernel", _without_norm_kernels), \
+            mock.patch.object(ops, "rms_norm", side_effect=no_norm_op), \
+            mock.patch.object(ops, "add_rms_norm", side_effect=no_norm_op), \
+            mock.patch.object(ops, "select_experts", wraps=ops.select_experts) as select:
+        logits = logits_of(model, step)
+    assert select.call_count == layers
+    base_moe.configure(model, norm="model")
+    assert torch.equal(logits, logits_of(model, step))
+
+
 def test_norm_option_is_checked():
     model = fresh("qwen3_moe")
     with pytest.raises(ValueError, match="norm must be one of"):
@@ -907,6 +932,25 @@ def test_cuda_misaligned_expert_weights_run_the_models_experts(weight):
         setattr(layout.experts, weight, _misaligned_copy(getattr(layout.experts, weight)))
     base_moe.apply(model, predictors=StandInPredictors(model), budget=3, policy="base", record=True)
     check_budgeted_blocks(model, batch=32, budget=3, experts_op=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # past_key_values: renamed after 5.17
+def test_cuda_build_without_kernels_runs_the_references():
+    """A build without CUDA kernels (every op's CUDA kernel hidden here) on a GPU model: a decode step under a budget
+    that does not bind runs the references and the model's own norms (it raised in ops.add_rms_norm before) and gives
+    the unpatched model's logits."""
+    model = fresh("qwen3_moe", device="cuda")
+    step = decode_ids(batch=4).cuda()
+    expected = logits_of(model, step)
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=NUM_EXPERTS)
+    hidden = {op: False for op in base_moe.policies._CUDA_KERNELS}
+    with mock.patch.dict(base_moe.policies._CUDA_KERNELS, hidden), \
+            mock.patch.object(ops, "add_rms_norm", wraps=ops.add_rms_norm) as norm, \
+            mock.patch.object(reference, "route_select", wraps=reference.route_select) as route:
+        logits = logits_of(model, step)
+    assert norm.call_count == 0 and route.call_count == len(moe_layouts(model))
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cuda

@@ -239,6 +239,9 @@ def test_matching_model_is_accepted(calibrated):
         (dict(layers=3, hidden=32, experts=8), r"MoE layers: predictors have 0-1, the model has 0-2"),
         (dict(layers=2, hidden=48, experts=8), r"hidden size: predictors have 32, the model has \[48\]"),
         (dict(layers=2, hidden=32, experts=4), r"expert count \(predictors vs model\): layer 0: 8 vs 4, layer 1: 8 vs 4"),
+        # both differences named (the expert count was left out where the hidden size differed too)
+        (dict(layers=2, hidden=48, experts=4),
+         r"hidden size: predictors have 32, the model has \[48\]\n  expert count"),
     ],
 )
 def test_mismatched_model_is_refused(calibrated, kwargs, message):
