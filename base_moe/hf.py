@@ -127,7 +127,8 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
     decode batch votes), ``"auto"`` (the pad and EOS token ids of ``model.generation_config``, else
     ``model.config``) or an iterable of token ids: a token whose input id is one of them adds nothing to the batch's
     expert costs and routes no expert into the candidates for the kept set (it still runs on the kept experts; a
-    decode batch with no live token votes as a whole).
+    decode batch with no live token votes as a whole; a live sequence whose input is one of the ids, such as a pad id
+    it generated itself, counts as finished at that step).
     ``generate`` feeds a sequence that has finished its EOS and then pad tokens while the others go on, so with
     ``"auto"`` finished sequences stop taking budget from the live ones; pass the ids yourself where ``generate``
     gets a ``pad_token_id`` or ``eos_token_id`` the model's config does not hold (leave out a tokenizer's None). It
@@ -166,23 +167,14 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
                 "call base_moe.apply before dispatching the model across devices"
             )
         _check_router_linear_unhooked(layout)
+    _check_not_patched_elsewhere(model, found)
     inputs = _ModelInputs()
-    for layout in found:
-        state = _BlockState(layout, settings, inputs)
-        state.set_predictors(predictors)
-        layout.block.__class__ = _patched_class(_BaseMoEBlock, type(layout.block))
-        layout.router.__class__ = _patched_class(_BaseMoERouter, layout.router_class)
-        layout.block._base_moe = state
-        layer = model.get_submodule(layout.name.rpartition(".")[0])  # the decoder layer holding the block
-        state.norm = _norm_before(layer)
-        if state.norm is not None:
-            state.norm.__class__ = _patched_class(_BaseMoENorm, type(state.norm))
-            state.norm._base_moe = state
-        state.decoder_layer = _llama_style_decoder_layer(layer, layout) if state.norm is not None else None
-        if state.decoder_layer is not None:
-            state.decoder_parameters = _named_parameters_after_hidden_states(type(state.decoder_layer))
-            state.decoder_layer.__class__ = _patched_class(_BaseMoEDecoderLayer, type(state.decoder_layer))
-            state.decoder_layer._base_moe = state
+    try:
+        for layout in found:
+            _patch_block(model, layout, _BlockState(layout, settings, inputs), predictors)
+    except BaseException:
+        _unpatch(found)  # all or nothing: a half-patched model would decode under the budget, unrestorable
+        raise
     model._base_moe_layouts = found
     model._base_moe_hooks = (
         model.register_forward_pre_hook(_record_inputs, with_kwargs=True),
@@ -217,18 +209,61 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
     return model
 
 
+def _patch_block(model: nn.Module, layout: MoELayout, state: _BlockState, predictors) -> None:
+    """Re-class ``layout``'s block and router, and the norm and decoder layer before it where base_moe computes them.
+    A norm (or decoder layer) shared with a block patched before keeps that patch: every block of a model holds the
+    same settings, which is all a patched norm reads."""
+    state.set_predictors(predictors)
+    layout.block.__class__ = _patched_class(_BaseMoEBlock, type(layout.block))
+    layout.router.__class__ = _patched_class(_BaseMoERouter, layout.router_class)
+    layout.block._base_moe = state
+    layer = model.get_submodule(layout.name.rpartition(".")[0])  # the decoder layer holding the block
+    state.norm = _norm_before(layer)
+    if state.norm is not None and not _is_patched(state.norm):
+        state.norm.__class__ = _patched_class(_BaseMoENorm, type(state.norm))
+        state.norm._base_moe = state
+    state.decoder_layer = _llama_style_decoder_layer(layer, layout) if state.norm is not None else None
+    if state.decoder_layer is not None:
+        state.decoder_parameters = _named_parameters_after_hidden_states(type(state.decoder_layer))
+        if not _is_patched(state.decoder_layer):
+            state.decoder_layer.__class__ = _patched_class(_BaseMoEDecoderLayer, type(state.decoder_layer))
+            state.decoder_layer._base_moe = state
+
+
+def _is_patched(module: nn.Module) -> bool:
+    return "_base_moe_original_class" in type(module).__dict__
+
+
+def _check_not_patched_elsewhere(model: nn.Module, found: list[MoELayout]) -> None:
+    """Refuse, before changing anything, a router, norm or decoder layer that another model's ``apply`` patched (a
+    module shared between models): restoring either model would leave the other's patched block calling it."""
+    for layout in found:
+        layer = model.get_submodule(layout.name.rpartition(".")[0])
+        norm = _norm_before(layer)
+        decoder_layer = _llama_style_decoder_layer(layer, layout) if norm is not None else None
+        for what, module in (("router", layout.router), ("norm", norm), ("decoder layer", decoder_layer)):
+            if module is not None and _is_patched(module):
+                raise ValueError(
+                    f"the {what} of MoE block '{layout.name}' is already patched by base_moe.apply on another model "
+                    "that shares it: restore that model first, or give this one its own copy"
+                )
+
+
+def _unpatch(found: list[MoELayout]) -> None:
+    """Every patched block, router, norm and decoder layer of ``found`` back to its own class, without its state
+    (each shared module once)."""
+    for layout in found:
+        state = layout.block.__dict__.get("_base_moe")
+        for module in (layout.block, layout.router, *((state.norm, state.decoder_layer) if state else ())):
+            if module is not None and _is_patched(module):
+                module.__class__ = type(module)._base_moe_original_class
+                module.__dict__.pop("_base_moe", None)
+
+
 def restore(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: every MoE block, router, norm and decoder layer gets its original class back; returns
     ``model``."""
-    for layout in moe_layouts(model):
-        state = layout.block._base_moe
-        for module in (state.norm, state.decoder_layer):
-            if module is not None:
-                module.__class__ = type(module)._base_moe_original_class
-                del module._base_moe
-        layout.block.__class__ = type(layout.block)._base_moe_original_class
-        layout.router.__class__ = layout.router_class
-        del layout.block._base_moe
+    _unpatch(moe_layouts(model))
     for hook in model._base_moe_hooks:
         hook.remove()
     del model._base_moe_layouts, model._base_moe_hooks

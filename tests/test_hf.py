@@ -355,6 +355,63 @@ def test_state_dict_and_restore(family):
     assert not any(hasattr(m, "_base_moe") for m in model.modules())
 
 
+def _patched_modules(model) -> list[str]:
+    return [name for name, m in model.named_modules() if hf._is_patched(m) or "_base_moe" in m.__dict__]
+
+
+def test_a_norm_shared_by_two_layers_is_patched_once():
+    """Two decoder layers holding one norm object (apply raised a method-resolution TypeError and left the blocks
+    patched): the model decodes as a twin with two equal norms does, and restore puts every class back."""
+    model = fresh("qwen3_moe")
+    layers = model.model.layers
+    layers[1].post_attention_layernorm.weight.data.normal_()
+    twin = copy.deepcopy(model)
+    twin.model.layers[0].post_attention_layernorm.weight.data.copy_(layers[1].post_attention_layernorm.weight)
+    layers[0].post_attention_layernorm = layers[1].post_attention_layernorm
+    predictors = StandInPredictors(model)
+    step = decode_ids(batch=4)
+    own = logits_of(model, step)
+    for m in (model, twin):
+        base_moe.apply(m, predictors=predictors, budget=2)
+    assert torch.equal(logits_of(model, step), logits_of(twin, step))
+    base_moe.restore(model)
+    assert _patched_modules(model) == [] and torch.equal(logits_of(model, step), own)
+
+
+def test_a_module_shared_with_a_patched_model_is_refused_untouched():
+    """A norm that another model's apply patched: apply refuses before changing anything (restoring either model
+    would have left the other's blocks calling an unpatched module), and works once that model is restored."""
+    first = fresh("qwen3_moe")
+    second = copy.deepcopy(first)
+    second.model.layers[0].post_attention_layernorm = first.model.layers[0].post_attention_layernorm
+    base_moe.apply(first, predictors=StandInPredictors(first), budget=2)
+    with pytest.raises(ValueError, match="norm of MoE block 'model.layers.0.mlp' is already patched .* another model"):
+        base_moe.apply(second, predictors=StandInPredictors(second), budget=2)
+    assert not hf.is_applied(second)
+    assert _patched_modules(second) == ["model.layers.0.post_attention_layernorm"]  # first's patch
+    base_moe.restore(first)
+    base_moe.apply(second, predictors=StandInPredictors(second), budget=2)
+
+
+def test_apply_that_fails_midway_leaves_the_model_unpatched():
+    """An error while the blocks are being patched (here from the second one's decoder layer) undoes every patch
+    made before it: no half-patched model decoding under the budget that neither restore nor apply could reach."""
+    model = fresh("qwen3_moe")
+    step = decode_ids(batch=4)
+    own = logits_of(model, step)
+    real = hf._named_parameters_after_hidden_states
+    with mock.patch.object(hf, "_named_parameters_after_hidden_states",
+                           side_effect=[real(type(model.model.layers[0])), RuntimeError("midway")]):
+        with pytest.raises(RuntimeError, match="midway"):
+            base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
+    assert _patched_modules(model) == [] and not hf.is_applied(model)
+    assert torch.equal(logits_of(model, step), own)
+    twin = fresh("qwen3_moe")
+    for m in (model, twin):
+        base_moe.apply(m, predictors=StandInPredictors(m), budget=2)
+    assert torch.equal(logits_of(model, step), logits_of(twin, step))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_norm_before_the_block_runs_the_op_with_hfs_bits(family, dtype):
