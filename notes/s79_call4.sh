@@ -8,7 +8,7 @@ s=$SECONDS
 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace > $OUT/build.log 2>&1 || { tail -50 $OUT/build.log; exit 1; }
 echo "build $((SECONDS-s)) s"
 s=$SECONDS
-timeout 300 python3 -m pytest tests/test_hf.py tests/test_predictors.py tests/test_policies.py -q -p no:cacheprovider \
-  -k "cuda or without or norm or shared or midway or restore" > $OUT/pytest_c4.log 2>&1
+timeout 200 python3 -m pytest tests/test_hf.py -q -p no:cacheprovider \
+  -k "without or norm or shared or midway or restore or cuda_bf16_budgeted" > $OUT/pytest_c4.log 2>&1
 echo "pytest rc $? $((SECONDS-s)) s"; tail -6 $OUT/pytest_c4.log
 echo "call wall $SECONDS s"
