@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 79: a build without CUDA kernels on a GPU (mimicked by hiding every op's CUDA kernel) keeps the model's norms
-# (test_cuda_build_without_kernels_runs_the_references), and the CUDA cases of test_hf, test_predictors and test_policies
-# with the change. `bash notes/s79_call4.sh` (~300 s with the build).
+# (test_cuda_build_without_kernels_runs_the_references), with test_hf's new apply tests, its norm tests and its
+# budgeted CUDA blocks. `bash notes/s79_call4.sh` (~250 s with the build).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, torch.cuda as c; print(c.get_device_name(), torch.__version__, transformers.__version__)"
 s=$SECONDS
