@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 79: a build without CUDA kernels on a GPU (mimicked by hiding every op's CUDA kernel) keeps the model's norms
-# (test_cuda_build_without_kernels_runs_the_references), and the budgeted blocks on CUDA with the kernels
-#. `bash notes/s79_call4.sh` (~220 s with the build; narrowed to what 250 s of budget allow).
+# (test_cuda_build_without_kernels_runs_the_references), and the budgeted blocks on CUDA with the kernels.
+# `bash notes/s79_call4.sh` (~220 s with the build; narrowed to what 250 s of budget allow).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, torch.cuda as c; print(c.get_device_name(), torch.__version__, transformers.__version__)"
 s=$SECONDS
