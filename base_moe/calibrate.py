@@ -227,7 +227,8 @@ def calibrate(
     Args:
         model: a Hugging Face MoE model (any layout :func:`base_moe.layouts.find_moe_layouts` knows), dense.
         input_ids: calibration token ids, an integer tensor ``[N, S]`` (any integer dtype) or an iterable of such
-            batches.
+            batches. Every position is fitted (the model runs without an attention mask): give unpadded text; pad
+            tokens would be fitted like text (their near-constant outputs inflate the held-out R^2).
         batch_size: sequences per forward pass (the activation memory scales with ``batch_size x S``).
         ridge: ridge strength on standardised features (each weight's penalty is ``ridge`` x its feature's
             sum of squared deviations), so independent of the token count and of the features' scales.

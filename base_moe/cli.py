@@ -57,6 +57,18 @@ def check_input_file(path: str, flag: str) -> None:
         raise SystemExit(f"error: {flag} {path!r} is not a file")
 
 
+def check_distinct_files(inputs: dict[str, str | None], outputs: dict[str, str | None]) -> None:
+    """No output file may be an input or another output (the run would overwrite the one with the other); ``None``
+    paths are flags not given."""
+    seen = {os.path.realpath(path): flag for flag, path in inputs.items() if path}
+    for flag, path in outputs.items():
+        if not path:
+            continue
+        other = seen.setdefault(os.path.realpath(path), flag)
+        if other != flag:
+            raise SystemExit(f"error: {flag} {path!r} is the file {other} names too; give {flag} another file")
+
+
 def check_output_file(path: str, flag: str) -> None:
     """Before the work, not after it: the file's folder must exist and be writable (and the file, if it exists)."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -300,6 +312,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     args.seq = resolve_seq(args.seq, args.model, 512)
     check_input_file(args.text, "--text")
     check_output_file(args.out, "--out")
+    check_distinct_files({"--text": args.text}, {"--out": args.out})
     start = time.perf_counter()
     ids, model = load_ids_and_model(args, device, args.tokens)
     loaded = time.perf_counter() - start
@@ -455,6 +468,8 @@ def run_eval(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")
     if args.plot:
         check_plot_output(args.plot)
+    check_distinct_files({"--text": args.text, "--predictors": args.predictors},
+                         {"--json": args.json, "--plot": args.plot})
 
     def enough_tokens(ids: torch.Tensor) -> None:
         try:

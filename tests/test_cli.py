@@ -289,6 +289,11 @@ def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, messa
         (["calibrate", "--text", "{empty}", "--out", "{tmp}/p", "--bytes"], "gives 0 tokens, fewer than one sequence"),
         (["eval", "--text", "{text}", "--json", "{tmp}/o.json", "--policies", "router_sq", "--bytes", "--batch", "4",
           "--seq", "16", "--prefill", "4", "--batches", "1000"], "1000 batches of 4 x 16 tokens need 64000 tokens"),
+        # an output that is an input or another output (the run overwrote one with the other)
+        (["calibrate", "--text", "{text}", "--out", "{text}"], "--out .* is the file --text names too"),
+        (["eval", "--text", "{text}", "--json", "{text}", "--policies", "router_sq"], "--json .* is the file --text"),
+        (["eval", "--text", "{text}", "--json", "{tmp}/o.png", "--policies", "router_sq", "--plot", "{tmp}/o.png"],
+         "--plot .* is the file --json names too"),
     ],
 )
 def test_paths_checked_before_loading(tmp_path, argv, message):
