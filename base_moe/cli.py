@@ -451,6 +451,8 @@ def run_eval(args: argparse.Namespace) -> int:
         policies = [get_policy(name) for name in args.policies.split(",") if name]
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
+    if args.budgets and not any(p.budgeted and p.needs_budget for p in policies):
+        print(f"note: --budgets not applied: none of --policies {args.policies} takes a budget", file=sys.stderr)
     if any(p.needs_predictors or p.needs_statistics for p in policies) and not args.predictors:
         needing = ", ".join(p.name for p in policies if p.needs_predictors or p.needs_statistics)
         raise SystemExit(f"error: policies {needing} need --predictors FILE (from `python -m base_moe calibrate`)")

@@ -261,6 +261,19 @@ def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, messa
     assert message in str(exit_info.value.code) + capsys.readouterr().err
 
 
+@pytest.mark.parametrize("policies, noted", [("oea,topk_reduce", True), ("dense", True), ("oea,router_sq", False)])
+def test_budgets_no_policy_takes_are_noted(tmp_path, capsys, policies, noted):
+    """--budgets with policies none of which takes a budget is said to be unused (it was dropped without a word)."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    empty_checkpoint(tmp_path / "model")
+    argv = ["eval", "--model", str(tmp_path / "model"), "--text", str(text), "--json", str(tmp_path / "o.json"),
+            "--policies", policies, "--budgets", "4,5"]
+    with pytest.raises(SystemExit):  # at the model's load (its directory is empty)
+        main(argv)
+    assert ("--budgets not applied" in capsys.readouterr().err) == noted
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
