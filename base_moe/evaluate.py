@@ -166,6 +166,12 @@ class _Capture:
             h.remove()
 
 
+def _per_layer(values: dict[int, int]) -> int | dict[int, int]:
+    """The one value every MoE layer has, else the value per layer index (the report's model section)."""
+    distinct = set(values.values())
+    return distinct.pop() if len(distinct) == 1 else values
+
+
 def _active_per_group(ids: torch.Tensor, num_groups: int, num_experts: int) -> torch.Tensor:
     """``[G]``: number of distinct experts among the final ids of each group (sentinels excluded)."""
     return reference.routed_union(ids, num_groups, num_experts).sum(dim=1)
@@ -495,8 +501,8 @@ def _report(model, layouts, dense: _Run, results: list[_Run], runs, predictors, 
             "name_or_path": str(getattr(config, "_name_or_path", "") or ""),
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             "moe_layers": [lay.layer_index for lay in layouts],
-            "num_experts": layouts[0].num_experts,
-            "top_k": layouts[0].routing.top_k,
+            "num_experts": _per_layer({lay.layer_index: lay.num_experts for lay in layouts}),
+            "top_k": _per_layer({lay.layer_index: lay.routing.top_k for lay in layouts}),
             "hidden_size": layouts[0].hidden_size,
             "vocab_size": vocab,
         },

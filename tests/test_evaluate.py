@@ -14,7 +14,7 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import StandInPredictors, tiny_model
+from hf_models import VOCAB, StandInPredictors, tiny_model
 
 import base_moe
 from base_moe import hf, reference
@@ -479,6 +479,25 @@ def test_a_byte_level_model_reports_bits_per_byte():
     result = evaluate(model, ids, **kwargs)
     assert result["unit"] == "bits/byte" and result["model"]["vocab_size"] == 256
     assert evaluate(model, ids, byte_level=False, **kwargs)["unit"] == "bits/token"
+
+
+def test_the_report_gives_expert_counts_per_layer_where_layers_differ():
+    """A model whose MoE layers have 8, 4 and 8 experts: the report's model section says so per layer (it gave layer
+    0's count for the whole model); a model whose layers agree keeps one number."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    model = tiny_model("qwen3_moe", num_hidden_layers=3)
+    fewer = copy.deepcopy(model.config)
+    fewer.num_experts = 4
+    torch.manual_seed(5)
+    model.model.layers[1].mlp = Qwen3MoeSparseMoeBlock(fewer)
+    for p in model.model.layers[1].mlp.parameters():
+        torch.nn.init.normal_(p, 0, 0.1)
+    ids = torch.randint(3, VOCAB, (2 * 6,), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(policies=["oea"], batch=2, seq=6, prefill=2, batches=1, progress=False, energy=False)
+    report = evaluate(model, ids, **kwargs)["model"]
+    assert report["num_experts"] == {0: 8, 1: 4, 2: 8} and report["top_k"] == model.config.num_experts_per_tok
+    assert evaluate(tiny_model("qwen3_moe"), ids, **kwargs)["model"]["num_experts"] == 8
 
 
 def test_a_sequence_as_long_as_the_context_does_not_warn():
