@@ -405,7 +405,7 @@ def calibrate_layouts(
         "seq_len": seq_lens.pop() if len(seq_lens) == 1 else None,
         "ridge": ridge,
         "ridge_scale": "per feature: ridge * its variance x tokens (ridge on standardised features); bias not penalised",
-        "holdout": holdout,
+        "holdout": float(holdout_fraction(holdout)),  # the fraction the split used (denominator <= 10,000)
         "holdout_split": "sequence i held out when floor((i+1)*holdout) > floor(i*holdout)",
         "target": f"log(max(||E_u(z)||_2, {LOG_NORM_FLOOR})): unweighted routed-expert output at the MoE block input z",
         "base_moe_version": _version(),

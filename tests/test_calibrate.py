@@ -250,6 +250,17 @@ def test_too_few_sequences_to_hold_one_out_warn(holdout, needed):
     assert predictors.metadata["tokens_holdout"] == 16
 
 
+def test_metadata_records_the_holdout_the_split_used():
+    """holdout=7e-5 splits as 1/10000 (the split's fractions have denominators up to 10,000): the metadata says 1e-4,
+    the fraction the held-out tokens come from (it said 7e-5)."""
+    model, layouts = planted_setup()
+    with pytest.warns(UserWarning, match="needs at least 10000 sequences"):
+        predictors = calibrate_layouts(model, layouts, torch.randint(0, 256, (4, 16)), holdout=7e-5, progress=False)
+    assert predictors.metadata["holdout"] == 1e-4
+    predictors = calibrate_layouts(model, layouts, torch.randint(0, 256, (4, 16)), holdout=0.25, progress=False)
+    assert predictors.metadata["holdout"] == 0.25
+
+
 def test_one_held_out_token_warns():
     """One held-out token (sequences of one token) leaves R^2 undefined: NaN with a warning, as with none."""
     model, layouts = planted_setup()
