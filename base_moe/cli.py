@@ -368,15 +368,23 @@ def format_sweep(predictors) -> str:
     return "\n".join(rows)
 
 
+def _comma_list(text: str, parse: Callable[[str], object]) -> list:
+    """The comma-separated values of ``text``, each through ``parse``; at least one (``,`` alone meant none, silently)."""
+    values = [parse(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated values, got {text!r}")
+    return values
+
+
 def _ridge_list(text: str) -> list[float]:
-    return [nonnegative_float(v) for v in text.split(",") if v.strip()]
+    return _comma_list(text, nonnegative_float)
 
 
 # ---------------------------------------------------------------------------------------------
 # eval
 # ---------------------------------------------------------------------------------------------
 def _budget_list(text: str) -> list[int]:
-    return [positive_int(x) for x in text.split(",") if x.strip()]
+    return _comma_list(text, positive_int)
 
 
 def add_eval(subparsers: argparse._SubParsersAction) -> None:

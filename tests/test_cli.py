@@ -241,6 +241,7 @@ def empty_checkpoint(folder, config="{}"):
         (["--batch-size", "0"], "--batch-size: expected an integer >= 1"),
         (["--ridge", "-1"], "--ridge: expected a number >= 0.0"),
         (["--ridge-sweep", "0.1,x"], "--ridge-sweep: expected a number, got 'x'"),
+        (["--ridge-sweep", ","], "--ridge-sweep: expected one or more comma-separated values, got ','"),  # meant none
         (["--ridge", "nan"], "--ridge: expected a number >= 0.0, got nan"),
         (["--batch-size", "-1" + "0" * 400], "--batch-size: expected an integer >= 1"),  # no OverflowError
         (["--holdout", "inf"], "--holdout: expected a number >= 0.0 and < 1.0, got inf"),
@@ -259,6 +260,13 @@ def test_calibrate_argument_errors_before_loading(tmp_path, capsys, extra, messa
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert message in str(exit_info.value.code) + capsys.readouterr().err
+
+
+def test_an_empty_budget_list_is_an_argument_error(tmp_path, capsys):
+    """--budgets "," is refused as an argument (it became an empty list, refused later as "need budgets")."""
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", str(tmp_path), "--text", "t", "--json", "o.json", "--budgets", ","])
+    assert "--budgets: expected one or more comma-separated values, got ','" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("policies, noted", [("oea,topk_reduce", True), ("dense", True), ("oea,router_sq", False)])
