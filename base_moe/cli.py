@@ -369,7 +369,7 @@ def format_sweep(predictors) -> str:
 
 
 def _comma_list(text: str, parse: Callable[[str], object]) -> list:
-    """The comma-separated values of ``text``, each through ``parse``; at least one (``,`` alone meant none, silently)."""
+    """The comma-separated values of ``text``, each through ``parse``: at least one (``,`` alone gave none)."""
     values = [parse(v) for v in text.split(",") if v.strip()]
     if not values:
         raise argparse.ArgumentTypeError(f"expected one or more comma-separated values, got {text!r}")
