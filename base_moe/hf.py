@@ -167,11 +167,12 @@ def apply(model: nn.Module, predictors=None, budget: int | None = None, policy: 
                 "call base_moe.apply before dispatching the model across devices"
             )
         _check_router_linear_unhooked(layout)
-    _check_not_patched_elsewhere(model, found)
+    around = [_norm_and_decoder_layer(model, layout) for layout in found]
+    _check_not_patched_elsewhere(found, around)
     inputs = _ModelInputs()
     try:
-        for layout in found:
-            _patch_block(model, layout, _BlockState(layout, settings, inputs), predictors)
+        for layout, (norm, decoder_layer) in zip(found, around):
+            _patch_block(layout, _BlockState(layout, settings, inputs), predictors, norm, decoder_layer)
     except BaseException:
         _unpatch(found)  # all or nothing: a half-patched model would decode under the budget, unrestorable
         raise
@@ -209,20 +210,27 @@ def configure(model: nn.Module, budget=_UNSET, policy=_UNSET, fill=_UNSET, predi
     return model
 
 
-def _patch_block(model: nn.Module, layout: MoELayout, state: _BlockState, predictors) -> None:
-    """Re-class ``layout``'s block and router, and the norm and decoder layer before it where base_moe computes them.
-    A norm (or decoder layer) shared with a block patched before keeps that patch: every block of a model holds the
-    same settings, which is all a patched norm reads."""
+def _norm_and_decoder_layer(model: nn.Module, layout: MoELayout) -> tuple[nn.Module | None, nn.Module | None]:
+    """The norm before ``layout``'s block and the decoder layer holding it, each where base_moe computes it (else
+    None)."""
+    layer = model.get_submodule(layout.name.rpartition(".")[0])  # the decoder layer holding the block
+    norm = _norm_before(layer)
+    return norm, (_llama_style_decoder_layer(layer, layout) if norm is not None else None)
+
+
+def _patch_block(layout: MoELayout, state: _BlockState, predictors, norm: nn.Module | None,
+                 decoder_layer: nn.Module | None) -> None:
+    """Re-class ``layout``'s block and router, and ``norm`` and ``decoder_layer`` (_norm_and_decoder_layer). A norm
+    (or decoder layer) shared with a block patched before keeps that patch: every block of a model holds the same
+    settings, which is all a patched norm reads."""
     state.set_predictors(predictors)
     layout.block.__class__ = _patched_class(_BaseMoEBlock, type(layout.block))
     layout.router.__class__ = _patched_class(_BaseMoERouter, layout.router_class)
     layout.block._base_moe = state
-    layer = model.get_submodule(layout.name.rpartition(".")[0])  # the decoder layer holding the block
-    state.norm = _norm_before(layer)
+    state.norm, state.decoder_layer = norm, decoder_layer
     if state.norm is not None and not _is_patched(state.norm):
         state.norm.__class__ = _patched_class(_BaseMoENorm, type(state.norm))
         state.norm._base_moe = state
-    state.decoder_layer = _llama_style_decoder_layer(layer, layout) if state.norm is not None else None
     if state.decoder_layer is not None:
         state.decoder_parameters = _named_parameters_after_hidden_states(type(state.decoder_layer))
         if not _is_patched(state.decoder_layer):
@@ -234,13 +242,12 @@ def _is_patched(module: nn.Module) -> bool:
     return "_base_moe_original_class" in type(module).__dict__
 
 
-def _check_not_patched_elsewhere(model: nn.Module, found: list[MoELayout]) -> None:
+def _check_not_patched_elsewhere(found: list[MoELayout],
+                                 around: list[tuple[nn.Module | None, nn.Module | None]]) -> None:
     """Refuse, before changing anything, a router, norm or decoder layer that another model's ``apply`` patched (a
-    module shared between models): restoring either model would leave the other's patched block calling it."""
-    for layout in found:
-        layer = model.get_submodule(layout.name.rpartition(".")[0])
-        norm = _norm_before(layer)
-        decoder_layer = _llama_style_decoder_layer(layer, layout) if norm is not None else None
+    module shared between models): restoring either model would leave the other's patched block calling it.
+    ``around``: each block's _norm_and_decoder_layer."""
+    for layout, (norm, decoder_layer) in zip(found, around):
         for what, module in (("router", layout.router), ("norm", norm), ("decoder layer", decoder_layer)):
             if module is not None and _is_patched(module):
                 raise ValueError(
@@ -366,8 +373,8 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
 
 def _policies_without_predictors() -> list[str]:
     """The registered policies that run without calibration (no predictors, no calibration statistics)."""
-    return [name for name in available_policies()
-            if not (get_policy(name).needs_predictors or get_policy(name).needs_statistics)]
+    return [name for name, policy in zip(available_policies(), map(get_policy, available_policies()))
+            if not (policy.needs_predictors or policy.needs_statistics)]
 
 
 def _require_similarity(predictors, layouts: list[MoELayout]) -> None:
