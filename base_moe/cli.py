@@ -496,10 +496,12 @@ def run_eval(args: argparse.Namespace) -> int:
         if budgets is None and not any(p.needs_budget for p in policies):
             budgets = []  # no budget to choose: no dense-union pass
         elif budgets is None:
+            union_batches = min(args.batches, 4)  # enough to place the budgets; the report counts every batch
             union = dense_union(model, ids, batch=args.batch, seq=args.seq, prefill=args.prefill,
-                                batches=min(args.batches, 4), device=device)
+                                batches=union_batches, device=device)
             budgets = budgets_between(union)
-            print(f"dense union {union:.2f} experts per layer and decode batch: budgets {budgets}")
+            print(f"dense union {union:.2f} experts per layer and decode batch (first {union_batches} batches): "
+                  f"budgets {budgets}")
         result = evaluate(
             model, ids, predictors=predictors, policies=policies, budgets=budgets, batch=args.batch,
             seq=args.seq, prefill=args.prefill, batches=args.batches, fill=args.fill, device=device,

@@ -10,7 +10,7 @@ This script
    one decode batch of 16 tokens under the policy),
 4. prints bits per byte, the loss over dense, the retained expert energy and the active experts per layer.
 
-    python examples/quickstart.py                    # CPU: about a minute and a half on 2 cores
+    python examples/quickstart.py                    # CPU: 35-95 s on 2 cores, with the machine's load
     python examples/quickstart.py --device cuda      # GPU (with base_moe's CUDA kernels)
     python examples/quickstart.py --batches 16 --json out.json --plot out.png
 
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import time
 
 import torch
@@ -40,6 +42,16 @@ def read_bytes(path: str, limit: int | None = None) -> torch.Tensor:
     with open(path, "rb") as f:
         data = f.read(limit) if limit else f.read()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def paired_gap(baseline: dict, base: dict) -> str:
+    """The baseline's loss minus base's, paired over the evaluation batches (every batch has the same tokens), with
+    its standard error: whether a gap between the two is larger than the batches' spread."""
+    gaps = [b - a for a, b in zip(base["bits_per_batch"], baseline["bits_per_batch"])]
+    mean = statistics.fmean(gaps)
+    if len(gaps) < 2:
+        return f"{mean:+.3f}"
+    return f"{mean:+.3f} +- {statistics.stdev(gaps) / math.sqrt(len(gaps)):.3f}"
 
 
 def main() -> None:
@@ -98,11 +110,13 @@ def main() -> None:
 
     # 2. the dense union at this batch size, and the budgets between a third and a half of it
     heldout = read_bytes(os.path.join(TESTBED, "heldout.txt"))
+    union_batches = min(args.batches, 4)
     union = dense_union(model, heldout, batch=args.batch, seq=args.seq, prefill=args.prefill,
-                        batches=min(args.batches, 4), device=device)
+                        batches=union_batches, device=device)
     budgets = budgets_between(union)
     budgets = sorted({budgets[0], budgets[-1]})
-    print(f"dense union: {union:.1f} experts per layer and decode batch of {args.batch}; budgets {budgets}")
+    print(f"dense union: {union:.1f} experts per layer and decode batch of {args.batch} (first {union_batches} "
+          f"batches); budgets {budgets}")
 
     # 3. apply and evaluate (evaluate patches the model for the run: base_moe.apply(model, ...,
     #    group_by="position"); in a serving loop one would call base_moe.apply(model, predictors, budget=M))
@@ -118,7 +132,8 @@ def main() -> None:
             best = min(others, key=others.get) if others else None
             line = f"budget {budget}: base +{rows['base']['delta_bits']:.3f} {result['unit']}"
             if best:
-                line += f", best baseline {best} +{others[best]:.3f}"
+                line += (f", best baseline {best} +{others[best]:.3f} ({best} minus base, paired over "
+                         f"{len(rows['base']['bits_per_batch'])} batches: {paired_gap(rows[best], rows['base'])})")
             if "oracle" in rows:
                 line += f", oracle +{rows['oracle']['delta_bits']:.3f}"
             print(line)

@@ -50,7 +50,20 @@ def test_quickstart_main_job(tmp_path):
     assert all(r["active"] <= r["budget"] for r in result["results"])
     for b in budgets:  # the summary line per budget names base, the best baseline and the oracle
         assert f"budget {b}: base +" in done.stdout and "oracle +" in done.stdout
+        gap_of_router_sq(done.stdout, result, b)
     assert "dense" in done.stdout and "nan" not in done.stdout.lower()
+
+
+def gap_of_router_sq(stdout: str, result: dict, budget: int) -> None:
+    """The summary line's gap (the only baseline here, router_sq, minus base, paired over the batches) is the mean
+    and standard error of the JSON's per-batch differences."""
+    line = next(s for s in stdout.splitlines() if s.startswith(f"budget {budget}: base +"))
+    found = re.search(r"router_sq minus base, paired over 2 batches: ([-+][0-9.]+) \+- ([0-9.]+)\)", line)
+    assert found, line
+    rows = {r["policy"]: r["bits_per_batch"] for r in result["results"] if r["budget"] == budget}
+    gaps = [b - a for a, b in zip(rows["base"], rows["router_sq"])]
+    assert float(found[1]) == pytest.approx(sum(gaps) / 2, abs=6e-4)
+    assert float(found[2]) == pytest.approx(abs(gaps[0] - gaps[1]) / 2, abs=6e-4)  # stdev / sqrt(2) of two values
 
 
 def test_quickstart_rejects_a_prefill_past_the_sequence():
