@@ -378,31 +378,36 @@ def test_a_norm_shared_by_two_layers_is_patched_once():
     assert _patched_modules(model) == [] and torch.equal(logits_of(model, step), own)
 
 
-def test_a_module_shared_with_a_patched_model_is_refused_untouched():
-    """A norm that another model's apply patched: apply refuses before changing anything (restoring either model
-    would have left the other's blocks calling an unpatched module), and works once that model is restored."""
+@pytest.mark.parametrize("what, path", [("norm", "model.layers.0.post_attention_layernorm"),
+                                        ("router", "model.layers.0.mlp.gate")])
+def test_a_module_shared_with_a_patched_model_is_refused_untouched(what, path):
+    """A norm or router that another model's apply patched: apply refuses before changing anything (restoring either
+    model would have left the other's blocks calling an unpatched module), and works once that model is restored."""
     first = fresh("qwen3_moe")
     second = copy.deepcopy(first)
-    second.model.layers[0].post_attention_layernorm = first.model.layers[0].post_attention_layernorm
+    parent, _, name = path.rpartition(".")
+    setattr(second.get_submodule(parent), name, first.get_submodule(path))
     base_moe.apply(first, predictors=StandInPredictors(first), budget=2)
-    with pytest.raises(ValueError, match="norm of MoE block 'model.layers.0.mlp' is already patched .* another model"):
+    with pytest.raises(ValueError, match=f"{what} of MoE block 'model.layers.0.mlp' is already patched .* another"):
         base_moe.apply(second, predictors=StandInPredictors(second), budget=2)
     assert not hf.is_applied(second)
-    assert _patched_modules(second) == ["model.layers.0.post_attention_layernorm"]  # first's patch
+    assert _patched_modules(second) == [path]  # first's patch
     base_moe.restore(first)
     base_moe.apply(second, predictors=StandInPredictors(second), budget=2)
 
 
-def test_apply_that_fails_midway_leaves_the_model_unpatched():
-    """An error while the blocks are being patched (here from the second one's decoder layer) undoes every patch
-    made before it: no half-patched model decoding under the budget that neither restore nor apply could reach."""
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_apply_that_fails_midway_leaves_the_model_unpatched(error):
+    """An error while the blocks are being patched (here from the second one's decoder layer; an interrupt too)
+    undoes every patch made before it: no half-patched model decoding under the budget that neither restore nor apply
+    could reach."""
     model = fresh("qwen3_moe")
     step = decode_ids(batch=4)
     own = logits_of(model, step)
     real = hf._named_parameters_after_hidden_states
     with mock.patch.object(hf, "_named_parameters_after_hidden_states",
-                           side_effect=[real(type(model.model.layers[0])), RuntimeError("midway")]):
-        with pytest.raises(RuntimeError, match="midway"):
+                           side_effect=[real(type(model.model.layers[0])), error("midway")]):
+        with pytest.raises(error, match="midway"):
             base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
     assert _patched_modules(model) == [] and not hf.is_applied(model)
     assert torch.equal(logits_of(model, step), own)
@@ -410,6 +415,23 @@ def test_apply_that_fails_midway_leaves_the_model_unpatched():
     for m in (model, twin):
         base_moe.apply(m, predictors=StandInPredictors(m), budget=2)
     assert torch.equal(logits_of(model, step), logits_of(twin, step))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # past_key_values: renamed after 5.17
+def test_a_norm_base_moe_does_not_compute_is_left_to_the_model():
+    """A norm before the block that is not a Llama-style RMSNorm (a LayerNorm here): neither it nor its decoder layer
+    is patched, and a budgeted decode step gives norm='model''s logits."""
+    model = fresh("qwen3_moe")
+    for layer in model.model.layers:
+        layer.post_attention_layernorm = torch.nn.LayerNorm(model.config.hidden_size)
+        torch.nn.init.normal_(layer.post_attention_layernorm.weight)
+    base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
+    assert _patched_modules(model) == [name for layout in moe_layouts(model) for name in
+                                       (layout.name, f"{layout.name}.{layout.router_name}")]
+    step = decode_ids(batch=4)
+    logits = logits_of(model, step)
+    base_moe.configure(model, norm="model")
+    assert torch.equal(logits, logits_of(model, step))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -511,22 +533,18 @@ def test_hooked_norm_runs_as_the_model_module():
     assert len(seen) == 1 and op.call_count == len(layouts) - 1
 
 
-def _without_norm_kernels(op: str, device: torch.device) -> bool:
-    """has_kernel as on a device the build has no norm kernels for (a GPU, with a build without CUDA kernels)."""
-    return op not in ("rms_norm", "add_rms_norm")
-
-
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # past_key_values: renamed after 5.17
-def test_a_device_without_the_norm_kernels_keeps_the_models_norms():
-    """Where the build has no norm kernel for the device (mimicked on the CPU), the norms and decoder layers before the
-    patched blocks run the model's own modules, so a budgeted decode step gives norm='model''s logits; the blocks stay
-    budgeted. (With a build without CUDA kernels such a step on a GPU raised in ops.add_rms_norm.)"""
+@pytest.mark.parametrize("missing", [("rms_norm", "add_rms_norm"), ("rms_norm",), ("add_rms_norm",)])
+def test_a_device_without_the_norm_kernels_keeps_the_models_norms(missing):
+    """Where the build lacks either norm kernel for the device (mimicked on the CPU), the norms and decoder layers
+    before the patched blocks run the model's own modules, so a budgeted decode step gives norm='model''s logits; the
+    blocks stay budgeted. (With a build without CUDA kernels such a step on a GPU raised in ops.add_rms_norm.)"""
     model = fresh("qwen3_moe")
     base_moe.apply(model, predictors=StandInPredictors(model), budget=2)
     step = decode_ids(batch=4)
     layers = len(moe_layouts(model))
     no_norm_op = AssertionError("a norm op ran")
-    with mock.patch.object(hf, "has_kernel", _without_norm_kernels), \
+    with mock.patch.object(hf, "has_kernel", lambda op, device: op not in missing), \
             mock.patch.object(ops, "rms_norm", side_effect=no_norm_op), \
             mock.patch.object(ops, "add_rms_norm", side_effect=no_norm_op), \
             mock.patch.object(ops, "select_experts", wraps=ops.select_experts) as select:
@@ -834,6 +852,25 @@ def test_routing_beyond_the_ops_limits_is_refused_up_front():
     many = tiny_model("qwen3_moe", num_experts=MAX_EXPERTS + 1)  # the experts' limit, with a top-k the ops take
     with pytest.raises(ValueError, match=f"at most {MAX_TOP_K} of {MAX_EXPERTS} "):
         base_moe.apply(many, budget=4, policy="router_sum")
+
+
+def test_the_policies_named_as_running_without_predictors_are_those_that_do():
+    """The error for a policy that needs predictors lists the alternatives: exactly the registered policies that apply
+    accepts without predictors or calibration statistics."""
+    with pytest.raises(ValueError, match="needs predictors") as refused:
+        base_moe.apply(fresh("qwen3_moe"), budget=2, policy="base")
+    listed = refused.value.args[0].split("(policies without predictors: ")[1].rstrip(")").split(", ")
+    accepted = []
+    for name in available_policies():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", base_moe.hf.BudgetNotAppliedWarning)
+                base_moe.apply(fresh("qwen3_moe"), budget=2, policy=name)
+        except ValueError as err:
+            assert "needs predictors" in str(err) or "needs the calibrated" in str(err), err
+        else:
+            accepted.append(name)
+    assert listed == accepted and "static_energy" not in listed and {"dense", "router_sum", "oea"} <= set(listed)
 
 
 def test_a_policy_that_needs_predictors_and_no_budget_is_refused_without_predictors():

@@ -339,6 +339,13 @@ def test_every_design_policy_is_registered():
     assert set(DESIGN_POLICIES) <= set(available_policies())
 
 
+def test_has_kernel_knows_every_op_of_the_library():
+    """has_kernel answers for every base_moe op from the build's registrations: an op left out of its table would
+    never run its CUDA kernel (the HF integration would take the reference or the model's own module instead)."""
+    ops = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("base_moe::")}
+    assert ops and set(base_moe.policies._CUDA_KERNELS) == ops
+
+
 @pytest.mark.parametrize("spec,cls,attrs", [
     ("oea:k0=3", OEAPolicy, {"k0": 3, "name": "oea:k0=3"}),
     ("oea", OEAPolicy, {"k0": 1, "name": "oea"}),
