@@ -259,6 +259,8 @@ def test_metadata_records_the_holdout_the_split_used():
     assert predictors.metadata["holdout"] == 1e-4
     predictors = calibrate_layouts(model, layouts, torch.randint(0, 256, (4, 16)), holdout=0.25, progress=False)
     assert predictors.metadata["holdout"] == 0.25
+    predictors = calibrate_layouts(model, layouts, torch.randint(0, 256, (4, 16)), holdout=1 / 3, progress=False)
+    assert predictors.metadata["holdout"] == 1 / 3  # the fraction itself, not a rounding of it
 
 
 def test_one_held_out_token_warns():

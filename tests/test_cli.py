@@ -269,14 +269,18 @@ def test_an_empty_budget_list_is_an_argument_error(tmp_path, capsys):
     assert "--budgets: expected one or more comma-separated values, got ','" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("policies, noted", [("oea,topk_reduce", True), ("dense", True), ("oea,router_sq", False)])
-def test_budgets_no_policy_takes_are_noted(tmp_path, capsys, policies, noted):
-    """--budgets with policies none of which takes a budget is said to be unused (it was dropped without a word)."""
+@pytest.mark.parametrize("policies, budgets, noted", [("oea,topk_reduce", ["--budgets", "4,5"], True),
+                                                    ("dense", ["--budgets", "4,5"], True),
+                                                    ("oea,router_sq", ["--budgets", "4,5"], False),
+                                                    ("oea,topk_reduce", [], False)])
+def test_budgets_no_policy_takes_are_noted(tmp_path, capsys, policies, budgets, noted):
+    """--budgets with policies none of which takes a budget is said to be unused (it was dropped without a word);
+    without --budgets there is nothing to note."""
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     empty_checkpoint(tmp_path / "model")
     argv = ["eval", "--model", str(tmp_path / "model"), "--text", str(text), "--json", str(tmp_path / "o.json"),
-            "--policies", policies, "--budgets", "4,5"]
+            "--policies", policies, *budgets]
     with pytest.raises(SystemExit):  # at the model's load (its directory is empty)
         main(argv)
     assert ("--budgets not applied" in capsys.readouterr().err) == noted
@@ -315,6 +319,9 @@ def test_budgets_no_policy_takes_are_noted(tmp_path, capsys, policies, noted):
         (["eval", "--text", "{text}", "--json", "{text}", "--policies", "router_sq"], "--json .* is the file --text"),
         (["eval", "--text", "{text}", "--json", "{tmp}/o.png", "--policies", "router_sq", "--plot", "{tmp}/o.png"],
          "--plot .* is the file --json names too"),
+        (["eval", "--text", "{text}", "--json", "{pred}", "--predictors", "{pred}"],
+         "--json .* is the file --predictors names too"),
+        (["eval", "--text", "{text}", "--json", "{link}", "--policies", "router_sq"], "--json .* is the file --text"),
     ],
 )
 def test_paths_checked_before_loading(tmp_path, argv, message):
@@ -324,8 +331,11 @@ def test_paths_checked_before_loading(tmp_path, argv, message):
     empty_checkpoint(tmp_path / "model")
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "garbage.bin").write_bytes(b"garbage, not safetensors")
+    (tmp_path / "link.txt").symlink_to(text)  # another name of the text file
+    Predictors({0: torch.zeros(4, 8)}, {0: torch.zeros(4)}, {0: torch.zeros(4)}).save(tmp_path / "p.safetensors")
     paths = {"tmp": str(tmp_path), "text": str(text), "missing": str(tmp_path / "missing"),
-             "empty": str(tmp_path / "empty.txt"), "garbage": str(tmp_path / "garbage.bin")}
+             "empty": str(tmp_path / "empty.txt"), "garbage": str(tmp_path / "garbage.bin"),
+             "link": str(tmp_path / "link.txt"), "pred": str(tmp_path / "p.safetensors")}
     command, *rest = [arg.format(**paths) for arg in argv]
     argv = [command, "--model", str(tmp_path / "model"), *rest, "--device", "cpu"]  # a later --model wins
     with pytest.raises(SystemExit, match=message):

@@ -482,21 +482,23 @@ def test_a_byte_level_model_reports_bits_per_byte():
 
 
 def test_the_report_gives_expert_counts_per_layer_where_layers_differ():
-    """A model whose MoE layers have 8, 4 and 8 experts: the report's model section says so per layer (it gave layer
-    0's count for the whole model); a model whose layers agree keeps one number."""
+    """A model whose layer 0 is dense and whose MoE layers 1-3 have 8, 4 and 8 experts, top-k k, 1 and k: the
+    report's model section says so per layer, by layer index (it gave the first MoE layer's numbers for the whole
+    model); a model whose layers agree keeps one number."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    model = tiny_model("qwen3_moe", num_hidden_layers=3)
+    model = tiny_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[0])
     fewer = copy.deepcopy(model.config)
-    fewer.num_experts = 4
+    fewer.num_experts, fewer.num_experts_per_tok = 4, 1
     torch.manual_seed(5)
-    model.model.layers[1].mlp = Qwen3MoeSparseMoeBlock(fewer)
-    for p in model.model.layers[1].mlp.parameters():
+    model.model.layers[2].mlp = Qwen3MoeSparseMoeBlock(fewer)
+    for p in model.model.layers[2].mlp.parameters():
         torch.nn.init.normal_(p, 0, 0.1)
     ids = torch.randint(3, VOCAB, (2 * 6,), generator=torch.Generator().manual_seed(2))
     kwargs = dict(policies=["oea"], batch=2, seq=6, prefill=2, batches=1, progress=False, energy=False)
     report = evaluate(model, ids, **kwargs)["model"]
-    assert report["num_experts"] == {0: 8, 1: 4, 2: 8} and report["top_k"] == model.config.num_experts_per_tok
+    k = model.config.num_experts_per_tok
+    assert report["num_experts"] == {1: 8, 2: 4, 3: 8} and report["top_k"] == {1: k, 2: 1, 3: k}
     assert evaluate(tiny_model("qwen3_moe"), ids, **kwargs)["model"]["num_experts"] == 8
 
 
