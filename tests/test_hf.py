@@ -446,6 +446,8 @@ def test_norm_before_the_block_runs_the_op_with_hfs_bits(family, dtype):
         if family == "gpt_oss":
             assert norm is None
             continue
+        layer = model.get_submodule(layout.name.rpartition(".")[0])
+        assert norm is layer.post_attention_layernorm and layout.block._base_moe.decoder_layer is layer
         own = type(norm)._base_moe_original_class
         assert type(norm) is not own and isinstance(norm, own)
         x = (torch.randn(3, 2, layout.hidden_size) * 4.0).to(dtype)

@@ -937,8 +937,8 @@ def test_meta_device_block_combining_its_experts_otherwise_is_refused():
     there too (it was accepted and computed as their sum); the summing block is understood."""
     with torch.device("meta"):
         averaging, summing = _Model(_SharedBlock(average=True)), _Model(_SharedBlock(average=False))
-    with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*not the weighted sum of its routed experts plus its "
-                                             "shared experts"):
+    with pytest.raises(MoELayoutError, match=r"'layers.1.mlp' \(_SharedBlock\) \(on the meta device, checked on a CPU copy .*not the "
+                                             "weighted sum of its routed experts plus its shared experts"):
         find_moe_layouts(averaging)
     (lay,) = find_moe_layouts(summing)
     assert lay.shared_names == ("shared_experts",) and not lay.returns_router_scores
@@ -964,6 +964,28 @@ def test_meta_device_blocks_alike_are_run_once_and_blocks_that_differ_each():
     assert len(find_moe_layouts(alike)) == 2 and _CountingBlock.runs == 1
     with pytest.raises(MoELayoutError, match="'layers.1.mlp'.*not the weighted sum"):
         find_moe_layouts(differing)
+
+
+def _other_intermediate_size(block):
+    block.experts = _FusedExperts(I=10)
+
+
+def _another_object(block):
+    block.settings = types.SimpleNamespace()  # an object, keyed by identity
+
+
+@pytest.mark.parametrize("differ", [_other_intermediate_size, _another_object])
+def test_meta_device_blocks_that_differ_in_a_shape_or_an_object_are_each_run(differ):
+    """Two blocks of one class whose experts' shapes differ, or which hold distinct objects, may run other code: each
+    gets its own stand-in run."""
+    with torch.device("meta"):
+        first, second = _CountingBlock(average=False), _CountingBlock(average=False)
+        differ(first)
+        if differ is _another_object:
+            differ(second)
+        model = _Model(second, first=first)
+    _CountingBlock.runs = 0
+    assert len(find_moe_layouts(model)) == 2 and _CountingBlock.runs == 2
 
 
 def test_meta_device_answer_is_not_kept_for_the_loaded_block():
@@ -1017,24 +1039,31 @@ def test_block_whose_output_is_nan_is_refused():
 
 
 class _CountingRouter(_Router):
-    """Records how many tokens each call routes (a router's own statistics, in a list)."""
+    """Records the token counts its calls route (a router's own statistics) in a list, a dict or a set."""
 
-    def __init__(self):
+    def __init__(self, container: type):
         super().__init__()
-        self.tokens_seen = []
+        self.tokens_seen = container()
 
     def forward(self, x):
-        self.tokens_seen.append(x.shape[0])
+        seen = self.tokens_seen
+        if isinstance(seen, list):
+            seen.append(x.shape[0])
+        elif isinstance(seen, set):
+            seen.add(x.shape[0])
+        else:
+            seen[len(seen)] = x.shape[0]
         return super().forward(x)
 
 
-def test_meta_device_stand_ins_record_into_their_own_containers():
-    """The stand-ins' probes are not recorded into the model's router (its list was shared with theirs)."""
+@pytest.mark.parametrize("container", [list, dict, set])
+def test_meta_device_stand_ins_record_into_their_own_containers(container):
+    """The stand-ins' probes are not recorded into the model's router (its container was shared with theirs)."""
     with torch.device("meta"):
-        model = _Model(_ArgumentRouterBlock(_CountingRouter(), correction_bias=False))
+        model = _Model(_ArgumentRouterBlock(_CountingRouter(container), correction_bias=False))
     (lay,) = find_moe_layouts(model)
     assert lay.routing == Routing(2, Scoring.SOFTMAX, False)
-    assert model.layers[1].mlp.gate.tokens_seen == []
+    assert model.layers[1].mlp.gate.tokens_seen == container()
 
 
 class _CpuFailingBlock(_SharedBlock):
