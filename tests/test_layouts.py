@@ -937,8 +937,9 @@ def test_meta_device_block_combining_its_experts_otherwise_is_refused():
     there too (it was accepted and computed as their sum); the summing block is understood."""
     with torch.device("meta"):
         averaging, summing = _Model(_SharedBlock(average=True)), _Model(_SharedBlock(average=False))
-    with pytest.raises(MoELayoutError, match=r"'layers.1.mlp' \(_SharedBlock\) \(on the meta device, checked on a CPU copy .*not the "
-                                             "weighted sum of its routed experts plus its shared experts"):
+    refusal = (r"'layers.1.mlp' \(_SharedBlock\) \(on the meta device, checked on a CPU copy .*not the weighted sum "
+               "of its routed experts plus its shared experts")
+    with pytest.raises(MoELayoutError, match=refusal):
         find_moe_layouts(averaging)
     (lay,) = find_moe_layouts(summing)
     assert lay.shared_names == ("shared_experts",) and not lay.returns_router_scores
