@@ -252,6 +252,20 @@ def test_mismatched_model_is_refused(calibrated, kwargs, message):
     assert "predictors do not match this model" in str(err.value) and "calibrate" in str(err.value)
 
 
+@pytest.mark.parametrize("layers, cut", [(4, False), (5, True)])
+def test_expert_count_mismatch_names_four_layers_then_cuts(layers, cut):
+    """The expert-count difference is named for the first four layers, with "..." only where more differ."""
+    from test_calibrate import tiny_qwen3_moe
+
+    E, H = 8, 32
+    predictors = Predictors({i: torch.zeros(E, H) for i in range(layers)}, {i: torch.zeros(E) for i in range(layers)},
+                            {i: torch.zeros(E) for i in range(layers)})
+    with pytest.raises(ValueError, match="expert count") as err:
+        predictors.check_compatible(tiny_qwen3_moe(layers=layers, hidden=H, experts=4))
+    (line,) = [line for line in str(err.value).splitlines() if "expert count" in line]
+    assert line.count(" vs 4") == 4 and line.endswith("layer 3: 8 vs 4" + " ..." * cut), line
+
+
 def test_other_model_type_is_refused(calibrated):
     from test_calibrate import tiny_qwen3_moe
 
