@@ -1,13 +1,16 @@
 """Small driver for compute-sanitizer (memcheck, racecheck) on the CUDA expert op, every tile configuration:
 ``compute-sanitizer --tool memcheck python benchmarks/sanitize_experts.py`` (the configurations from
-``--configs`` or the SANITIZE_CONFIGS environment variable)."""
+``--configs`` or the SANITIZE_CONFIGS environment variable). It runs without PyTorch's caching allocator (each tensor
+its own allocation, so that memcheck sees an access past a tensor's end), unless PYTORCH_NO_CUDA_MEMORY_CACHING is set;
+give compute-sanitizer ``--error-exitcode`` to have its findings in the exit status."""
 import argparse
 import os
 
-import torch
-from common import require_cuda
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")  # before torch's first CUDA allocation
+import torch  # noqa: E402
+from common import require_cuda  # noqa: E402
 
-import base_moe.ops  # noqa: F401
+import base_moe.ops  # noqa: F401, E402
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--configs", default=os.environ.get("SANITIZE_CONFIGS", "default,T16,T32,W64,W128,WS"),

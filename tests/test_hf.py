@@ -1044,8 +1044,11 @@ def test_cuda_build_without_kernels_runs_the_references():
     with mock.patch.dict(base_moe.policies._CUDA_KERNELS, hidden), \
             mock.patch.object(ops, "add_rms_norm", wraps=ops.add_rms_norm) as norm, \
             mock.patch.object(reference, "route_select", wraps=reference.route_select) as route:
-        logits = logits_of(model, step)
+        got = []
+        events = kernel_events(lambda: got.append(logits_of(model, step)))
+    (logits,) = got
     assert norm.call_count == 0 and route.call_count == len(moe_layouts(model))
+    assert events and not [e.name for e in events if "base_moe" in e.name]  # no kernel of the library ran
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -1104,7 +1107,7 @@ def test_cuda_generate_static_cache_compiled(finished_tokens):
         compiled = model.generate(prompt, compile_config=CompileConfig(mode="reduce-overhead"), **kwargs)
     assert counters["stats"]["unique_graphs"] >= 1, "generate() did not compile the decode step"
     assert compiled.shape == eager.shape and torch.equal(compiled[:, :6], eager[:, :6])
-    assert (compiled == eager).float().mean() >= 0.75
+    assert (compiled[:, 6:] == eager[:, 6:]).float().mean() >= 0.75  # the later tokens (the prompt always agrees)
     if finished_tokens is not None:
         assert compiled[0, 5:].tolist() == [2] + [0] * 5
 

@@ -174,6 +174,7 @@ def sanitize() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["sanitize"]:
+        os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")  # each tensor its own allocation, for memcheck
         sanitize()
     else:
         sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

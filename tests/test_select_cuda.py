@@ -110,15 +110,19 @@ def check_fill(logits, bias, routing, kept, fill, ids, weights, counts, G):
 
 
 def assert_gemv_close(out: torch.Tensor, hidden: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None):
-    """``out`` ~ hidden @ W.T + b within twice the error of torch computing it in the inputs' dtype (fp64 truth)."""
+    """``out`` ~ hidden @ W.T + b (fp64 truth) within twice the error of torch's fp32 product of the same inputs, or
+    test_ops' fp32-accumulation tolerance (1e-5 sqrt(H) per unit of the largest value), whichever is larger. The
+    kernel returns fp32 sums: a bound from torch's product in the inputs' dtype, rounded to bf16, let partial sums or
+    logits rounded to bf16 pass (~1e-2 off at H = 7168)."""
+    assert not torch.backends.cuda.matmul.allow_tf32, "the fp32 baseline needs full-precision matmuls"
     ref = hidden.double() @ W.double().T
-    in_dtype = (hidden @ W.T).float()
+    fp32 = hidden.float() @ W.float().T
     if b is not None:
-        ref, in_dtype = ref + b.double(), in_dtype + b
+        ref, fp32 = ref + b.double(), fp32 + b
     err = (out.double() - ref).abs().max().item()
-    torch_err = (in_dtype.double() - ref).abs().max().item()
-    bound = 2 * torch_err + 1e-6 * ref.abs().max().item() + 1e-7
-    assert err <= bound, f"max error {err} exceeds {bound} (torch in {hidden.dtype}: {torch_err})"
+    torch_err = (fp32.double() - ref).abs().max().item()
+    bound = max(2 * torch_err, 1e-5 * hidden.shape[1] ** 0.5 * max(1.0, ref.abs().max().item()))
+    assert err <= bound, f"max error {err} exceeds {bound} (torch's fp32 product: {torch_err})"
 
 
 def check_selection(outputs, logits, bias, routing, G, cost, budget, fill, union, D_ref):
@@ -720,6 +724,9 @@ def _sanitize(small: bool = False):
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "sanitize":
+        # every tensor its own allocation, so that memcheck sees an access past a tensor's end (the caching
+        # allocator's blocks hold several tensors; set before the first CUDA allocation)
+        os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
         _sanitize(small=len(sys.argv) > 2 and sys.argv[2] == "small")
     else:
         sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
