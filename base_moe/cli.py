@@ -461,8 +461,8 @@ def run_eval(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {err}") from None
     if args.budgets and not any(p.budgeted and p.needs_budget for p in policies):
         print(f"note: --budgets not applied: none of --policies {args.policies} takes a budget", file=sys.stderr)
-    if any(p.needs_predictors or p.needs_statistics for p in policies) and not args.predictors:
-        needing = ", ".join(p.name for p in policies if p.needs_predictors or p.needs_statistics)
+    if any(p.needs_calibration for p in policies) and not args.predictors:
+        needing = ", ".join(p.name for p in policies if p.needs_calibration)
         raise SystemExit(f"error: policies {needing} need --predictors FILE (from `python -m base_moe calibrate`)")
     check_model_dir(args.model)
     args.seq = resolve_seq(args.seq, args.model, 256)

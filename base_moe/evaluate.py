@@ -394,7 +394,7 @@ def evaluate(
     has_predictors = predictors is not None or (
         not patched_here and hf.moe_layouts(model)[0].block._base_moe.predictors is not None)
     for pol in pols:
-        if (pol.needs_predictors or pol.needs_statistics) and not has_predictors:
+        if pol.needs_calibration and not has_predictors:
             raise ValueError(
                 f"policy '{pol.name}' needs predictors: run base_moe.calibrate(...) or pass predictors=path"
             )

@@ -373,8 +373,7 @@ def _settings(current: Settings, found: list[MoELayout], predictors, **changes) 
 
 def _policies_without_predictors() -> list[str]:
     """The registered policies that run without calibration (no predictors, no calibration statistics)."""
-    return [name for name, policy in zip(available_policies(), map(get_policy, available_policies()))
-            if not (policy.needs_predictors or policy.needs_statistics)]
+    return [name for name in available_policies() if not get_policy(name).needs_calibration]
 
 
 def _require_similarity(predictors, layouts: list[MoELayout]) -> None:
