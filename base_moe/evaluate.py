@@ -48,7 +48,7 @@ from .policies import SUBSTITUTE, Policy, fill_name, get_policy, parse_fill
 
 __all__ = [
     "evaluate", "format_table", "plot", "make_batches", "budgets_between", "dense_union", "machine_info", "git_commit",
-    "check_prefill", "json_ready",
+    "check_prefill", "json_ready", "standard_error",
 ]
 
 
@@ -164,6 +164,11 @@ class _Capture:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """The standard error of the mean of ``values`` (sample standard deviation / sqrt(n)); NaN for fewer than two."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
 
 
 def _per_layer(values: dict[int, int]) -> int | dict[int, int]:
@@ -522,7 +527,7 @@ def _report(model, layouts, dense: _Run, results: list[_Run], runs, predictors, 
     for run, (pol, budget) in zip(results, runs):
         bits = sum(run.nll_bits) / sum(run.tokens)
         deltas = [n / t - d for n, t, d in zip(run.nll_bits, run.tokens, dense_bits_batches)]
-        stderr = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else math.nan
+        stderr = standard_error(deltas)
         active = _layer_means(run.active)
         energy = {str(i): v[0] / v[1] if v[1] else math.nan for i, v in sorted(run.energy.items())}
         out["results"].append({

@@ -31,7 +31,8 @@ import torch
 
 import base_moe
 from base_moe.cli import check_output_file, check_plot_output, require_transformers, resolve_device, resolve_seq
-from base_moe.evaluate import budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready, plot
+from base_moe.evaluate import (budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready, plot,
+                               standard_error)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTBED = os.path.join(ROOT, "testbed")
@@ -48,10 +49,8 @@ def paired_gap(baseline: dict, base: dict) -> str:
     """The baseline's loss minus base's, paired over the evaluation batches (every batch has the same tokens), with
     its standard error: whether a gap between the two is larger than the batches' spread."""
     gaps = [b - a for a, b in zip(base["bits_per_batch"], baseline["bits_per_batch"])]
-    mean = statistics.fmean(gaps)
-    if len(gaps) < 2:
-        return f"{mean:+.3f}"
-    return f"{mean:+.3f} +- {statistics.stdev(gaps) / math.sqrt(len(gaps)):.3f}"
+    mean, stderr = statistics.fmean(gaps), standard_error(gaps)
+    return f"{mean:+.3f}" if math.isnan(stderr) else f"{mean:+.3f} +- {stderr:.3f}"
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from base_moe.evaluate import (
     machine_info,
     make_batches,
     plot,
+    standard_error,
 )
 from base_moe.policies import get_policy
 
@@ -479,6 +480,13 @@ def test_a_byte_level_model_reports_bits_per_byte():
     result = evaluate(model, ids, **kwargs)
     assert result["unit"] == "bits/byte" and result["model"]["vocab_size"] == 256
     assert evaluate(model, ids, byte_level=False, **kwargs)["unit"] == "bits/token"
+
+
+def test_standard_error_of_random_values():
+    values = torch.randn(7, generator=torch.Generator().manual_seed(3), dtype=torch.float64).tolist()
+    expected = torch.tensor(values, dtype=torch.float64).std(unbiased=True).item() / math.sqrt(7)
+    assert standard_error(values) == pytest.approx(expected, rel=1e-12)
+    assert math.isnan(standard_error(values[:1])) and math.isnan(standard_error([]))
 
 
 def test_the_report_gives_expert_counts_per_layer_where_layers_differ():
