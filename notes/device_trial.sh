@@ -45,6 +45,14 @@ ws_ncu() {
     echo "M$m"; grep -E "ws_gemm_kernel|duration|$3" "$OUT/ncu_$1_m$m.txt" | sed 's/  */ /g' | cut -c1-150
   done
 }
+# LIMIT TOOL LOG LINES COMMAND...: compute-sanitizer TOOL on COMMAND under a LIMIT-second timeout into $OUT/LOG, then
+# its exit status (99: a finding, 124: the timeout) and the log's last LINES lines
+sanitize() {
+  local limit=$1 tool=$2 log=$3 lines=$4
+  shift 4
+  timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 "$@" > "$OUT/$log" 2>&1
+  echo "$tool rc $?"; tail -"$lines" "$OUT/$log"
+}
 for step in "$@"; do
   s=$SECONDS
   case $step in
@@ -58,8 +66,8 @@ for step in "$@"; do
     # notes/diag_ws_stamps.patch: BASE_MOE_DIAG bit 128; wrong results, timing only): var's rows minus these are what
     # the epilogues' stores cost at each point
     varnostore) BASE_MOE_DIAG=128 timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default} --out $OUT/variants_nostore.json > $OUT/variants_nostore.log 2>&1; tail -30 $OUT/variants_nostore.log;;
-    mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 benchmarks/sanitize_experts.py > $OUT/memcheck.log 2>&1; echo "memcheck rc $?"; tail -6 $OUT/memcheck.log;;
-    race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 240 compute-sanitizer --tool racecheck --error-exitcode 99 python3 benchmarks/sanitize_experts.py > $OUT/racecheck.log 2>&1; echo "racecheck rc $?"; tail -6 $OUT/racecheck.log;;
+    mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} sanitize 200 memcheck memcheck.log 6 python3 benchmarks/sanitize_experts.py;;
+    race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} sanitize 240 racecheck racecheck.log 6 python3 benchmarks/sanitize_experts.py;;
     ncuexp) # the expert kernels' stall reasons (cycles per issued instruction, by reason) at b64/M16 and b256/M16
       for pt in "64 16" "256 16"; do read -r b m <<< "$pt"
         # (b256 runs WS: its ws_gemm_kernel instances; their producer thread and consumer warps stall apart)
@@ -75,7 +83,7 @@ for step in "$@"; do
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --hidden hot --out $OUT/bench_select_hot.json > $OUT/bench_select_hot.log 2>&1; tail -8 $OUT/bench_select_hot.log;;
     bselwhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --weights hot --out $OUT/bench_select_whot.json > $OUT/bench_select_whot.log 2>&1; tail -8 $OUT/bench_select_whot.log;;
-    sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} timeout 200 compute-sanitizer --tool synccheck --error-exitcode 99 python3 benchmarks/sanitize_experts.py > $OUT/synccheck.log 2>&1; echo "synccheck rc $?"; tail -6 $OUT/synccheck.log;;
+    sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} sanitize 200 synccheck synccheck.log 6 python3 benchmarks/sanitize_experts.py;;
     timeline) for pt in ${POINTS:-1:0 16:16 64:16 256:16}; do b=${pt%:*}; m=${pt#*:}; [ "$m" = 0 ] && m=; for op in experts layer; do
            timeout 60 python3 benchmarks/profile_layer.py --timeline --model ${MODEL:-qwen3-30b-a3b} --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning |
              tee -a $OUT/timeline.log; done; done;;
@@ -107,10 +115,10 @@ for step in "$@"; do
     # re-implement its forwards; CI's CPU run has another version)
     thf) timeout 300 python3 -m pytest tests/test_hf.py tests/test_bench_e2e.py -q -x -p no:cacheprovider > $OUT/pytest_hf.log 2>&1; tail -3 $OUT/pytest_hf.log;;
     tnorm) timeout 200 python3 -m pytest -m cuda tests/test_norm_cuda.py -q -x > $OUT/pytest_norm.log 2>&1; tail -5 $OUT/pytest_norm.log;;
-    normsan) for tool in memcheck racecheck; do timeout 150 compute-sanitizer --tool $tool --error-exitcode 99 python3 tests/test_norm_cuda.py sanitize > $OUT/norm_$tool.log 2>&1; echo "$tool rc $?"; tail -2 $OUT/norm_$tool.log; done;;
-    # memcheck on every shape (the 16-warp and multi-chunk ones too), racecheck on the small set (slow on the others);
-    # rc 99: a finding, 124: the timeout (the drivers run without the caching allocator: each tensor its own allocation)
-    selsan) timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 tests/test_select_cuda.py sanitize > $OUT/selmem.log 2>&1; echo "memcheck rc $?"; tail -3 $OUT/selmem.log; timeout 300 compute-sanitizer --tool racecheck --error-exitcode 99 python3 tests/test_select_cuda.py sanitize small > $OUT/selrace.log 2>&1; echo "racecheck rc $?"; tail -3 $OUT/selrace.log;;
+    normsan) for tool in memcheck racecheck; do sanitize 150 $tool norm_$tool.log 2 python3 tests/test_norm_cuda.py sanitize; done;;
+    # memcheck on every shape (the 16-warp and multi-chunk ones too), racecheck on the small set (slow on the others)
+    selsan) sanitize 200 memcheck selmem.log 3 python3 tests/test_select_cuda.py sanitize
+      sanitize 300 racecheck selrace.log 3 python3 tests/test_select_cuda.py sanitize small;;
     # the selection tests with clusters and PDL off (BASE_MOE_CLUSTERS=0): the one-CTA paths of sm_80 builds, on the H200
     tselnc) BASE_MOE_CLUSTERS=0 timeout 200 python3 -m pytest -m cuda tests/test_select_cuda.py -q -x -p no:cacheprovider > $OUT/pytest_select_nc.log 2>&1; tail -3 $OUT/pytest_select_nc.log;;
     # racecheck's per-hazard report (which blocks and threads) on the small sanitizer run
