@@ -1,7 +1,9 @@
-"""Property tests of the selection ops (CPU) on inputs drawn by hypothesis."""
+"""Property tests of the selection ops on inputs drawn by hypothesis: the CPU kernels everywhere, the CUDA kernels
+(``-m cuda``) where a GPU and base_moe's CUDA build are there."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,6 +43,14 @@ def selection_problems(draw):
     )
 
 
+# every property on both kernels: the problems are drawn on the CPU and moved
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+
+
+def on(device: str, p: dict) -> dict:
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in p.items()}
+
+
 def run(p, budget=None, fill=None, cost=None):
     return ops.route_select(
         p["logits"], p["routing"], budget=p["budget"] if budget is None else budget, num_groups=p["G"],
@@ -49,9 +59,11 @@ def run(p, budget=None, fill=None, cost=None):
     )
 
 
+@DEVICES
 @settings(max_examples=150, deadline=None)
-@given(selection_problems())
-def test_kept_sets_and_final_ids(p):
+@given(p=selection_problems())
+def test_kept_sets_and_final_ids(p, device):
+    p = on(device, p)
     ids, weights, kept, counts, D = run(p)
     E = p["logits"].shape[1]
     G, T = p["G"], p["logits"].shape[0]
@@ -72,16 +84,18 @@ def test_kept_sets_and_final_ids(p):
     for row, w in zip(ids.tolist(), weights):
         real = [u for u in row if u < E]
         assert len(real) == len(set(real))
-        assert torch.all(w[torch.tensor(row) == E] == 0)
+        assert torch.all(w[torch.tensor(row, device=w.device) == E] == 0)
     assert counts.sum() == (ids < E).sum()
 
 
+@DEVICES
 @settings(max_examples=150, deadline=None)
-@given(selection_problems())
-def test_route_select_matches_the_reference(p):
-    """The CPU op against reference.route_select on drawn problems (every scoring, cost and fill, tied logits): the
+@given(p=selection_problems())
+def test_route_select_matches_the_reference(p, device):
+    """The op against reference.route_select on drawn problems (every scoring, cost and fill, tied logits): the
     batch costs agree, the kept lists agree up to near-ties of the costs, and where the kept lists are equal the
     final ids, weights and counts are the reference's."""
+    p = on(device, p)
     ids, weights, kept, counts, D = run(p)
     exp_ids, exp_weights, exp_kept, exp_counts, exp_D = ref.route_select(
         p["logits"], p["log_norms"], p["bias"], p["G"], p["routing"], p["cost"], p["budget"], p["fill"])
@@ -93,9 +107,11 @@ def test_route_select_matches_the_reference(p):
         assert torch.equal(counts, exp_counts)
 
 
+@DEVICES
 @settings(max_examples=100, deadline=None)
-@given(selection_problems())
-def test_weights_follow_the_renormalisation_rule(p):
+@given(p=selection_problems())
+def test_weights_follow_the_renormalisation_rule(p, device):
+    p = on(device, p)
     routing = p["routing"]
     ids, weights, *_ = run(p)
     E = p["logits"].shape[1]
@@ -113,9 +129,11 @@ def test_weights_follow_the_renormalisation_rule(p):
         assert torch.all(total <= routed_w.sum(dim=1) + 1e-6)
 
 
+@DEVICES
 @settings(max_examples=100, deadline=None)
-@given(selection_problems())
-def test_budget_of_all_experts_is_dense_routing(p):
+@given(p=selection_problems())
+def test_budget_of_all_experts_is_dense_routing(p, device):
+    p = on(device, p)
     E = p["logits"].shape[1]
     routed, routed_w, _ = ops.route_cost(p["logits"], p["routing"], num_groups=p["G"], cost=Cost.ROUTER_SUM,
                                          correction_bias=p["bias"])
@@ -125,10 +143,12 @@ def test_budget_of_all_experts_is_dense_routing(p):
         assert torch.equal(weights, routed_w)
 
 
+@DEVICES
 @settings(max_examples=60, deadline=None)
-@given(selection_problems())
-def test_top_budget_minimises_the_dropped_cost(p):
+@given(p=selection_problems())
+def test_top_budget_minimises_the_dropped_cost(p, device):
     """Top-M by D is the exact minimiser of the summed cost of the routed experts left out."""
+    p = on(device, p)
     ids, weights, kept, counts, D = run(p)
     E = p["logits"].shape[1]
     routed, _, _ = ops.route_cost(p["logits"], p["routing"], num_groups=p["G"], cost=Cost.ROUTER_SUM,
@@ -142,16 +162,18 @@ def test_top_budget_minimises_the_dropped_cost(p):
         assert left_out <= best_possible * (1 + 1e-6) + 1e-12
 
 
+@DEVICES
 @settings(max_examples=60, deadline=None)
-@given(selection_problems(), st.integers(1, 48), st.booleans())
-def test_select_experts_is_router_predict_then_route_select(p, H, router_bias):
+@given(p=selection_problems(), H=st.integers(1, 48), router_bias=st.booleans())
+def test_select_experts_is_router_predict_then_route_select(p, H, router_bias, device):
     """The fused op returns stage 1's outputs and stages 2-3 computed on them, for every routing, cost and fill."""
+    p = on(device, p)
     T, E = p["logits"].shape
     gen = torch.Generator().manual_seed(H)
-    hidden = torch.randn(T, H, generator=gen)
-    wr, wp = torch.randn(E, H, generator=gen), torch.randn(E, H, generator=gen)
-    br = torch.randn(E, generator=gen) if router_bias else None
-    bp = torch.randn(E, generator=gen)
+    hidden = torch.randn(T, H, generator=gen).to(device)
+    wr, wp = torch.randn(E, H, generator=gen).to(device), torch.randn(E, H, generator=gen).to(device)
+    br = torch.randn(E, generator=gen).to(device) if router_bias else None
+    bp = torch.randn(E, generator=gen).to(device)
     predict = p["cost"] == Cost.BASE or H % 2 == 0  # the predictor is optional for the other costs
     out = ops.select_experts(
         hidden, wr, p["routing"], budget=p["budget"], num_groups=p["G"], cost=p["cost"], fill=p["fill"],
