@@ -136,16 +136,16 @@ class Policy:
     """the router GEMV also computes the predictor's g (``DecodeStep.predicted_log_norms``)."""
     needs_statistics: bool = False
     """needs the calibrated per-expert mean log-norm (``DecodeStep.mean_log_norm``)."""
-
-    @property
-    def needs_calibration(self) -> bool:
-        """Whether the policy runs only with calibrated predictors (their weights or their per-expert statistics)."""
-        return self.needs_predictors or self.needs_statistics
     takes_fill: bool = True
     """False for a policy whose tokens keep no batch-level set (per-token top-k reduction): the fill does not apply."""
     fused_cost: Cost | None = None
     """Set when the policy is ``route_select`` with this cost on the router's own outputs (the predicted or no
     log-norms): the decode path then runs stages 1-3 as one ``select_experts`` call."""
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the policy runs only with calibrated predictors (their weights or their per-expert statistics)."""
+        return self.needs_predictors or self.needs_statistics
 
     def check_layout(self, layout: MoELayout) -> None:
         """Raises ``ValueError`` when an option of the policy is out of range for this MoE layer's routing (e.g. more
