@@ -448,8 +448,8 @@ def load_predictors(path: str, fill: str):
 def run_eval(args: argparse.Namespace) -> int:
     import json
 
-    from .evaluate import (budgets_between, check_policies_fit, check_prefill, dense_union, evaluate, format_table,
-                           json_ready, make_batches, plot)
+    from .evaluate import (DENSE_UNION_BATCHES, budgets_between, check_policies_fit, check_prefill, dense_union,
+                           evaluate, format_table, json_ready, make_batches, plot)
     from .layouts import find_moe_layouts
     from .policies import get_policy
 
@@ -496,7 +496,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if budgets is None and not any(p.needs_budget for p in policies):
             budgets = []  # no budget to choose: no dense-union pass
         elif budgets is None:
-            union_batches = min(args.batches, 4)  # enough to place the budgets; the report counts every batch
+            union_batches = min(args.batches, DENSE_UNION_BATCHES)
             union = dense_union(model, ids, batch=args.batch, seq=args.seq, prefill=args.prefill,
                                 batches=union_batches, device=device)
             budgets = budgets_between(union)

@@ -48,8 +48,12 @@ from .policies import SUBSTITUTE, Policy, fill_name, get_policy, parse_fill
 
 __all__ = [
     "evaluate", "format_table", "plot", "make_batches", "budgets_between", "dense_union", "machine_info", "git_commit",
-    "check_prefill", "json_ready", "standard_error",
+    "check_prefill", "json_ready", "standard_error", "DENSE_UNION_BATCHES",
 ]
+
+DENSE_UNION_BATCHES = 4
+"""How many batches :func:`dense_union` reads by default: enough to place the budgets (the report counts every
+batch)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +96,7 @@ def check_policies_fit(policies, layouts) -> None:
 
 
 @torch.no_grad()
-def dense_union(model, input_ids, *, batch: int, seq: int, prefill: int, batches: int = 4,
+def dense_union(model, input_ids, *, batch: int, seq: int, prefill: int, batches: int = DENSE_UNION_BATCHES,
                 device: torch.device | str | None = None) -> float:
     """The mean number of experts the model's own routing uses per MoE layer and decode batch (the union of the
     ``batch`` tokens' routed experts at each decode position), over the first ``batches`` batches: the

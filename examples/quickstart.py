@@ -31,8 +31,8 @@ import torch
 
 import base_moe
 from base_moe.cli import check_output_file, check_plot_output, require_transformers, resolve_device, resolve_seq
-from base_moe.evaluate import (budgets_between, check_prefill, dense_union, evaluate, format_table, json_ready, plot,
-                               standard_error)
+from base_moe.evaluate import (DENSE_UNION_BATCHES, budgets_between, check_prefill, dense_union, evaluate, format_table,
+                               json_ready, plot, standard_error)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTBED = os.path.join(ROOT, "testbed")
@@ -109,7 +109,7 @@ def main() -> None:
 
     # 2. the dense union at this batch size, and the budgets between a third and a half of it
     heldout = read_bytes(os.path.join(TESTBED, "heldout.txt"))
-    union_batches = min(args.batches, 4)
+    union_batches = min(args.batches, DENSE_UNION_BATCHES)
     union = dense_union(model, heldout, batch=args.batch, seq=args.seq, prefill=args.prefill,
                         batches=union_batches, device=device)
     budgets = budgets_between(union)
