@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (developer tooling, notes/STATUS.md): build, then the named steps; logs under $OUT. Usage from the repo root:
-#   bash notes/device_trial.sh wssmoke texp tall mem race var varnostore layer layerq layero layerqnp bsel bselall bselt bselhot bselwhot tsel tselnc selsan selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro wsn stream ptx80 splits ncuexp sync timeline stamps
+#   bash notes/device_trial.sh wssmoke texp tall mem race var varnostore layer layerq layero layerqnp bsel bselall bselt bselhot bselwhot tsel tselnc selsan selmem selrace selraceh e2e e2enorm e2eeager thf quick wspair ncuplan ncuws ncuwst selstamps wsstamps micro wsn stream ptx80 splits ncuexp sync timeline stamps
 # The device copy's .git does not follow local commits: write `git rev-parse HEAD > .trial_sha` (untracked) first.
 # Steps whose comment says "needs notes/X.patch" for a patch no longer in notes/: notes/PATCHES.md says where it is.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BASE_MOE_COMMIT=${BASE_MOE_COMMIT:-$(cat .trial_sha 2>/dev/null || git rev-parse HEAD)}
@@ -117,8 +117,10 @@ for step in "$@"; do
     tnorm) timeout 200 python3 -m pytest -m cuda tests/test_norm_cuda.py -q -x > $OUT/pytest_norm.log 2>&1; tail -5 $OUT/pytest_norm.log;;
     normsan) for tool in memcheck racecheck; do sanitize 150 $tool norm_$tool.log 2 python3 tests/test_norm_cuda.py sanitize; done;;
     # memcheck on every shape (the 16-warp and multi-chunk ones too), racecheck on the small set (slow on the others)
-    selsan) sanitize 200 memcheck selmem.log 3 python3 tests/test_select_cuda.py sanitize
-      sanitize 300 racecheck selrace.log 3 python3 tests/test_select_cuda.py sanitize small;;
+    # (selmem / selrace: each half alone, to split selsan over two calls of a fresh machine)
+    selsan|selmem|selrace)
+      [ $step = selrace ] || sanitize 200 memcheck selmem.log 3 python3 tests/test_select_cuda.py sanitize
+      [ $step = selmem ] || sanitize 300 racecheck selrace.log 3 python3 tests/test_select_cuda.py sanitize small;;
     # the selection tests with clusters and PDL off (BASE_MOE_CLUSTERS=0): the one-CTA paths of sm_80 builds, on the H200
     tselnc) BASE_MOE_CLUSTERS=0 timeout 200 python3 -m pytest -m cuda tests/test_select_cuda.py -q -x -p no:cacheprovider > $OUT/pytest_select_nc.log 2>&1; tail -3 $OUT/pytest_select_nc.log;;
     # racecheck's per-hazard report (which blocks and threads) on the small sanitizer run
