@@ -67,13 +67,11 @@ inline bool needs_softmax_bias_or_groups(const SelectParams& p) {
   return p.scoring != static_cast<int>(Scoring::kSigmoid) && (p.correction_bias != nullptr || p.n_group > 1);
 }
 
-// Whether a selection that needs_softmax_bias_or_groups turned down needs the kernels' generic instances: a scoring
-// mode other than softmax (DeepSeek-V3's group limit comes with sigmoid scoring; softmax's went to the instances
-// above) or more than 32 kept experts (backfill's path over them; the drop fills would not need it). Softmax models
-// at budgets up to 32 (Qwen3-MoE, OLMoE) run instances without that code (GENERIC = false), which are shorter and
-// faster per call.
+// Whether a selection needs the kernels' generic instances: a scoring mode other than softmax, DeepSeek's group limit
+// or more than 32 kept experts (backfill's path over them; the drop fills would not need it). Softmax models at budgets
+// up to 32 (Qwen3-MoE, OLMoE) run instances without that code (GENERIC = false), which are shorter and faster per call.
 inline bool needs_generic_routing(const SelectParams& p) {
-  return p.scoring != static_cast<int>(Scoring::kSoftmax) || p.W > 32;
+  return p.scoring != static_cast<int>(Scoring::kSoftmax) || p.n_group > 1 || p.W > 32;
 }
 
 // Launch on the current CUDA stream of `device` (the caller holds a device guard).
