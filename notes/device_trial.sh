@@ -53,6 +53,8 @@ sanitize() {
   timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 "$@" > "$OUT/$log" 2>&1
   echo "$tool rc $?"; tail -"$lines" "$OUT/$log"
 }
+# the expert op's tile configurations the sanitizer steps (mem, race, sync) run: $SAN, else all of them
+EXPERT_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS}
 for step in "$@"; do
   s=$SECONDS
   case $step in
@@ -66,8 +68,8 @@ for step in "$@"; do
     # notes/diag_ws_stamps.patch: BASE_MOE_DIAG bit 128; wrong results, timing only): var's rows minus these are what
     # the epilogues' stores cost at each point
     varnostore) BASE_MOE_DIAG=128 timeout 240 python3 benchmarks/bench_layer.py --variants-only --variant-points all --variants ${VARIANTS:-default} --out $OUT/variants_nostore.json > $OUT/variants_nostore.log 2>&1; tail -30 $OUT/variants_nostore.log;;
-    mem) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} sanitize 200 memcheck memcheck.log 6 python3 benchmarks/sanitize_experts.py;;
-    race) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} sanitize 240 racecheck racecheck.log 6 python3 benchmarks/sanitize_experts.py;;
+    mem) SANITIZE_CONFIGS=$EXPERT_CONFIGS sanitize 200 memcheck memcheck.log 6 python3 benchmarks/sanitize_experts.py;;
+    race) SANITIZE_CONFIGS=$EXPERT_CONFIGS sanitize 240 racecheck racecheck.log 6 python3 benchmarks/sanitize_experts.py;;
     ncuexp) # the expert kernels' stall reasons (cycles per issued instruction, by reason) at b64/M16 and b256/M16
       for pt in "64 16" "256 16"; do read -r b m <<< "$pt"
         # (b256 runs WS: its ws_gemm_kernel instances; their producer thread and consumer warps stall apart)
@@ -83,7 +85,7 @@ for step in "$@"; do
     bsel) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --out $OUT/bench_select.json > $OUT/bench_select.log 2>&1; tail -8 $OUT/bench_select.log;;
     bselhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --hidden hot --out $OUT/bench_select_hot.json > $OUT/bench_select_hot.log 2>&1; tail -8 $OUT/bench_select_hot.log;;
     bselwhot) timeout 200 python3 benchmarks/bench_select.py --models qwen3-30b-a3b --replays 20 --weights hot --out $OUT/bench_select_whot.json > $OUT/bench_select_whot.log 2>&1; tail -8 $OUT/bench_select_whot.log;;
-    sync) SANITIZE_CONFIGS=${SAN:-default,T16,T32,W64,W128,WS} sanitize 200 synccheck synccheck.log 6 python3 benchmarks/sanitize_experts.py;;
+    sync) SANITIZE_CONFIGS=$EXPERT_CONFIGS sanitize 200 synccheck synccheck.log 6 python3 benchmarks/sanitize_experts.py;;
     timeline) for pt in ${POINTS:-1:0 16:16 64:16 256:16}; do b=${pt%:*}; m=${pt#*:}; [ "$m" = 0 ] && m=; for op in experts layer; do
            timeout 60 python3 benchmarks/profile_layer.py --timeline --model ${MODEL:-qwen3-30b-a3b} --op $op --batch $b ${m:+--budget $m} --calls 12 2>&1 | grep -v Warning |
              tee -a $OUT/timeline.log; done; done;;

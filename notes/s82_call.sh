@@ -6,8 +6,10 @@ case $1 in
   # selection memcheck on every shape (200 s), expert op memcheck (200 s); then test_select_cuda with
   # notes/generic_routing_no_ngroup.patch (a host predicate without a redundant term: merge it where this passes)
   1) bash notes/device_trial.sh selmem mem
-     git apply notes/generic_routing_no_ngroup.patch && bash notes/device_trial.sh tsel
-     git apply -R notes/generic_routing_no_ngroup.patch;;
+     if git apply notes/generic_routing_no_ngroup.patch; then
+       bash notes/device_trial.sh tsel
+       git apply -R notes/generic_routing_no_ngroup.patch
+     fi;;
   2) bash notes/device_trial.sh selrace race;;  # selection racecheck, small set (300 s); expert op racecheck (240 s)
 esac
 echo "call wall $SECONDS s"
